@@ -1,0 +1,39 @@
+# Every target that runs code first makes sure the virtualenv is set up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch first: 2.13.0 (CPU build) is on local disk; installing the project before it
+# would let pip pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup test test-unit run bench protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+run: setup
+	$(VENV)/bin/splitserve run-demo
+
+bench: setup
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# Regenerate the committed gRPC stubs from protos/ (a test fails when they are stale).
+protos: setup
+	$(PY) scripts/gen_protos.py

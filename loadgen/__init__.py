@@ -1,0 +1,1 @@
+"""Load generator: arrival processes, traces, workloads, sessions and metrics (pure core)."""

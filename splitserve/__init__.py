@@ -1,0 +1,1 @@
+"""SplitServe: distributed LLM serving."""

@@ -1,0 +1,1 @@
+"""Generated stub namespace mirroring protos/ (scripts/gen_protos.py)."""

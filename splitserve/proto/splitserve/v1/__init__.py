@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs of package splitserve.v1 (gen_protos.py)."""

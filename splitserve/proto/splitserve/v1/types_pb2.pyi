@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Slo(_message.Message):
+    __slots__ = ("ttft_ms", "itl_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: int
+    itl_ms: int
+    def __init__(self, ttft_ms: _Optional[int] = ..., itl_ms: _Optional[int] = ...) -> None: ...
+
+class RequestMeta(_message.Message):
+    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    prompt_len: int
+    history_len: int
+    predicted_output_len: int
+    slo: Slo
+    priority: int
+    arrival_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAZY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    start: int
+    end: int
+    transfer_id: str
+    lazy: bool
+    def __init__(self, worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lazy: _Optional[bool] = ...) -> None: ...
+
+class KvSink(_message.Message):
+    __slots__ = ("worker_id", "chunk_tokens", "transfer_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    chunk_tokens: int
+    transfer_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class Stage(_message.Message):
+    __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    KV_SINK_FIELD_NUMBER: _ClassVar[int]
+    EMIT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_KV_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    stage_index: int
+    worker_id: str
+    start: int
+    end: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    kv_sources: _containers.RepeatedCompositeFieldContainer[KvSource]
+    kv_sink: KvSink
+    emit: bool
+    keep_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("stages", "policy", "reason")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[Stage]
+    policy: str
+    reason: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "first_token_unix_ns", "emitted_unix_ns", "stage_index", "worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    first_token_unix_ns: int
+    emitted_unix_ns: int
+    stage_index: int
+    worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., emitted_unix_ns: _Optional[int] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    engine_kind: str
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

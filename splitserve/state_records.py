@@ -1,0 +1,155 @@
+"""Plain records exchanged with the Redis state store, and their hash encodings.
+
+`splitserve.state` re-exports everything public here; import from there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar, get_type_hints
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A registered worker: where it listens and what it serves."""
+
+    worker_id: str
+    address: str  # host:port of its gRPC server
+    role: str = "both"  # "both", "prefill" or "decode"
+    engine_kind: str = ""
+    model: str = ""
+    started_unix: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class WorkerLoadSnapshot:
+    """A worker's load at `updated_unix`, mirroring the WorkerLoad message."""
+
+    worker_id: str
+    role: str = "both"
+    engine_kind: str = ""
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    draining: bool = False
+    updated_unix: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class LatencyWindow:
+    """Summary of the latency samples (seconds) inside a time window."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> LatencyWindow:
+        """Summarise values; percentiles use the nearest-rank method (always a sample)."""
+        if not values:
+            return cls(count=0, mean=0.0, p50=0.0, p90=0.0, p99=0.0, max=0.0)
+        ordered = sorted(values)
+        n = len(ordered)
+
+        def rank(p: float) -> float:
+            return ordered[max(1, math.ceil(p / 100.0 * n)) - 1]
+
+        return cls(n, math.fsum(ordered) / n, rank(50), rank(90), rank(99), ordered[-1])
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """A pending prefill in a worker's queue (AMPD Eq. 1-2 inputs)."""
+
+    task_id: str
+    l_hist: int
+    l_incr: int
+    enq_time: float
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A multi-turn session bound to the decode worker holding its KV history."""
+
+    session_id: str
+    decode_worker: str
+    history_len: int = 0
+    last_use: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A request's progress, enough to migrate it: its stages and tokens emitted so far."""
+
+    request_id: str
+    state: str
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    emitted_token_ids: list[int] = field(default_factory=list)
+    updated: float = field(default_factory=time.time)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, type]:
+    return get_type_hints(cls)
+
+
+def to_hash(record: Any) -> dict[str, str]:
+    """Flat dataclass -> Redis hash fields (bools as 1/0, floats exactly via repr)."""
+    out = {}
+    for name, value in asdict(record).items():
+        if isinstance(value, bool):
+            out[name] = "1" if value else "0"
+        elif isinstance(value, float):
+            out[name] = repr(value)
+        else:
+            out[name] = str(value)
+    return out
+
+
+_R = TypeVar("_R")
+
+
+def from_hash(cls: type[_R], raw: dict[str, str]) -> _R:
+    """Redis hash fields -> flat dataclass; unknown fields are ignored, missing ones default."""
+    types = _field_types(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name not in raw:
+            continue
+        text, kind = raw[f.name], types[f.name]
+        values[f.name] = text == "1" if kind is bool else kind(text)
+    return cls(**values)
+
+
+def request_to_hash(request: RequestRecord) -> dict[str, str]:
+    """RequestRecord -> hash fields; emitted tokens comma-joined so Lua can append in place."""
+    return {
+        "request_id": request.request_id,
+        "state": request.state,
+        "stages": json.dumps(request.stages),
+        "emitted": ",".join(str(int(t)) for t in request.emitted_token_ids),
+        "num_emitted": str(len(request.emitted_token_ids)),
+        "updated": repr(float(request.updated)),
+    }
+
+
+def request_from_hash(raw: dict[str, str]) -> RequestRecord:
+    """Hash fields written by request_to_hash (and APPEND_EMITTED) -> RequestRecord."""
+    emitted = raw.get("emitted", "")
+    return RequestRecord(
+        request_id=raw["request_id"],
+        state=raw["state"],
+        stages=json.loads(raw.get("stages") or "[]"),
+        emitted_token_ids=[int(t) for t in emitted.split(",")] if emitted else [],
+        updated=float(raw.get("updated", 0.0)),
+    )

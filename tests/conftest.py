@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random Hugging Face models built offline, once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# transformers prints progress bars on every save/load; they drown test output.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+
+# A larger init range than real checkpoints so greedy outputs vary rather than repeat.
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _tiny_spec(arch: str, **overrides):
+    from splitserve.demo_model import DemoModelSpec
+
+    base = dict(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=128, vocab_size=384, max_position_embeddings=512,
+                seed=1234, initializer_range=0.2)
+    base.update(overrides)
+    return DemoModelSpec(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny float32 model directory per architecture, plus variants."""
+    from splitserve.demo_model import build_demo_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    dirs = {arch: build_demo_model(_tiny_spec(arch), root / arch) for arch in TINY_ARCHS}
+    dirs["llama3-tied"] = build_demo_model(
+        _tiny_spec(
+            "llama",
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+        root / "llama3-tied",
+    )
+    return dirs
+
+
+_private_redis = None
+
+
+def pytest_configure(config):
+    """Point every test at a reachable Redis: the configured one, or a private server."""
+    global _private_redis
+    from splitserve.redis_server import ensure_redis
+
+    url = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    resolved, _private_redis = ensure_redis(url)
+    os.environ["SPLITSERVE_TEST_REDIS_URL"] = resolved
+
+
+def pytest_unconfigure(config):
+    if _private_redis is not None:
+        _private_redis.stop()

@@ -1,0 +1,1 @@
+"""splitserve workers: the engine, local batch policies, KV transfer and the Worker service."""

@@ -1,0 +1,136 @@
+"""Paged attention over the KV cache, with its metadata passed explicitly.
+
+Two backends: flash-attn varlen with a block table (CUDA, when `flash_attn` imports and
+the block size suits it) and torch `scaled_dot_product_attention` (CPU, or CUDA
+without flash-attn). The flattened batch puts decode tokens first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional extra: only installs with CUDA
+    from flash_attn import flash_attn_varlen_func  # type: ignore
+
+    HAVE_FLASH_ATTN = True
+except Exception:  # ImportError, or a broken CUDA build
+    flash_attn_varlen_func = None
+    HAVE_FLASH_ATTN = False
+
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged-KV kernels need page sizes of 256k
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk inside the flattened batch."""
+
+    query_start: int  # offset of its first token in the flattened batch
+    query_len: int
+    context_len: int  # tokens with KV after this step, chunk included
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's batch; built by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each new token
+    slot_blocks: torch.Tensor  # [num_tokens] int64: slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
+    num_decode_tokens: int  # the first tokens of the batch, one per decoding sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
+    prefills: list[PrefillChunk]
+    block_size: int
+    # flash-attn varlen inputs (CUDA only); None on the SDPA path.
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_query_len: int = 0
+    max_context_len: int = 0
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, batch order
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store this step's keys/values at their slots. Caches are [blocks, block_size, kv_heads, dim] views."""
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    use_flash: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, H, D] over cached + new KV; returns [T, H, D].
+
+    `sliding_window` W lets a query at position i see keys in (i - W, i] (Mistral).
+    """
+    write_kv(k_cache, v_cache, k, v, meta)
+    if use_flash:
+        return flash_attn_varlen_func(
+            q, k_cache, v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
+            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+        )
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _sdpa_decode(q[:nd], k_cache, v_cache, meta, sliding_window, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        if chunk.context_len == chunk.query_len:
+            keys, values = k[rows], v[rows]  # no earlier KV: use this step's directly
+        else:
+            keys = _gather(k_cache, chunk.block_table, chunk.context_len)
+            values = _gather(v_cache, chunk.block_table, chunk.context_len)
+        out[rows] = _sdpa_prefill(q[rows], keys, values, chunk, sliding_window, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    return cache[block_table].flatten(0, 1)[:length]
+
+
+def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None, scale: float) -> torch.Tensor:
+    # All decoding sequences in one call: keys padded to the longest context, masked.
+    tables = meta.decode_block_tables
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, S, D]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    lens = meta.decode_context_lens[:, None]
+    allowed = key_pos[None, :] < lens
+    if sliding_window:
+        allowed &= key_pos[None, :] >= lens - sliding_window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
+        scale=scale, enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+def _sdpa_prefill(q, keys, values, chunk: PrefillChunk, sliding_window: int | None, scale: float) -> torch.Tensor:
+    q_ = q.transpose(0, 1)[None]  # [1, H, Lq, D]
+    k_ = keys.transpose(0, 1)[None]
+    v_ = values.transpose(0, 1)[None]
+    offset = chunk.context_len - chunk.query_len
+    if offset == 0 and not sliding_window:
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(offset, chunk.context_len, device=q.device)[:, None]
+        k_pos = torch.arange(chunk.context_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window:
+            allowed &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

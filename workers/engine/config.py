@@ -1,0 +1,167 @@
+"""Engine configuration and the model description read from a Hugging Face directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+# Rope types whose frequencies do not depend on the running sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine instance; defaults suit a laptop CPU."""
+
+    model: str
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = None  # CPU default: enough for max_num_seqs full sequences, at most 2 GiB
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    batch_policy: str = "fcfs"
+    attention_backend: str = "auto"  # auto | sdpa | flash
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    seed: int = 0  # draws per-request seeds for requests that bring none
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"attention_backend must be auto, sdpa or flash, got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+
+@dataclass
+class ModelSpec:
+    """What the engine needs to know about a Llama-family checkpoint."""
+
+    model_dir: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    layer_sliding_windows: list[int | None]
+    eos_token_ids: list[int]
+    checkpoint_dtype: torch.dtype
+    hf_config: object = field(repr=False)
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    """Read config.json (and generation_config.json) of a local model directory."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model directory {str(path)!r} has no *.safetensors weight files")
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or '(none in config.json)'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if arch == "MistralForCausalLM":
+        windows = [window] * cfg.num_hidden_layers
+    elif layer_types and getattr(cfg, "use_sliding_window", False):
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+    else:
+        windows = [None] * cfg.num_hidden_layers
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    return ModelSpec(
+        model_dir=path,
+        architecture=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        hidden_act=cfg.hidden_act,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        max_position_embeddings=cfg.max_position_embeddings,
+        layer_sliding_windows=windows,
+        eos_token_ids=_eos_token_ids(path, cfg),
+        checkpoint_dtype=dtype,
+        hf_config=cfg,
+    )
+
+
+def _eos_token_ids(path: Path, cfg) -> list[int]:
+    # generation_config.json wins: chat models list several end tokens there.
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,229 @@
+"""Owns the model and the paged KV cache; turns a scheduled step into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine import sampler
+from workers.engine.attention import (
+    FLASH_ATTN_BLOCK_MULTIPLE,
+    HAVE_FLASH_ATTN,
+    AttentionMetadata,
+    PrefillChunk,
+)
+from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
+from workers.engine.loader import load_model
+from workers.engine.scheduler import ScheduledEntry
+from workers.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES_CAP = 2 << 30
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_entries: list[ScheduledEntry]  # in the order of logits rows
+
+
+class ModelRunner:
+    """Device-side half of the engine: weights, KV cache, forward and sampling."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int):
+        self.config = config
+        self.spec = spec
+        self.device = _resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.dtype == "auto":
+            self.dtype = spec.checkpoint_dtype if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = parse_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.use_flash = self._choose_flash()
+        self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
+        self.num_blocks = self._kv_capacity_blocks(max_model_len)
+        # Block-major layout [blocks, layers, k/v, block_size, kv_heads, head_dim]: one
+        # block's KV for every layer is contiguous, so moving a block list between
+        # workers is one region per block.
+        self.kv_cache = torch.zeros(
+            self.num_blocks, spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.layer_caches = [self.kv_cache[:, layer].unbind(1) for layer in range(spec.num_layers)]
+
+    # ---- capacity ----------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.spec
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _kv_capacity_blocks(self, max_model_len: int) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            budget = self.config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory()
+        else:
+            full = self.config.max_num_seqs * max_model_len * self.bytes_per_block // self.block_size
+            budget = min(full, _CPU_DEFAULT_KV_BYTES_CAP)
+        blocks = budget // self.bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no KV block (one block is {self.bytes_per_block} bytes)"
+            )
+        return int(blocks)
+
+    def _profile_free_cuda_memory(self) -> int:
+        # A dummy forward at the full token budget measures activation peak memory.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        self.kv_cache = torch.zeros(1, self.spec.num_layers, 2, self.block_size, self.spec.num_kv_heads,
+                                    self.spec.head_dim, dtype=self.dtype, device=self.device)
+        self.layer_caches = [self.kv_cache[:, layer].unbind(1) for layer in range(self.spec.num_layers)]
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device) % self.block_size
+            meta = self._metadata_for_profile(n)
+            self.model(ids, pos, self.layer_caches, meta, torch.tensor([n - 1], device=self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        del self.kv_cache, self.layer_caches
+        return int(total * self.config.gpu_memory_utilization - used_by_others - peak)
+
+    def _metadata_for_profile(self, n: int) -> AttentionMetadata:
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+        offsets = torch.arange(n, device=self.device) % self.block_size
+        return AttentionMetadata(
+            slot_mapping=offsets, slot_blocks=zeros, slot_offsets=offsets, num_decode_tokens=n,
+            decode_block_tables=torch.zeros(n, 1, dtype=torch.long, device=self.device),
+            decode_context_lens=torch.ones(n, dtype=torch.long, device=self.device),
+            prefills=[], block_size=self.block_size,
+        )
+
+    def _choose_flash(self) -> bool:
+        backend = self.config.attention_backend
+        ok = HAVE_FLASH_ATTN and self.device.type == "cuda" and self.block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
+        if backend == "flash" and not ok:
+            raise ValueError(
+                "attention_backend=flash needs flash-attn installed, a CUDA device and "
+                f"block_size a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}"
+            )
+        return ok and backend != "sdpa"
+
+    # ---- one step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, entries: list[ScheduledEntry]) -> dict[str, int]:
+        """Run one forward over the scheduled entries; return sampled tokens by request id."""
+        batch = self.prepare(entries)
+        logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
+        seqs = [e.seq for e in batch.sampling_entries]
+        tokens = sampler.sample(
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
+        )
+        return {s.request_id: t for s, t in zip(seqs, tokens)}
+
+    def prepare(self, entries: list[ScheduledEntry]) -> PreparedBatch:
+        """Flatten the step: single-token entries first (batched decode path), then chunks."""
+        ordered = sorted(entries, key=lambda e: e.num_new_tokens != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        logits_indices: list[int] = []
+        sampling: list[ScheduledEntry] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        offset = 0
+        for e in ordered:
+            seq, n = e.seq, e.num_new_tokens
+            ctx = e.start + n
+            input_ids.extend(seq.token_ids[e.start : ctx])
+            pos = torch.arange(e.start, ctx)
+            table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(seq.block_table[: -(-ctx // bs)])
+                decode_lens.append(ctx)
+            else:
+                prefills.append(PrefillChunk(offset, n, ctx, table.to(self.device)))
+            offset += n
+            if e.samples:
+                logits_indices.append(offset - 1)
+                sampling.append(e)
+        dev = self.device
+        slot_mapping = torch.cat(slots).to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // bs,
+            slot_offsets=slot_mapping % bs,
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=_pad_tables(decode_tables, dev) if decode_tables else None,
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev) if decode_lens else None,
+            prefills=prefills,
+            block_size=bs,
+        )
+        if self.use_flash:
+            _add_flash_fields(meta, ordered, dev, bs)
+        return PreparedBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sampling_entries=sampling,
+        )
+
+    # ---- KV export / import (the hook KV transfer builds on) ----------------------
+    def token_slots(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[pos // self.block_size].to(self.device), (pos % self.block_size).to(self.device)
+
+    def export_kv(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """KV of positions [start, end) as [layers, 2, end - start, kv_heads, head_dim]."""
+        blocks, offsets = self.token_slots(seq, start, end)
+        return self.kv_cache[blocks, :, :, offsets].permute(1, 2, 0, 3, 4).contiguous()
+
+    def import_kv(self, seq: Sequence, start: int, kv: torch.Tensor) -> None:
+        """Write KV for positions [start, start + n) given as [layers, 2, n, kv_heads, head_dim]."""
+        blocks, offsets = self.token_slots(seq, start, start + kv.shape[2])
+        self.kv_cache[blocks, :, :, offsets] = kv.permute(2, 0, 1, 3, 4).to(self.kv_cache)
+
+
+def _pad_tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
+def _add_flash_fields(meta: AttentionMetadata, ordered: list[ScheduledEntry], device, bs: int) -> None:
+    q_lens = [e.num_new_tokens for e in ordered]
+    k_lens = [e.start + e.num_new_tokens for e in ordered]
+    cu_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
+    cu_k = torch.zeros(len(ordered) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.tensor(q_lens).cumsum(0)
+    cu_k[1:] = torch.tensor(k_lens).cumsum(0)
+    meta.cu_seqlens_q, meta.cu_seqlens_k = cu_q.to(device), cu_k.to(device)
+    meta.max_query_len, meta.max_context_len = max(q_lens), max(k_lens)
+    tables = [e.seq.block_table[: -(-k // bs)] for e, k in zip(ordered, k_lens)]
+    meta.block_tables = _pad_tables(tables, device).to(torch.int32)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} requested but CUDA is not available")
+    return device

@@ -1,0 +1,59 @@
+"""Token sampling whose randomness depends only on (request seed, output index).
+
+Each random row draws its noise from a generator seeded by a counter-based mix of the
+request's seed and the output position, so a request produces the same tokens however
+it is batched, chunked, preempted, split across workers or migrated (principle 3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): a well-spread 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    output_indices: list[int],
+) -> list[int]:
+    """One token per row of `logits` [rows, vocab] (float32)."""
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    tokens = [0] * len(params)
+    if greedy_rows:
+        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        for row, tok in zip(greedy_rows, picked):
+            tokens[row] = tok
+    for row, p in enumerate(params):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, mix_seed(seeds[row], output_indices[row]))
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
+    scaled = logits / p.temperature
+    if p.top_k and p.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
+    # Exponential race (argmax p_i / E_i, E_i ~ Exp(1)) samples from p exactly.
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / noise).argmax())

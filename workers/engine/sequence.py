@@ -1,0 +1,72 @@
+"""One request's state inside the engine: tokens, progress, KV blocks, stop state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+    STAGE_END = "stage_end"  # this stage's token range is done; another stage continues
+
+
+@dataclass
+class Sequence:
+    """A request's logical sequence: prompt followed by output, positions 0..L."""
+
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    # Keep KV blocks after finishing until `Engine.release` (for export to another stage).
+    keep_kv: bool = False
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching).
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Engine-private bookkeeping for incremental detokenisation of stop strings.
+    output_text: str = ""
+    text_emitted: int = 0  # chars of output_text already reported
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the newest token still lacks KV (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
