@@ -26,7 +26,7 @@ test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
 run: setup
-	$(VENV)/bin/splitserve run-demo
+	$(VENV)/bin/splitserve up --demo-request
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -67,7 +68,10 @@ def ensure_demo_model(path: Path = DEFAULT_DEMO_DIR) -> Path:
     spec = DemoModelSpec(arch="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                          intermediate_size=704, vocab_size=259, max_position_embeddings=2048,
                          initializer_range=0.2)  # vocab = the byte tokenizer's, so every id decodes
-    return build_demo_model(spec, path)
+    try:
+        return build_demo_model(spec, path)
+    except FileExistsError:  # an older demo model: this directory is ours to replace
+        return build_demo_model(spec, path, overwrite=True)
 
 
 @app.command()
@@ -118,6 +122,185 @@ def run_demo(max_tokens: int = typer.Option(48)) -> None:
     llm = LLM(str(model_dir))
     prompts = ["Hello, splitserve!", "The capital of France is", "def fibonacci(n):", "Once upon a time"]
     _print_generations(llm, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=0))
+
+
+def _config_command(service: str):
+    """A typer command whose options are the service config's fields (flag + env var)."""
+    import inspect
+
+    from splitserve import config as cfg
+
+    cls = cfg.SERVICE_CONFIGS[service]
+    params = []
+    for f in dataclasses.fields(cls):
+        typ = cfg.field_type(cls, f)
+        dashed = f.name.replace("_", "-")
+        decls = [f"--{dashed}/--no-{dashed}"] if typ is bool else [f"--{dashed}"]
+        annotation = Optional[typ if typ in (bool, int, float) else str]
+        option = typer.Option(None, *decls, help=f.metadata.get("help", ""), envvar=cfg.env_var(cls, f),
+                              show_envvar=True, show_default=False)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+
+    def command(**values):
+        overrides = {k: v for k, v in values.items() if v is not None}
+        try:
+            for f in dataclasses.fields(cls):
+                if isinstance(overrides.get(f.name), str):
+                    overrides[f.name] = cfg.parse_value(overrides[f.name], cfg.field_type(cls, f), "--" + f.name)
+            config = cfg.load_config(cls, overrides, environ={})
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        _quiet_hf()
+        _SERVICE_MAINS[service]()(config)
+
+    command.__signature__ = inspect.Signature(params)
+    command.__doc__ = f"Run the {service} service (every option is also an env var)."
+    return command
+
+
+def _service_main(module: str):
+    def load():
+        import importlib
+
+        return importlib.import_module(module).main
+
+    return load
+
+
+_SERVICE_MAINS = {
+    "worker": _service_main("workers.server"),
+    "scheduler": _service_main("services.global_scheduler.server"),
+    "coordinator": _service_main("services.coordinator.server"),
+    "gateway": _service_main("gateway.server"),
+}
+
+
+@app.command()
+def up(
+    workers: int = typer.Option(2, help="Number of worker processes."),
+    model: Optional[Path] = typer.Option(None, help="Model directory (default: build the demo model)."),
+    policy: str = typer.Option("least_loaded", help="Placement policy of the global scheduler."),
+    http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP API port."),
+    grpc_port: int = typer.Option(50051, help="gRPC Gateway port."),
+    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SPLITSERVE_REDIS_URL",
+                                  help="Redis to use; a private redis-server is started when it does not answer."),
+    redis_prefix: str = typer.Option("ss:", help="Prefix of this cluster's Redis keys."),
+    host: str = typer.Option("127.0.0.1", help="Address every service listens on."),
+    log_dir: Path = typer.Option(Path(".splitserve/logs"), help="Where each service's log goes."),
+    demo_request: bool = typer.Option(False, help="Send a demo request through the OpenAI API once healthy."),
+    max_num_seqs: int = typer.Option(64, help="Per-worker concurrent requests."),
+    kv_cache_memory_bytes: int = typer.Option(256 << 20, help="Per-worker KV cache size (CPU)."),
+) -> None:
+    """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
+    import signal as _signal
+
+    from splitserve.launcher import ClusterSpec, start_cluster
+
+    _quiet_hf()
+    model_dir = model or ensure_demo_model()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec = ClusterSpec(
+        model=str(model_dir), workers=workers, policy=policy, http_port=http_port, grpc_port=grpc_port,
+        redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,
+        worker_args={"max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes},
+    )
+    console.print(f"starting {workers} workers on {model_dir} (logs in {log_dir}/) ...")
+    try:
+        cluster = start_cluster(spec)
+    except (RuntimeError, TimeoutError) as err:
+        console.print(f"[red]cluster failed to start:[/red] {err}")
+        raise typer.Exit(1)
+    stop = {"now": False}
+
+    def _request_stop(*_):
+        stop["now"] = True
+
+    _signal.signal(_signal.SIGTERM, _request_stop)
+    _signal.signal(_signal.SIGINT, _request_stop)
+    table = Table("service", "address")
+    table.add_row("OpenAI HTTP API", cluster.gateway_http + "/v1")
+    table.add_row("gRPC gateway", cluster.gateway_grpc)
+    table.add_row("coordinator", cluster.coordinator_address)
+    table.add_row("global scheduler", f"{cluster.scheduler_address} (policy {policy})")
+    for i, address in enumerate(cluster.worker_addresses):
+        table.add_row(f"worker-{i}", address)
+    table.add_row("redis", f"{cluster.redis_url} (prefix {cluster.redis_prefix!r})"
+                  + (" [private]" if cluster.private_redis else ""))
+    console.print(table)
+    try:
+        if demo_request:
+            _send_demo_request(cluster.gateway_http)
+        console.print("serving; Ctrl-C stops every service")
+        while not stop["now"]:
+            dead = cluster.dead_children()
+            if dead:
+                console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping the cluster[/red]")
+                raise typer.Exit(1)
+            time.sleep(0.5)  # supervising children until a signal arrives
+    finally:
+        console.print("stopping ...")
+        cluster.stop()
+
+
+def _send_demo_request(base_url: str) -> None:
+    import httpx
+
+    body = {"model": "demo", "prompt": "Hello, splitserve!", "max_tokens": 24, "temperature": 0.8, "seed": 0}
+    with httpx.Client(timeout=60) as client:
+        models = client.get(f"{base_url}/v1/models").json()
+        body["model"] = models["data"][0]["id"]
+        started = time.perf_counter()
+        reply = client.post(f"{base_url}/v1/completions", json=body)
+    elapsed = time.perf_counter() - started
+    console.print(f"POST {base_url}/v1/completions {body}")
+    console.print_json(reply.text)
+    console.print(f"answered in {elapsed * 1000:.0f} ms (random weights: the text is noise, the tokens are exact)")
+
+
+@app.command()
+def status(
+    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SPLITSERVE_REDIS_URL"),
+    redis_prefix: str = typer.Option("ss:", envvar="SPLITSERVE_REDIS_PREFIX"),
+    window_s: float = typer.Option(10.0, help="Latency window."),
+) -> None:
+    """Workers, roles, load and windowed TTFT/ITL, read from Redis."""
+    import asyncio
+
+    from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
+
+    async def read():
+        async with StateStore(redis_url, redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
+            workers = await store.list_workers()
+            loads = await store.get_loads()
+            windows = {}
+            for w in workers:
+                windows[w.worker_id] = (await store.window_stats(w.worker_id, "ttft", window_s=window_s),
+                                        await store.window_stats(w.worker_id, "itl", window_s=window_s))
+            return workers, loads, windows
+
+    try:
+        workers, loads, windows = asyncio.run(read())
+    except StateUnavailableError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+    table = Table("worker", "address", "role", "kind", "KV used", "running", "waiting", "queued prefill",
+                  f"TTFT p50/p99 ms ({window_s:.0f}s)", "ITL p50/p99 ms")
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        load = loads.get(w.worker_id)
+        ttft, itl = windows[w.worker_id]
+        used = f"{load.total_blocks - load.free_blocks}/{load.total_blocks}" if load else "-"
+        table.add_row(w.worker_id, w.address, load.role if load else w.role, w.engine_kind, used,
+                      str(load.running) if load else "-", str(load.waiting) if load else "-",
+                      str(load.queued_prefill_tokens) if load else "-",
+                      f"{ttft.p50 * 1e3:.1f}/{ttft.p99 * 1e3:.1f} (n={ttft.count})",
+                      f"{itl.p50 * 1e3:.1f}/{itl.p99 * 1e3:.1f} (n={itl.count})")
+    console.print(table if workers else f"no live workers under prefix {redis_prefix!r} at {redis_url}")
+
+
+serve_app = typer.Typer(help="Run one service (what compose and Kubernetes run).", no_args_is_help=True)
+for _service in _SERVICE_MAINS:
+    serve_app.command(_service)(_config_command(_service))
+app.add_typer(serve_app, name="serve")
 
 
 def main() -> None:

@@ -64,3 +64,29 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _private_redis is not None:
         _private_redis.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model_dirs, tmp_path_factory):
+    """A whole local cluster: scheduler, coordinator, 2 workers, gateway, own Redis prefix."""
+    import uuid
+
+    from splitserve.launcher import ClusterSpec, start_cluster
+    from splitserve.redis_server import free_port
+
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    spec = ClusterSpec(
+        model=str(tiny_model_dirs["llama"]),
+        workers=2,
+        policy="least_loaded",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        redis_url=os.environ["SPLITSERVE_TEST_REDIS_URL"],
+        redis_prefix=f"ss:test-{uuid.uuid4().hex[:8]}:",
+        log_dir=log_dir,
+        worker_args={"kv_cache_memory_bytes": 8 << 20, "max_num_seqs": 32},
+        gateway_args={"max_tokens_limit": 256, "max_message_bytes": 1 << 20},
+    )
+    running = start_cluster(spec)
+    yield running
+    running.stop()

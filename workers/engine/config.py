@@ -47,6 +47,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | sdpa | flash
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     seed: int = 0  # draws per-request seeds for requests that bring none
+    # Produce text with every token; when off, text is still decoded for stop strings.
+    detokenize: bool = True
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from workers.engine import detokenizer
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig, load_model_spec
+from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
@@ -121,7 +121,10 @@ class Engine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             keep_kv=keep_kv,
         )
-        detokenizer.start(seq)
+        if self.tokenizer is not None and (self.config.detokenize or params.stop):
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+            if outputs:
+                seq.detokenizer.push(outputs)  # text of earlier stages is not re-emitted
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if prefix_kv is not None:
@@ -193,28 +196,17 @@ class Engine:
         seq.token_ids.append(token)
         params = seq.params
         reason = None
-        if self.tokenizer is not None:
-            new_text = detokenizer.decode_new_text(self.tokenizer, seq)
-            seq.output_text += new_text
-            if params.stop and new_text:
-                cut = detokenizer.find_stop(seq.output_text, len(new_text), params.stop)
-                if cut is not None:
-                    seq.output_text = seq.output_text[:cut]
-                    reason = FinishReason.STOP
-        if reason is None:
-            if not params.ignore_eos and token in self.spec.eos_token_ids:
-                reason = FinishReason.STOP
-            elif token in params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif seq.num_output_tokens >= params.max_tokens:
-                reason = FinishReason.LENGTH
+        if not params.ignore_eos and token in self.spec.eos_token_ids:
+            reason = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens:
+            reason = FinishReason.LENGTH
         text = ""
-        if self.tokenizer is not None:
-            # Hold back text that could still become the start of a stop string.
-            hold = 0 if reason or not params.stop else max(map(len, params.stop)) - 1
-            upto = max(seq.text_emitted, len(seq.output_text) - hold)
-            text = seq.output_text[seq.text_emitted : upto]
-            seq.text_emitted = upto
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.push([token], final=reason is not None)
+            if seq.detokenizer.stopped:
+                reason = FinishReason.STOP
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return TokenEvent(

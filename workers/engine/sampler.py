@@ -44,8 +44,9 @@ def sample(
 def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
     scaled = logits / p.temperature
     if p.top_k and p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        keep = torch.zeros_like(scaled, dtype=torch.bool)
+        keep[torch.topk(scaled, p.top_k).indices] = True  # exactly k, even with tied logits
+        scaled = scaled.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
@@ -53,7 +54,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    gen = torch.Generator(device=logits.device).manual_seed(seed)
+    # The noise always comes from a CPU generator: CUDA generators produce other streams,
+    # and a request must sample the same tokens on whichever worker runs it.
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     # Exponential race (argmax p_i / E_i, E_i ~ Exp(1)) samples from p exactly.
-    noise = torch.empty_like(probs).exponential_(generator=gen)
+    noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=gen).to(probs.device)
     return int((probs / noise).argmax())

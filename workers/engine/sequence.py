@@ -40,11 +40,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Engine-private bookkeeping for incremental detokenisation of stop strings.
-    output_text: str = ""
-    text_emitted: int = 0  # chars of output_text already reported
-    detok_prefix_offset: int = 0
-    detok_read_offset: int = 0
+    # Incremental detokeniser (engine-private); None when the engine does not detokenise.
+    detokenizer: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,1 @@
+"""Ingress: the gRPC Gateway service and the OpenAI-compatible HTTP API."""

@@ -1,0 +1,127 @@
+"""The gateway's one connection to the coordinator: submit, relay, detokenize, cut at stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+import grpc
+
+from gateway.validation import GenerationRequest
+from splitserve.errors import Unavailable, from_rpc_error
+from splitserve.proto import coordinator_pb2_grpc
+from splitserve.telemetry import outgoing_metadata
+
+# Coordinator finish reasons that do not end the client's stream.
+_RUNNING = ("", "stage_end")
+
+
+class Detokenizer(Protocol):
+    stopped: bool
+
+    def push(self, token_ids: list[int], final: bool = False) -> str: ...
+
+
+class DetokenizerFactory(Protocol):
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> Detokenizer: ...
+
+
+@dataclass
+class GenerationDelta:
+    """New output since the previous delta; the last one has a finish_reason."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "" while running; else "stop", "length" or "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # output tokens so far, as delivered to the client
+
+
+class OutputAssembler:
+    """Turns the coordinator's token chunks into client deltas, cutting the text at stop strings.
+
+    The worker stops on stop strings too, but the tokens that complete one may arrive in
+    the same chunk as more output; the gateway's detokenizer decides where the text ends.
+    """
+
+    def __init__(self, detokenizer: Detokenizer, prompt_len: int):
+        self.detokenizer = detokenizer
+        self.prompt_tokens = prompt_len
+        self.completion_tokens = 0
+        self.finished = False
+
+    def feed(self, token_ids: Sequence[int], finish_reason: str, num_prompt_tokens: int = 0) -> GenerationDelta | None:
+        """The delta for one upstream chunk, or None when it adds nothing visible."""
+        if num_prompt_tokens:
+            self.prompt_tokens = num_prompt_tokens
+        finishing = finish_reason not in _RUNNING
+        taken: list[int] = []
+        text = ""
+        for token in token_ids:
+            text += self.detokenizer.push([token])
+            taken.append(token)
+            if self.detokenizer.stopped:
+                break
+        stopped = self.detokenizer.stopped
+        if finishing or stopped:
+            text += self.detokenizer.push([], final=True)
+            self.finished = True
+        self.completion_tokens += len(taken)
+        reason = "stop" if stopped else (finish_reason if finishing else "")
+        if not (text or taken or reason):
+            return None
+        return GenerationDelta(text, taken, reason, self.prompt_tokens, self.completion_tokens)
+
+
+class CoordinatorClient:
+    """Submits requests to the coordinator and streams their detokenized output."""
+
+    def __init__(self, channel: grpc.aio.Channel, tokenization: DetokenizerFactory):
+        self.channel = channel
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        self.tokenization = tokenization
+
+    async def generate(self, request: GenerationRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas of one request; closing the iterator early cancels it upstream."""
+        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
+                                    len(request.prompt_token_ids))
+        call = self.stub.Submit(request.submit_request(), timeout=timeout_s,
+                                metadata=outgoing_metadata(request.request_id))
+        try:
+            async for chunk in call:
+                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
+                if delta is not None:
+                    yield delta
+                if assembler.finished:
+                    return
+            raise Unavailable("the coordinator ended the stream without a finish reason")
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            # Runs on stop-string cut, client disconnect (generator closed or task
+            # cancelled) and errors: cancelling the call propagates to the coordinator.
+            if not call.done():
+                call.cancel()
+
+    async def ready(self, timeout_s: float = 1.0) -> bool:
+        """Whether the channel is READY, trying to connect for up to `timeout_s` when it is not."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state == grpc.ChannelConnectivity.READY:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while state != grpc.ChannelConnectivity.READY:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), remaining)
+            except asyncio.TimeoutError:
+                return False
+            state = self.channel.get_state(try_to_connect=True)
+        return True
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,98 @@
+"""What the HTTP and gRPC APIs share: limits, tokenizer, auth, admission, sessions, the coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+from gateway import metrics
+from gateway.admission import Admission
+from gateway.coordinator_client import CoordinatorClient, GenerationDelta
+from gateway.sessions import SessionTable
+from gateway.tokenization import Tokenization
+from gateway.validation import GenerationRequest, Limits
+from splitserve.config import GatewayConfig
+from splitserve.errors import DeadlineExceeded, SplitserveError, Unauthenticated
+
+
+def served_model_name(config: GatewayConfig) -> str:
+    """The model id clients send: served_model_name, else the model directory's name."""
+    return config.served_model_name or Path(config.model).name
+
+
+class GatewayCore:
+    """One gateway's shared state and the admitted, measured generation path."""
+
+    def __init__(self, config: GatewayConfig, tokenization: Tokenization, coordinator: CoordinatorClient):
+        self.config = config
+        self.tokenization = tokenization
+        self.coordinator = coordinator
+        self.model_name = served_model_name(config)
+        self.limits = Limits(served_model=self.model_name, max_model_len=tokenization.max_model_len,
+                             default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
+        self.sessions = SessionTable()
+        self.created = int(time.time())
+        # config.py's `opt(list, ...)` leaves the `list` type itself as the default (not an
+        # empty list), so anything but a real sequence means "no keys".
+        self._api_keys = [k.encode() for k in config.api_keys if k]
+        metrics.IN_FLIGHT.set_function(lambda: self.admission.in_flight)
+        metrics.QUEUED.set_function(lambda: self.admission.queued)
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Check an `Authorization: Bearer <key>` value when API keys are configured."""
+        if not self._api_keys:
+            return
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
+        candidate = key.strip().encode()
+        # Compare against every key so timing does not reveal which one nearly matched.
+        if not sum(hmac.compare_digest(candidate, k) for k in self._api_keys):
+            raise Unauthenticated("invalid API key")
+
+    async def generate(self, request: GenerationRequest, api: str,
+                       deadline: float | None = None) -> AsyncIterator[GenerationDelta]:
+        """Admit, run and measure one request; `deadline` is on the loop clock (covers queueing)."""
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        status = "ok"
+        finished = False
+        try:
+            async with self.admission.slot():
+                metrics.QUEUE_WAIT.observe(loop.time() - arrived)
+                timeout_s = None
+                if deadline is not None:
+                    timeout_s = deadline - loop.time()
+                    if timeout_s <= 0:
+                        raise DeadlineExceeded("deadline exceeded while waiting for admission")
+                if request.session_id:
+                    self.sessions.touch(request.session_id)
+                metrics.PROMPT_TOKENS.inc(len(request.prompt_token_ids))
+                last = None
+                # aclosing: when our consumer closes us, the upstream call is cancelled now, not at GC.
+                async with contextlib.aclosing(self.coordinator.generate(request, timeout_s)) as deltas:
+                    async for delta in deltas:
+                        now = loop.time()
+                        (metrics.TTFT if last is None else metrics.ITL).observe(now - (last or arrived))
+                        last = now
+                        metrics.COMPLETION_TOKENS.inc(len(delta.token_ids))
+                        finished = bool(delta.finish_reason)
+                        yield delta
+        except SplitserveError as err:
+            status = err.code.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # A consumer that stops reading after the last delta has not cancelled anything.
+            status = "ok" if finished else "cancelled"
+            raise
+        except Exception:
+            status = "internal"
+            raise
+        finally:
+            metrics.REQUESTS.labels(api, status).inc()
+            metrics.E2E.observe(loop.time() - arrived)

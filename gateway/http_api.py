@@ -1,0 +1,198 @@
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from gateway.admission import retry_after_header
+from gateway.coordinator_client import GenerationDelta
+from gateway.core import GatewayCore
+from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
+from gateway.validation import chat_request, completion_request, invalid_argument_from_pydantic
+from splitserve.errors import Cancelled, InvalidArgument, Overloaded, SplitserveError, Unavailable
+from splitserve.telemetry import request_id_var
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def error_response(err: SplitserveError) -> JSONResponse:
+    """The OpenAI error body with the error's HTTP status (and Retry-After on overload)."""
+    headers = {"Retry-After": retry_after_header(err.retry_after_s)} if isinstance(err, Overloaded) else None
+    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that stops (cancelling upstream) when the client disconnects, and always runs `on_close`."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Our own disconnect watch, whatever ASGI spec version the server speaks: the
+        # cancelled stream task unwinds the generators, whose finally cancels the RPC.
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            for task in (streaming, watching):
+                try:
+                    await task
+                except (asyncio.CancelledError, OSError):
+                    pass  # the client went away
+            await self.body_iterator.aclose()
+            await self._on_close()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (Starlette would not)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let it unwind (and cancel the RPC) before the caller cleans up
+    if task.cancelled():
+        raise Cancelled("client disconnected")
+    return task.result()
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    """The FastAPI application serving the OpenAI-compatible API for one gateway."""
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(SplitserveError)
+    async def _typed_error(_: Request, err: SplitserveError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(invalid_argument_from_pydantic(err.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, str(err.status_code))
+        body = {"error": {"message": f"{err.detail}: {request.method} {request.url.path}",
+                          "type": "invalid_request_error", "param": None, "code": code}}
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error: %s", err)
+        return error_response(SplitserveError("internal server error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(core, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(core, request, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        core.authenticate(request.headers.get("authorization"))
+        return JSONResponse(models_response(core.model_name, core.created, core.limits.max_model_len))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not core.admission.admitting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not await core.coordinator.ready(timeout_s=1.0):
+            return JSONResponse({"status": "coordinator unreachable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidArgument(f"request body is not valid JSON: {err}", param="body") from None
+
+
+async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Response:
+    core.authenticate(request.headers.get("authorization"))
+    body = await _read_json(request)
+    request_id = uuid.uuid4().hex
+    request_id_var.set(request_id)
+    validate = chat_request if chat else completion_request
+    req = validate(body, core.tokenization, core.limits, request_id)
+    shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
+                            include_usage=req.include_usage)
+    headers = {"X-Request-Id": request_id}
+    stream = core.generate(req, api="http")
+    if not req.stream:
+        try:
+            result = await _until_disconnected(request, _collect(stream))
+        finally:
+            await stream.aclose()
+        text, last = result
+        return JSONResponse(shaper.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens),
+                            headers=headers)
+    # The first delta is awaited before the 200 goes out, so admission and coordinator
+    # errors (429, 503, ...) still reach the client as HTTP statuses.
+    try:
+        first = await _until_disconnected(request, anext(stream))
+    except BaseException:
+        await stream.aclose()
+        raise
+    return EventStreamResponse(_sse_events(first, stream, shaper), stream.aclose, headers)
+
+
+async def _collect(stream: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta]:
+    parts: list[str] = []
+    async for delta in stream:
+        parts.append(delta.text)
+        if delta.finish_reason:
+            return "".join(parts), delta
+    raise Unavailable("generation ended without a finish reason")
+
+
+async def _sse_events(first: GenerationDelta, stream: AsyncIterator[GenerationDelta],
+                      shaper: ResponseShaper) -> AsyncIterator[bytes]:
+    delta: GenerationDelta | None = first
+    try:
+        while delta is not None:
+            for chunk in shaper.chunks(delta.text, delta.finish_reason or None):
+                yield sse_event(chunk)
+            if delta.finish_reason:
+                if shaper.include_usage:
+                    yield sse_event(shaper.usage_chunk(delta.prompt_tokens, delta.completion_tokens))
+                break
+            delta = await anext(stream, None)
+    except SplitserveError as err:
+        # Headers are out: the error travels as an event, as OpenAI and vLLM do.
+        yield sse_event(error_body(err))
+    yield SSE_DONE

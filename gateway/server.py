@@ -1,0 +1,157 @@
+"""The gateway process: gRPC Gateway (with health) and the OpenAI HTTP API on one event loop.
+
+In-process (tests): `async with running_gateway(config) as gw: gw.grpc_port, gw.http_port`
+(ports 0 pick free ones), or `await serve(config, ready=callback)` which calls
+`callback(server)` once both listeners are up. As a process: `python -m gateway.server`
+with `SPLITSERVE_GATEWAY_*` / `SPLITSERVE_*` environment variables; it logs
+"gateway ready: grpc port N, http port M" when it accepts requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import AsyncIterator, Callable
+
+import uvicorn
+
+from gateway.coordinator_client import CoordinatorClient
+from gateway.core import GatewayCore
+from gateway.grpc_api import GatewayServicer
+from gateway.http_api import create_app
+from gateway.tokenization import Tokenization
+from splitserve.config import GatewayConfig, load_config
+from splitserve.proto import gateway_pb2_grpc
+from splitserve.service import ServiceRuntime, insecure_channel, run
+
+log = logging.getLogger(__name__)
+
+HTTP_SHUTDOWN_GRACE_S = 2.0
+
+
+class _UvicornWithoutSignals(uvicorn.Server):
+    """uvicorn that leaves signals alone: the ServiceRuntime owns SIGTERM and the drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+class GatewayServer:
+    """One gateway: gRPC Gateway + health on `config.port`, HTTP on `config.http_port`, one coordinator channel."""
+
+    def __init__(self, config: GatewayConfig, tokenization: Tokenization | None = None):
+        if tokenization is None and not config.model:
+            raise ValueError("the gateway needs a model directory (SPLITSERVE_GATEWAY_MODEL / --model) for its "
+                             "tokenizer and max length")
+        self.config = config
+        self._tokenization = tokenization
+        self.runtime = ServiceRuntime("gateway", config, config.port)
+        self.core: GatewayCore | None = None
+        self.http_port = 0
+        self._http: _UvicornWithoutSignals | None = None
+        self._http_task: asyncio.Task | None = None
+
+    @property
+    def grpc_port(self) -> int:
+        return self.runtime.bound_port
+
+    async def start(self) -> None:
+        """Load the tokenizer, open the coordinator channel, start both listeners, report SERVING."""
+        config = self.config
+        tokenization = self._tokenization or await asyncio.to_thread(Tokenization.from_model_dir, config.model)
+        coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
+        self.core = GatewayCore(config, tokenization, coordinator)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.core), self.runtime.server)
+        await self.runtime.start()
+        sock = _listen(config.host, config.http_port)
+        self.http_port = sock.getsockname()[1]
+        self._http = _UvicornWithoutSignals(uvicorn.Config(
+            create_app(self.core), log_config=None, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S))
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises the startup error
+                raise RuntimeError("the HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        await self.runtime.set_serving(True)
+        log.info("gateway ready: grpc port %d, http port %d, model %s, coordinator %s", self.grpc_port,
+                 self.http_port, self.core.model_name, config.coordinator_address)
+
+    async def drain(self) -> None:
+        """Stop admitting (new requests get UNAVAILABLE / 503) and wait for in-flight ones."""
+        assert self.core is not None
+        self.core.admission.stop_admitting()
+        await self.core.admission.wait_idle()
+
+    async def serve_until_signalled(self) -> None:
+        """Serve until SIGTERM/SIGINT (or request_stop), drain, then stop everything."""
+        try:
+            await self.runtime.serve_until_signalled(self.drain)
+        finally:
+            await self._close_http_and_channel()
+
+    def request_stop(self) -> None:
+        """Begin the same drain-and-stop as SIGTERM (for in-process use)."""
+        self.runtime.request_stop()
+
+    async def shutdown(self) -> None:
+        """Drain (bounded by drain_timeout_s) and stop, without touching signal handlers."""
+        await self.runtime.set_serving(False)
+        if self.core is not None:
+            try:
+                await asyncio.wait_for(self.drain(), self.config.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("gateway drain timed out; stopping with work in flight")
+        await self.runtime.server.stop(grace=2.0)
+        await self._close_http_and_channel()
+
+    async def _close_http_and_channel(self) -> None:
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await asyncio.gather(self._http_task, return_exceptions=True)
+        if self.core is not None:
+            await self.core.coordinator.close()
+
+
+async def serve(config: GatewayConfig, ready: Callable[[GatewayServer], object] | None = None) -> None:
+    """Run a gateway until SIGTERM/SIGINT or `server.request_stop()`; `ready(server)` is called once it is up."""
+    server = GatewayServer(config)
+    try:
+        await server.start()
+    except BaseException:
+        await server.shutdown()
+        raise
+    if ready is not None:
+        ready(server)
+    await server.serve_until_signalled()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: GatewayConfig,
+                          tokenization: Tokenization | None = None) -> AsyncIterator[GatewayServer]:
+    """Start a gateway in this event loop for the `async with` body, then drain and stop it."""
+    server = GatewayServer(config, tokenization)
+    try:
+        await server.start()
+        yield server
+    finally:
+        await server.shutdown()
+
+
+def main(config: GatewayConfig | None = None) -> None:
+    """Process entry point: config from the environment unless given."""
+    config = config or load_config(GatewayConfig)
+    run(lambda: serve(config))
+
+
+if __name__ == "__main__":
+    main()

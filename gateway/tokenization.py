@@ -1,0 +1,99 @@
+"""The served model's tokenizer, chat template and length limits, loaded from its directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from splitserve.errors import InvalidArgument
+from workers.engine.detokenizer import IncrementalDetokenizer
+
+# Used when the tokenizer ships no chat_template. Each message becomes "<|role|>\ncontent\n"
+# and the prompt ends with "<|assistant|>\n"; the tokenizer adds its BOS (if it has one)
+# because this text, unlike a real template's, does not contain it.
+DEFAULT_CHAT_TEMPLATE_DOC = "<|{role}|>\\n{content}\\n ... <|assistant|>\\n"
+
+# config.json keys that hold the context length, in order of preference.
+_MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
+
+
+def render_default_chat(messages: Sequence[dict[str, str]]) -> str:
+    """The default chat prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"."""
+    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def read_model_limits(model_dir: str | os.PathLike) -> tuple[int, int, str]:
+    """(max_model_len, vocab_size, model_type) from a Hugging Face config.json."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model directory {model_dir} has no config.json") from None
+    # Multimodal checkpoints nest the language model's config.
+    text_config = config.get("text_config") or {}
+    max_len = next((c[k] for c in (config, text_config) for k in _MAX_LEN_KEYS if isinstance(c.get(k), int)), 0)
+    if max_len <= 0:
+        raise ValueError(f"{path}: none of {_MAX_LEN_KEYS} is set; cannot tell the model's max length")
+    vocab = config.get("vocab_size") or text_config.get("vocab_size") or 0
+    return max_len, int(vocab), str(config.get("model_type", ""))
+
+
+class Tokenization:
+    """Prompt encoding, chat templating and token-id checks for the served model."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int = 0, model_type: str = ""):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        # The model's embedding table may be larger than the tokenizer (padded vocab); ids
+        # past the tokenizer still embed, so the model's size is the bound.
+        self.vocab_size = vocab_size or len(tokenizer)
+        self.model_type = model_type
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenization":
+        """Load the tokenizer (local files only) and the limits from config.json."""
+        from transformers import AutoTokenizer
+
+        max_len, vocab, model_type = read_model_limits(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return cls(tokenizer, max_len, vocab, model_type)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt, with the tokenizer's special tokens (e.g. BOS)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, bool]:
+        """The chat prompt text, and whether the tokenizer should still add its special tokens."""
+        if self.has_chat_template:
+            try:
+                text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # jinja raises for role orders a template forbids, etc.
+                raise InvalidArgument(f"messages: the model's chat template rejected them: {err}",
+                                      param="messages") from None
+            # Real templates write BOS themselves; adding it again would double it.
+            return text, False
+        return render_default_chat(messages), True
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat conversation, ending with the assistant's turn opener."""
+        text, add_special = self.render_chat(messages)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
+        """Token ids as a list, or InvalidArgument naming `param` when one is outside the vocab."""
+        ids = list(ids)
+        for i, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise InvalidArgument(
+                    f"{param}[{i}] = {token} is not a token id: the vocab has {self.vocab_size} ids "
+                    f"(0..{self.vocab_size - 1})", param=param)
+        return ids
+
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> IncrementalDetokenizer:
+        """A fresh incremental detokenizer for one request's output."""
+        return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), list(stop))

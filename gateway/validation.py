@@ -1,0 +1,390 @@
+"""Turn OpenAI request bodies and GenerateRequest protos into one validated GenerationRequest.
+
+Pure: no I/O. Every error is `InvalidArgument(message, param=field)` (or `NotFound` for an
+unknown model) whose message names the field and the limit it broke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from splitserve.errors import InvalidArgument, NotFound
+from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
+
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
+MAX_STOP_STRINGS = 16
+MAX_ID_CHARS = 256  # request and session ids
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+SEED_LIMIT = 2**63
+
+
+class PromptEncoder(Protocol):
+    """What validation needs from the tokenizer (gateway.tokenization.Tokenization has it)."""
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The served model's name and length limits, and the max_tokens policy."""
+
+    served_model: str
+    max_model_len: int
+    default_max_tokens: int = 16
+    max_tokens_limit: int = 4096
+
+
+@dataclass
+class GenerationRequest:
+    """One validated generation, whichever API it came from."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float | None = None  # None: engine default (1.0); 0 is greedy
+    top_p: float | None = None
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    echo_token_ids: bool = False
+    session_id: str = ""
+    priority: int = 0
+    slo_ttft_ms: int = 0
+    slo_itl_ms: int = 0
+
+    def sampling_params(self) -> types_pb2.SamplingParams:
+        """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
+        params = types_pb2.SamplingParams(max_tokens=self.max_tokens, top_k=self.top_k, stop=self.stop,
+                                          stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        if self.temperature is not None:
+            params.temperature = self.temperature
+        if self.top_p is not None:
+            params.top_p = self.top_p
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+    def submit_request(self) -> coordinator_pb2.SubmitRequest:
+        """The Coordinator.Submit message for this request."""
+        return coordinator_pb2.SubmitRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, sampling=self.sampling_params(),
+            slo=types_pb2.Slo(ttft_ms=self.slo_ttft_ms, itl_ms=self.slo_itl_ms), session_id=self.session_id,
+            priority=self.priority, model=self.model)
+
+
+# --- OpenAI bodies: pydantic checks JSON types (strict: no "16" for 16, no true for 1); the
+# polymorphic fields (prompt, stop, messages) are typed Any and checked below, which gives
+# clearer messages than pydantic's union errors.
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+
+
+class _OpenAIBody(BaseModel):
+    # Unknown fields are ignored (as vLLM does); known ones we cannot honour are rejected.
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; -1 disables like 0
+    n: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM extensions
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    # splitserve extensions
+    session_id: str | None = None
+    priority: int | None = None
+    slo_ttft_ms: int | None = None
+    slo_itl_ms: int | None = None
+
+
+class CompletionBody(_OpenAIBody):
+    """POST /v1/completions."""
+
+    prompt: Any
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionBody(_OpenAIBody):
+    """POST /v1/chat/completions."""
+
+    messages: Any
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def invalid_argument_from_pydantic(errors: Sequence[dict[str, Any]]) -> InvalidArgument:
+    """One InvalidArgument naming the first bad field of a pydantic/FastAPI validation error."""
+    if not errors:
+        return InvalidArgument("request body is invalid", param="body")
+    err = errors[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]  # FastAPI prefixes body fields with "body"
+    if err.get("type") == "json_invalid":
+        return InvalidArgument(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}",
+                               param="body")
+    if not loc:
+        return InvalidArgument(f"request body: {err.get('msg', 'invalid')} (expected a JSON object)", param="body")
+    path = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
+    if err.get("type") == "missing":
+        return InvalidArgument(f"{path} is required", param=str(loc[0]))
+    return InvalidArgument(f"{path}: {err.get('msg', 'invalid value')}", param=str(loc[0]))
+
+
+def _parse(model_cls: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}", param="body")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        raise invalid_argument_from_pydantic(err.errors()) from None
+
+
+def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
+    """Validate a /v1/completions body."""
+    b: CompletionBody = _parse(CompletionBody, body)
+    if b.echo:
+        _unsupported("echo", "echo=true")
+    if b.suffix:
+        _unsupported("suffix", "suffix")
+    if b.best_of not in (None, 1):
+        raise InvalidArgument(f"best_of must be 1 (got {b.best_of}): one candidate per request is supported",
+                              param="best_of")
+    if b.logprobs is not None:
+        _unsupported("logprobs", "logprobs")
+    prompt_ids = _completion_prompt(b.prompt, encoder)
+    return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id)
+
+
+def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
+    """Validate a /v1/chat/completions body."""
+    b: ChatCompletionBody = _parse(ChatCompletionBody, body)
+    if b.logprobs not in (None, False):
+        _unsupported("logprobs", "logprobs")
+    if b.top_logprobs:
+        _unsupported("top_logprobs", "top_logprobs")
+    if b.tools:
+        _unsupported("tools", "tool calling")
+    if b.response_format and b.response_format.get("type", "text") != "text":
+        _unsupported("response_format", f"response_format type {b.response_format.get('type')!r}")
+    messages = _chat_messages(b.messages)
+    prompt_ids = encoder.encode_chat(messages)
+    # max_completion_tokens is OpenAI's newer name for max_tokens; it wins when both are set.
+    if b.max_completion_tokens is not None:
+        max_tokens, param = b.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = b.max_tokens, "max_tokens"
+    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id)
+
+
+def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, limits: Limits,
+                     request_id: str) -> GenerationRequest:
+    """Validate a gRPC Gateway.Generate request."""
+    _check_model(msg.model, limits)
+    kind = msg.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt is required: set text or token_ids", param="prompt")
+    if kind == "text":
+        if not msg.text:
+            raise InvalidArgument("prompt is empty: text must be non-empty", param="prompt")
+        prompt_ids = encoder.encode_prompt(msg.text)
+    else:
+        if not msg.token_ids.ids:
+            raise InvalidArgument("prompt is empty: token_ids.ids must be non-empty", param="prompt")
+        prompt_ids = encoder.check_token_ids(msg.token_ids.ids, "prompt")
+    s = msg.sampling
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else None
+    seed = s.seed if s.HasField("seed") else None
+    if seed is not None and seed >= SEED_LIMIT:
+        raise InvalidArgument(f"seed must be in [0, 2^63), got {seed}", param="seed")
+    stop = _stop_strings(list(s.stop))
+    req = GenerationRequest(
+        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids,
+        max_tokens=_max_tokens(max_tokens, "max_tokens", len(prompt_ids), limits),
+        temperature=_temperature(s.temperature if s.HasField("temperature") else None),
+        top_p=_top_p(s.top_p if s.HasField("top_p") else None), top_k=s.top_k, seed=seed, stop=stop,
+        stop_token_ids=encoder.check_token_ids(s.stop_token_ids, "stop_token_ids"), ignore_eos=s.ignore_eos,
+        stream=True, include_usage=True, echo_token_ids=msg.echo_token_ids,
+        session_id=_id_string(msg.session_id, "session_id"), priority=msg.priority,
+        slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms)
+    return req
+
+
+# --- shared checks
+
+def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_tokens_param: str,
+            encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
+    _check_model(b.model, limits)
+    if b.n not in (None, 1):
+        raise InvalidArgument(f"n must be 1 (got {b.n}): one choice per request is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(b, name):
+            _unsupported(name, f"{name} other than 0")
+    if b.logit_bias:
+        _unsupported("logit_bias", "logit_bias")
+    if b.stream_options is not None and not b.stream:
+        raise InvalidArgument("stream_options is only allowed when stream is true", param="stream_options")
+    top_k = b.top_k if b.top_k is not None else 0
+    if top_k < -1:
+        raise InvalidArgument(f"top_k must be >= 0 (0 or -1 disables it), got {top_k}", param="top_k")
+    if b.seed is not None and not 0 <= b.seed < SEED_LIMIT:
+        raise InvalidArgument(f"seed must be in [0, 2^63), got {b.seed}", param="seed")
+    for name in ("slo_ttft_ms", "slo_itl_ms"):
+        value = getattr(b, name)
+        if value is not None and not 0 <= value <= UINT32_MAX:
+            raise InvalidArgument(f"{name} must be in [0, {UINT32_MAX}], got {value}", param=name)
+    if b.priority is not None and not INT32_MIN <= b.priority <= INT32_MAX:
+        raise InvalidArgument(f"priority must be a 32-bit integer, got {b.priority}", param="priority")
+    return GenerationRequest(
+        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids,
+        max_tokens=_max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits),
+        temperature=_temperature(b.temperature), top_p=_top_p(b.top_p), top_k=max(top_k, 0), seed=b.seed,
+        stop=_stop_strings(b.stop), stop_token_ids=encoder.check_token_ids(b.stop_token_ids or [], "stop_token_ids"),
+        ignore_eos=bool(b.ignore_eos), stream=bool(b.stream),
+        include_usage=bool(b.stream_options and b.stream_options.include_usage),
+        session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
+        slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0)
+
+
+def _unsupported(param: str, what: str) -> None:
+    raise InvalidArgument(f"{param}: {what} is not supported by this server", param=param)
+
+
+def _check_model(model: str | None, limits: Limits) -> None:
+    if model and model != limits.served_model:
+        raise NotFound(f"model '{model}' does not exist; this server serves '{limits.served_model}'", param="model")
+
+
+def _max_tokens(value: int | None, param: str, prompt_len: int, limits: Limits) -> int:
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise InvalidArgument(
+            f"prompt is {prompt_len} tokens, which leaves no room to generate within the model's maximum "
+            f"length of {limits.max_model_len} tokens (max_model_len)", param="prompt")
+    if value is None:
+        # The default is shortened rather than refused when the prompt is long.
+        return min(limits.default_max_tokens, limits.max_tokens_limit, room)
+    if value < 1:
+        raise InvalidArgument(f"{param} must be >= 1, got {value}", param=param)
+    if value > limits.max_tokens_limit:
+        raise InvalidArgument(f"{param} must be <= {limits.max_tokens_limit}, got {value}", param=param)
+    if value > room:
+        raise InvalidArgument(
+            f"{param} ({value}) + prompt tokens ({prompt_len}) = {value + prompt_len} exceeds the model's maximum "
+            f"length of {limits.max_model_len} tokens (max_model_len); {param} can be at most {room}", param=param)
+    return value
+
+
+def _temperature(value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and 0.0 <= value <= MAX_TEMPERATURE):
+        raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value}", param="temperature")
+    return value
+
+
+def _top_p(value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise InvalidArgument(f"top_p must be in (0, 1], got {value}", param="top_p")
+    return value
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument("stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise InvalidArgument("stop strings must be non-empty", param="stop")
+    return list(stops)
+
+
+def _id_string(value: str, param: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(f"{param} must be at most {MAX_ID_CHARS} characters, got {len(value)}", param=param)
+    return value
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompt(prompt: Any, encoder: PromptEncoder) -> list[int]:
+    # OpenAI accepts a string, token ids, or a batch of either; batches are refused.
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise InvalidArgument(f"prompt: batches of prompts are not supported (got {len(prompt)}); "
+                                  "send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgument("prompt is empty: it must be a non-empty string or token ids", param="prompt")
+        return encoder.encode_prompt(prompt)
+    if _is_token_list(prompt):
+        if not prompt:
+            raise InvalidArgument("prompt is empty: it must be a non-empty string or token ids", param="prompt")
+        return encoder.check_token_ids(prompt, "prompt")
+    if prompt is None:
+        raise InvalidArgument("prompt is required", param="prompt")
+    raise InvalidArgument("prompt must be a string or a list of token ids (integers)", param="prompt")
+
+
+def _chat_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidArgument(f"messages[{i}] must be an object with role and content", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidArgument(f"messages[{i}].role must be a non-empty string", param="messages")
+        out.append({"role": role, "content": _message_content(m.get("content"), i)})
+    if not any(m["content"] for m in out):
+        raise InvalidArgument("messages are empty: every content is empty", param="messages")
+    return out
+
+
+def _message_content(content: Any, i: int) -> str:
+    if content is None:  # e.g. an assistant turn that only called tools
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument(
+                    f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                    f"supported, got type {kind!r}", param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts", param="messages")

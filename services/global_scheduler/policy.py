@@ -1,0 +1,224 @@
+"""The placement-policy interface and the plain data it decides over.
+
+Pure (architecture principle 1): no gRPC, no Redis, no wall clock. The scheduler
+service, the emulated cluster and the discrete-event simulator all call the same
+policies with a `ClusterView` and an injected `now`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from splitserve.errors import Unavailable
+
+ROLES = ("both", "prefill", "decode")
+
+
+class NoWorkerAvailable(Unavailable):
+    """No eligible worker can take the request (retriable: workers may come back)."""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as a policy sees it: registry entry, latest load, and recent placements."""
+
+    worker_id: str
+    address: str
+    role: str  # "both" | "prefill" | "decode"
+    engine_kind: str = ""
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    draining: bool = False
+    # Requests this scheduler placed here since the load snapshot was taken: the snapshot
+    # does not show them yet, and without them every placement inside one refresh
+    # interval would land on the same "least loaded" worker.
+    inflight_assigned: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        """Whether new work may be placed here."""
+        return not self.draining
+
+    @property
+    def free_kv_fraction(self) -> float:
+        """Free KV blocks / total blocks; 0 when the worker reports no KV cache."""
+        if self.total_blocks <= 0:
+            return 0.0
+        return min(1.0, max(0.0, self.free_blocks / self.total_blocks))
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """A snapshot of the workers, sorted by worker id, taken at `taken_at` (unix seconds)."""
+
+    workers: tuple[WorkerView, ...]
+    taken_at: float
+
+    def __post_init__(self) -> None:
+        ordered = tuple(sorted(self.workers, key=lambda w: w.worker_id))
+        object.__setattr__(self, "workers", ordered)
+
+    @property
+    def eligible(self) -> tuple[WorkerView, ...]:
+        """Workers that accept new work (not draining)."""
+        return tuple(w for w in self.workers if w.eligible)
+
+    def by_role(self, *roles: str, eligible_only: bool = True) -> tuple[WorkerView, ...]:
+        """Workers whose role is one of `roles` (only eligible ones unless told otherwise)."""
+        pool = self.eligible if eligible_only else self.workers
+        return tuple(w for w in pool if w.role in roles)
+
+    def get(self, worker_id: str) -> WorkerView | None:
+        """The worker with this id, or None."""
+        return next((w for w in self.workers if w.worker_id == worker_id), None)
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What a policy knows about a request: lengths, SLOs, priority (mirrors RequestMeta)."""
+
+    request_id: str
+    prompt_len: int  # whole prompt, history included
+    max_tokens: int  # output budget: the plan covers [0, prompt_len + max_tokens)
+    session_id: str = ""
+    history_len: int = 0  # prefix already held as KV by the session's decode worker
+    predicted_output_len: int = 0  # 0: unknown
+    slo_ttft_ms: int = 0  # 0: no objective
+    slo_itl_ms: int = 0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0 <= self.history_len <= self.prompt_len:
+            raise ValueError(f"history_len must be in [0, prompt_len], got {self.history_len}")
+
+    @property
+    def total_len(self) -> int:
+        """Length of the logical sequence: prompt plus the whole output budget."""
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Token range [start, end) of one request run on one worker."""
+
+    worker_id: str
+    address: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A plan: stages run in order and tile [0, L) without gaps or overlaps."""
+
+    stages: tuple[StagePlacement, ...]
+    policy: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a placement needs at least one stage")
+        position = 0
+        for index, stage in enumerate(self.stages):
+            if stage.start != position or stage.end <= stage.start:
+                raise ValueError(f"stage {index} [{stage.start}, {stage.end}) must be non-empty and start at {position}")
+            position = stage.end
+
+    @property
+    def end(self) -> int:
+        """End of the last stage: the length of the sequence the plan covers."""
+        return self.stages[-1].end
+
+    @property
+    def worker_ids(self) -> tuple[str, ...]:
+        """Worker of each stage, in stage order."""
+        return tuple(s.worker_id for s in self.stages)
+
+    @classmethod
+    def single_stage(cls, worker: WorkerView, request: PlacementRequest, policy: str,
+                     reason: str = "") -> Placement:
+        """The colocated plan: the whole sequence on one worker."""
+        stage = StagePlacement(worker.worker_id, worker.address, 0, request.total_len)
+        return cls((stage,), policy, reason)
+
+
+@dataclass(frozen=True)
+class CompletionReport:
+    """How a placed request ended (mirrors the CompletionReport message); fed back to policies."""
+
+    request_id: str
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    session_id: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float = 0.0
+    mean_itl_ms: float = 0.0
+    e2e_ms: float = 0.0
+    worker_ids: tuple[str, ...] = ()
+    error: str = ""
+
+
+@runtime_checkable
+class PlacementPolicy(Protocol):
+    """Turns a request and a cluster view into a plan of stages (pure).
+
+    A policy that learns from outcomes also implements `CompletionListener`.
+    """
+
+    name: str
+
+    def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:
+        """Choose stages and workers; raise NoWorkerAvailable when no worker is eligible."""
+        ...
+
+
+@runtime_checkable
+class CompletionListener(Protocol):
+    """The optional feedback half of a policy: called once per finished request."""
+
+    def on_completion(self, report: CompletionReport) -> None:
+        """Learn from a finished request (predictors, boundaries, windows)."""
+        ...
+
+
+# name -> "module:attribute" of a factory; imported on first use so this module does not
+# import every policy (and so policy modules can import this one without a cycle).
+_BUILTIN_POLICIES: dict[str, str] = {
+    "round_robin": "services.global_scheduler.baselines:RoundRobinPolicy",
+    "least_loaded": "services.global_scheduler.baselines:LeastLoadedPolicy",
+}
+_REGISTERED: dict[str, Callable[..., PlacementPolicy]] = {}
+
+
+def register_policy(name: str, factory: Callable[..., PlacementPolicy]) -> None:
+    """Make `make_policy(name, ...)` build policies with `factory(**params)`."""
+    _REGISTERED[name] = factory
+
+
+def known_policies() -> list[str]:
+    """Names `make_policy` accepts, sorted."""
+    return sorted(set(_BUILTIN_POLICIES) | set(_REGISTERED))
+
+
+def make_policy(name: str, **params: Any) -> PlacementPolicy:
+    """Build a placement policy by name; ValueError names unknown policies or bad params."""
+    factory = _REGISTERED.get(name)
+    if factory is None and name in _BUILTIN_POLICIES:
+        module_name, attribute = _BUILTIN_POLICIES[name].split(":")
+        factory = getattr(importlib.import_module(module_name), attribute)
+    if factory is None:
+        raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(known_policies())}")
+    try:
+        return factory(**params)
+    except TypeError as err:  # unexpected keyword: report it as bad input, not a crash
+        raise ValueError(f"bad parameters for placement policy {name!r}: {err}") from None

@@ -1,0 +1,266 @@
+"""The GlobalScheduler gRPC service: Place, ReportCompletion, ClusterState, SetPolicy.
+
+Run it with `python -m services.global_scheduler.server` (config from SPLITSERVE_* env
+vars), `main(config)`, or in-process with `start_scheduler(config)` (tests: port 0, then
+read `handle.port`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from services.global_scheduler import metrics
+from services.global_scheduler.policy import (
+    ClusterView,
+    CompletionListener,
+    CompletionReport,
+    NoWorkerAvailable,
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    known_policies,
+    make_policy,
+)
+from services.global_scheduler.view import ClusterViewSource
+from splitserve.config import SchedulerConfig, load_config
+from splitserve.errors import InvalidArgument, SplitserveError, abort
+from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from splitserve.service import ServiceRuntime, run
+from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "scheduler"
+# The health service name clients of this proto service check.
+GRPC_SERVICE_NAME = "splitserve.v1.GlobalScheduler"
+# Plans cover prompt_len + RequestMeta.max_tokens; callers that leave it unset get the
+# predicted output length or SamplingParams' own default.
+DEFAULT_MAX_TOKENS = 16
+
+
+def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest:
+    """Validate a RequestMeta and turn it into a PlacementRequest; InvalidArgument names the field."""
+    if not meta.request_id:
+        raise InvalidArgument("request_id must not be empty", param="request_id")
+    if meta.prompt_len == 0:
+        raise InvalidArgument("prompt_len must be >= 1", param="prompt_len")
+    if meta.history_len > meta.prompt_len:
+        raise InvalidArgument(
+            f"history_len {meta.history_len} exceeds prompt_len {meta.prompt_len}", param="history_len"
+        )
+    return PlacementRequest(
+        request_id=meta.request_id,
+        session_id=meta.session_id,
+        prompt_len=meta.prompt_len,
+        history_len=meta.history_len,
+        predicted_output_len=meta.predicted_output_len,
+        max_tokens=meta.max_tokens or meta.predicted_output_len or DEFAULT_MAX_TOKENS,
+        slo_ttft_ms=meta.slo.ttft_ms,
+        slo_itl_ms=meta.slo.itl_ms,
+        priority=meta.priority,
+    )
+
+
+def placement_to_plan(request_id: str, placement: Placement) -> types_pb2.Plan:
+    """Placement -> Plan proto; only the last stage emits tokens to the client."""
+    last = len(placement.stages) - 1
+    stages = [
+        types_pb2.Stage(request_id=request_id, stage_index=index, worker_id=stage.worker_id,
+                        start=stage.start, end=stage.end, emit=index == last)
+        for index, stage in enumerate(placement.stages)
+    ]
+    return types_pb2.Plan(stages=stages, policy=placement.policy, reason=placement.reason)
+
+
+def completion_from_proto(report: scheduler_pb2.CompletionReport) -> CompletionReport:
+    """CompletionReport message -> the plain record policies receive."""
+    return CompletionReport(
+        request_id=report.request_id,
+        session_id=report.session_id,
+        finish_reason=report.finish_reason,
+        prompt_tokens=report.prompt_tokens,
+        output_tokens=report.output_tokens,
+        ttft_ms=report.ttft_ms,
+        mean_itl_ms=report.mean_itl_ms,
+        e2e_ms=report.e2e_ms,
+        worker_ids=tuple(report.worker_ids),
+        error=report.error,
+    )
+
+
+def view_to_worker_loads(view: ClusterView) -> list[types_pb2.WorkerLoad]:
+    """The view's workers as WorkerLoad messages."""
+    return [
+        types_pb2.WorkerLoad(
+            worker_id=w.worker_id, role=w.role, engine_kind=w.engine_kind, free_blocks=w.free_blocks,
+            total_blocks=w.total_blocks, block_size=w.block_size, running=w.running, waiting=w.waiting,
+            queued_prefill_tokens=w.queued_prefill_tokens, draining=w.draining,
+        )
+        for w in view.workers
+    ]
+
+
+class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
+    """Places requests with the active policy over the in-memory cluster view."""
+
+    def __init__(self, views: ClusterViewSource, policy: PlacementPolicy, *,
+                 clock: Callable[[], float] = time.time, view_timeout_s: float = 2.0) -> None:
+        self.views = views
+        self.policy = policy
+        self.clock = clock
+        self.view_timeout_s = view_timeout_s
+
+    async def Place(self, request: types_pb2.RequestMeta, context: grpc.aio.ServicerContext) -> types_pb2.Plan:
+        policy = self.policy
+        try:
+            placement_request = placement_request_from_meta(request)
+            view = await self.views.current(self.view_timeout_s)
+            started = time.perf_counter()
+            # No await between reading the view and noting the placement: concurrent
+            # Place calls each see the placements made before them.
+            placement = policy.place(placement_request, view, self.clock())
+            metrics.PLACE_SECONDS.labels(policy.name).observe(time.perf_counter() - started)
+            self.views.note_placed(placement.worker_ids)
+        except NoWorkerAvailable as err:
+            metrics.NO_WORKER.labels(policy.name).inc()
+            await abort(context, err)
+        except SplitserveError as err:
+            await abort(context, err)
+        for worker_id in placement.worker_ids:
+            metrics.PLACEMENTS.labels(placement.policy, worker_id).inc()
+        log.debug("placed %s on %s (%s: %s)", request.request_id, placement.worker_ids,
+                  placement.policy, placement.reason, extra={"request_id": request.request_id})
+        return placement_to_plan(request.request_id, placement)
+
+    async def ReportCompletion(self, request: scheduler_pb2.CompletionReport,
+                               context: grpc.aio.ServicerContext) -> types_pb2.Ack:
+        if not request.request_id:
+            await abort(context, InvalidArgument("request_id must not be empty", param="request_id"))
+        metrics.COMPLETIONS.labels(metrics.finish_reason_label(request.finish_reason)).inc()
+        policy = self.policy
+        if isinstance(policy, CompletionListener):
+            try:
+                policy.on_completion(completion_from_proto(request))
+            except Exception:  # feedback is advisory: a policy bug must not fail the caller
+                log.exception("policy %s failed to learn from %s", policy.name, request.request_id)
+        return types_pb2.Ack()
+
+    async def ClusterState(self, request: scheduler_pb2.ClusterStateRequest,
+                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ClusterStateResponse:
+        try:
+            view = await self.views.current(self.view_timeout_s)
+        except SplitserveError as err:
+            await abort(context, err)
+        return scheduler_pb2.ClusterStateResponse(workers=view_to_worker_loads(view), policy=self.policy.name)
+
+    async def SetPolicy(self, request: scheduler_pb2.SetPolicyRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.SetPolicyResponse:
+        if request.policy not in known_policies():
+            await abort(context, InvalidArgument(
+                f"unknown placement policy {request.policy!r}; known: {', '.join(known_policies())}",
+                param="policy"))
+        try:
+            new_policy = make_policy(request.policy, **dict(request.params))
+        except ValueError as err:
+            await abort(context, InvalidArgument(str(err), param="params"))
+        previous, self.policy = self.policy, new_policy
+        metrics.POLICY_SWITCHES.labels(new_policy.name).inc()
+        log.info("placement policy switched from %s to %s", previous.name, new_policy.name)
+        return scheduler_pb2.SetPolicyResponse(previous_policy=previous.name, policy=new_policy.name)
+
+
+@dataclass
+class SchedulerHandle:
+    """A running scheduler service in this process."""
+
+    config: SchedulerConfig
+    runtime: ServiceRuntime
+    servicer: GlobalSchedulerServicer
+    views: ClusterViewSource
+    store: StateStore
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port (the real one when config.port is 0)."""
+        return self.runtime.bound_port
+
+    @property
+    def address(self) -> str:
+        """host:port to dial."""
+        return f"{self.config.host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health status of the server and of the GlobalScheduler service."""
+        await self.runtime.set_serving(serving)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving, stop the server, the view refresh and the Redis connections."""
+        await self.set_serving(False)
+        await self.runtime.server.stop(grace_s)
+        await self.release()
+
+    async def release(self) -> None:
+        """Stop the view refresh and close the Redis connections (after the server stopped)."""
+        await self.views.stop()
+        await self.store.close()
+
+
+async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
+    """Connect to Redis, load the first cluster view, start serving; raises StateUnavailableError."""
+    runtime = ServiceRuntime(SERVICE_NAME, config, config.port, GRPC_SERVICE_NAME)  # first: it configures logging
+    policy = make_policy(config.policy)  # ValueError before touching Redis
+    store = StateStore(config.redis_url, config.redis_prefix,
+                       retry_policy=RedisRetryPolicy(attempts=config.redis_connect_attempts))
+    views = ClusterViewSource(store, config.view_refresh_s)
+    try:
+        await store.connect()
+        await views.start()
+        servicer = GlobalSchedulerServicer(views, policy)
+        scheduler_pb2_grpc.add_GlobalSchedulerServicer_to_server(servicer, runtime.server)
+        await runtime.start()
+    except BaseException:
+        await views.stop()
+        await store.close()
+        raise
+    handle = SchedulerHandle(config, runtime, servicer, views, store)
+    await handle.set_serving(True)
+    log.info("global scheduler serving on %s with policy %s (prefix %r)",
+             handle.address, policy.name, config.redis_prefix)
+    return handle
+
+
+async def serve(config: SchedulerConfig, runtime_ready: asyncio.Event | None = None) -> None:
+    """Run the scheduler until SIGTERM; exits non-zero when Redis or the policy is unusable."""
+    try:
+        handle = await start_scheduler(config)
+    except StateUnavailableError as err:
+        log.error("global scheduler cannot start: Redis state store unreachable: %s", err)
+        raise SystemExit(2) from None
+    except ValueError as err:
+        log.error("global scheduler cannot start: %s", err)
+        raise SystemExit(2) from None
+    if runtime_ready is not None:
+        runtime_ready.set()
+
+    async def mark_not_serving() -> None:
+        await handle.set_serving(False)
+
+    try:
+        await handle.runtime.serve_until_signalled(drain=mark_not_serving)
+    finally:
+        await handle.release()
+
+
+def main(config: SchedulerConfig) -> None:
+    """Run the scheduler service process."""
+    run(lambda: serve(config))
+
+
+if __name__ == "__main__":
+    main(load_config(SchedulerConfig))

@@ -1,0 +1,176 @@
+"""The scheduler's cluster view: built from Redis in the background, read without I/O.
+
+`build_cluster_view` and `InflightCounters` are pure; `ClusterViewSource` is the I/O edge
+that refreshes them from the StateStore every `refresh_s` so Place never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Iterable, Mapping
+
+from services.global_scheduler.policy import ClusterView, WorkerView
+from splitserve.errors import Unavailable
+from splitserve.state import StateStore, WorkerInfo, WorkerLoadSnapshot
+
+log = logging.getLogger(__name__)
+
+
+def build_cluster_view(
+    workers: Iterable[WorkerInfo],
+    loads: Mapping[str, WorkerLoadSnapshot],
+    taken_at: float,
+    inflight: Mapping[str, int] | None = None,
+) -> ClusterView:
+    """Join registry entries with load snapshots; workers without a snapshot are left out."""
+    inflight = inflight or {}
+    views = []
+    for info in workers:
+        load = loads.get(info.worker_id)
+        if load is None:  # no fresh load: we cannot judge it, so we do not place on it
+            continue
+        views.append(WorkerView(
+            worker_id=info.worker_id,
+            address=info.address,
+            # The load snapshot carries the live role (Worker.SetRole changes it); the
+            # registry entry keeps the role the worker started with.
+            role=load.role or info.role,
+            engine_kind=load.engine_kind or info.engine_kind,
+            free_blocks=load.free_blocks,
+            total_blocks=load.total_blocks,
+            block_size=load.block_size,
+            running=load.running,
+            waiting=load.waiting,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            draining=load.draining,
+            inflight_assigned=inflight.get(info.worker_id, 0),
+        ))
+    return ClusterView(tuple(views), taken_at)
+
+
+class InflightCounters:
+    """Requests placed per worker since that worker's last load snapshot."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._snapshot_time: dict[str, float] = {}
+
+    def note_placed(self, worker_ids: Iterable[str]) -> None:
+        """Count one placement on each worker (a multi-stage plan counts on every stage's worker)."""
+        for worker_id in worker_ids:
+            self._counts[worker_id] = self._counts.get(worker_id, 0) + 1
+
+    def observe_snapshots(self, loads: Mapping[str, WorkerLoadSnapshot]) -> None:
+        """Reset the counter of every worker whose snapshot is new; forget vanished workers."""
+        for worker_id, load in loads.items():
+            if self._snapshot_time.get(worker_id) != load.updated_unix:
+                self._snapshot_time[worker_id] = load.updated_unix
+                self._counts.pop(worker_id, None)
+        for worker_id in set(self._snapshot_time) - set(loads):
+            del self._snapshot_time[worker_id]
+            self._counts.pop(worker_id, None)
+
+    def counts(self) -> dict[str, int]:
+        """Current counts by worker id (workers with none are absent)."""
+        return dict(self._counts)
+
+
+class ClusterViewSource:
+    """Keeps a ClusterView fresh from Redis in a background task; `current()` does no I/O."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        refresh_s: float = 0.05,
+        *,
+        stale_after_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not refresh_s > 0:
+            raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        self.store = store
+        self.refresh_s = refresh_s
+        # Past this age (Redis unreachable) placing on the old view is a guess about dead
+        # workers; answer UNAVAILABLE instead so callers retry.
+        self.stale_after_s = max(5.0, 10 * refresh_s) if stale_after_s is None else stale_after_s
+        self.clock = clock
+        self.inflight = InflightCounters()
+        self._workers: list[WorkerInfo] = []
+        self._loads: dict[str, WorkerLoadSnapshot] = {}
+        self._taken_at = 0.0
+        self._refreshed_monotonic: float | None = None
+        self._view: ClusterView | None = None  # cache, rebuilt after a refresh or placement
+        self._loaded = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Load the first snapshot (errors propagate), then refresh in the background."""
+        await self.refresh()
+        self._stopping = False
+        self._task = asyncio.create_task(self._refresh_loop(), name="cluster-view-refresh")
+
+    async def stop(self) -> None:
+        """Stop the background refresh."""
+        self._stopping = True
+        if self._task is not None:
+            # The flag as well as the cancel: redis-py can swallow a CancelledError that
+            # arrives mid-command, and the loop must still end.
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def refresh(self) -> None:
+        """Re-read the worker registry and load snapshots from Redis."""
+        workers = await self.store.list_workers()
+        loads = await self.store.get_loads()
+        self._workers, self._loads = workers, loads
+        self._taken_at = self.clock()
+        self._refreshed_monotonic = time.monotonic()
+        self.inflight.observe_snapshots(loads)
+        self._view = None
+        self._loaded.set()
+
+    async def current(self, timeout_s: float = 2.0) -> ClusterView:
+        """The latest view; waits up to timeout_s for the first one; Unavailable if stale."""
+        if not self._loaded.is_set():
+            try:
+                await asyncio.wait_for(self._loaded.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                raise Unavailable(f"cluster view not loaded from Redis within {timeout_s:.1f} s") from None
+        assert self._refreshed_monotonic is not None
+        age = time.monotonic() - self._refreshed_monotonic
+        if age > self.stale_after_s:
+            raise Unavailable(f"cluster view is {age:.1f} s old (Redis unreachable?)")
+        if self._view is None:
+            self._view = build_cluster_view(self._workers, self._loads, self._taken_at, self.inflight.counts())
+        return self._view
+
+    def note_placed(self, worker_ids: Iterable[str]) -> None:
+        """Record a placement so the next view shows it before the workers' loads do."""
+        self.inflight.note_placed(worker_ids)
+        self._view = None
+
+    async def _refresh_loop(self) -> None:
+        failing = False
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self.refresh()
+                if failing:
+                    log.info("cluster view refresh recovered")
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep the last view and retry: one bad read must not kill the loop
+                if not failing:
+                    log.exception("cluster view refresh failed; keeping the previous view")
+                failing = True
+            if self._stopping:
+                break
+            await asyncio.sleep(max(0.0, self.refresh_s - (time.monotonic() - started)))

@@ -1,0 +1,449 @@
+"""splitserve gRPC SDK: `AsyncClient` (grpc.aio) and `Client` (blocking), with typed errors.
+
+    async with AsyncClient("127.0.0.1:50051", api_key="k") as client:
+        result = await client.generate("Hello", max_tokens=32, temperature=0)
+        async for chunk in client.stream("Hello", max_tokens=32):
+            print(chunk.text, end="")
+
+`Client` has the same methods, blocking, and `stream` is a plain iterator. It uses gRPC's
+synchronous API rather than a private event-loop thread around `AsyncClient`: no extra
+thread, it works inside other event loops and after fork, and breaking out of a stream
+cancels the call directly. The logic both share (request building, retry decisions,
+error mapping) lives in module-level functions.
+
+Deadlines: `timeout_s` (per call, else the client's) bounds the whole call, retries
+included. Retries: only UNAVAILABLE, only before the first response message arrived
+(generation is not idempotent once output has been delivered), with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+
+import grpc
+
+from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+RETRY_AFTER_KEY = "retry-after-ms"
+MAX_BACKOFF_S = 5.0
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token accounting of a finished generation."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A whole generation: text, its token ids, why it ended, usage and the request id."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed delta; the last has finish_reason and usage."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage | None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A served model."""
+
+    id: str
+    engine_kind: str
+    max_model_len: int
+    num_workers: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """An open multi-turn session."""
+
+    session_id: str
+    ttl_s: int
+
+
+class SplitserveClientError(Exception):
+    """Base of every SDK error; `code` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class InvalidRequestError(SplitserveClientError):
+    """The request was refused as invalid (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION)."""
+
+
+class NotFoundError(InvalidRequestError):
+    """The model or session does not exist (NOT_FOUND)."""
+
+
+class AuthenticationError(SplitserveClientError):
+    """Missing or wrong API key (UNAUTHENTICATED, PERMISSION_DENIED)."""
+
+
+class RateLimitedError(SplitserveClientError):
+    """The gateway is overloaded (RESOURCE_EXHAUSTED); retry after `retry_after_s` (None: no hint)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 retry_after_s: float | None = None):
+        super().__init__(message, code)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailableError(SplitserveClientError):
+    """The service could not be reached or has no capacity (UNAVAILABLE); retried automatically when safe."""
+
+
+class DeadlineExceededError(SplitserveClientError):
+    """The call's deadline passed (DEADLINE_EXCEEDED)."""
+
+
+class RequestCancelledError(SplitserveClientError):
+    """The call was cancelled (CANCELLED)."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[SplitserveClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: RequestCancelledError,
+}
+
+
+def error_from_status(code: grpc.StatusCode, details: str | None,
+                      trailing_metadata: Iterable[tuple[str, Any]] | None = None) -> SplitserveClientError:
+    """The typed SDK error for a gRPC status (RESOURCE_EXHAUSTED reads the `retry-after-ms` trailer)."""
+    message = details or code.name
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_after = None
+        for key, value in trailing_metadata or ():
+            if key == RETRY_AFTER_KEY:
+                try:
+                    retry_after = int(value.decode() if isinstance(value, bytes) else value) / 1000
+                except ValueError:
+                    pass  # a malformed hint is no hint
+        return RateLimitedError(message, code, retry_after)
+    return _ERRORS.get(code, SplitserveClientError)(message, code)
+
+
+def _error_from_rpc(err: grpc.RpcError) -> SplitserveClientError:
+    return error_from_status(err.code(), err.details(), err.trailing_metadata())
+
+
+def should_retry(code: grpc.StatusCode, *, received_first_response: bool, attempt: int, max_retries: int) -> bool:
+    """Retry only UNAVAILABLE, only before any output arrived, at most `max_retries` times."""
+    return code == grpc.StatusCode.UNAVAILABLE and not received_first_response and attempt < max_retries
+
+
+def backoff_delay(attempt: int, backoff_s: float, max_backoff_s: float = MAX_BACKOFF_S,
+                  rand: float | None = None) -> float:
+    """Sleep before retry `attempt` (0-based): `backoff_s * 2**attempt` capped, with jitter in [1/2, 1] of it."""
+    full = min(backoff_s * (2**attempt), max_backoff_s)
+    return full * (0.5 + 0.5 * (random.random() if rand is None else rand))
+
+
+def build_generate_request(prompt: str | Sequence[int], *, max_tokens: int | None = 16,
+                           temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                           seed: int | None = None, stop: str | Sequence[str] | None = None,
+                           stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                           session_id: str | None = None, slo_ttft_ms: int | None = None,
+                           slo_itl_ms: int | None = None, priority: int = 0,
+                           request_id: str | None = None) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments (always echo_token_ids; unset options stay unset)."""
+    sampling = types_pb2.SamplingParams(top_k=top_k or 0, ignore_eos=ignore_eos,
+                                        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+                                        stop_token_ids=list(stop_token_ids or ()))
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    request = gateway_pb2.GenerateRequest(
+        sampling=sampling, slo=types_pb2.Slo(ttft_ms=slo_ttft_ms or 0, itl_ms=slo_itl_ms or 0),
+        session_id=session_id or "", request_id=request_id or uuid.uuid4().hex, priority=priority,
+        echo_token_ids=True)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    else:
+        raise TypeError("prompt must be a str or a sequence of token ids (int)")
+    return request
+
+
+def _chunk(msg: gateway_pb2.GenerateResponse) -> StreamChunk:
+    usage = None
+    if msg.HasField("usage"):
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.total_tokens)
+    return StreamChunk(msg.text, list(msg.token_ids), msg.finish_reason, usage, msg.request_id)
+
+
+def _result(chunks: Iterable[StreamChunk], request_id: str) -> GenerationResult:
+    text, ids, finish, usage = [], [], "", Usage(0, 0, 0)
+    for chunk in chunks:
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        finish = chunk.finish_reason or finish
+        usage = chunk.usage or usage
+        request_id = chunk.request_id or request_id
+    return GenerationResult("".join(text), ids, finish, usage, request_id)
+
+
+class _Deadline:
+    """The absolute end of a call, across its retries."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"deadline of {self.timeout_s:g} s exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
+        return left
+
+    def allows_sleep(self, delay: float) -> bool:
+        return self.at is None or time.monotonic() + delay < self.at
+
+
+class _ClientBase:
+    def __init__(self, target: str, api_key: str | None, timeout_s: float | None, max_retries: int, backoff_s: float):
+        self.target = target
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    def _deadline(self, timeout_s: float | None) -> _Deadline:
+        return _Deadline(self.timeout_s if timeout_s is None else timeout_s)
+
+    def _retry_delay(self, err: grpc.RpcError, received: bool, attempt: int, deadline: _Deadline) -> float | None:
+        """Seconds to wait before retrying, or None to raise."""
+        if not should_retry(err.code(), received_first_response=received, attempt=attempt,
+                            max_retries=self.max_retries):
+            return None
+        delay = backoff_delay(attempt, self.backoff_s)
+        return delay if deadline.allows_sleep(delay) else None
+
+
+class AsyncClient(_ClientBase):
+    """Asynchronous client of the Gateway service (grpc.aio)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, timeout_s: float | None = None,
+                 max_retries: int = 3, backoff_s: float = 0.1):
+        super().__init__(target, api_key, timeout_s, max_retries, backoff_s)
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int | None = None, stop: str | Sequence[str] | None = None,
+                       stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                       timeout_s: float | None = None, session_id: str | None = None,
+                       slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
+                       priority: int = 0, request_id: str | None = None) -> GenerationResult:
+        """Generate to completion (temperature 0 is greedy; unset options take the server's defaults)."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
+            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+        return _result([c async for c in self._stream_request(request, timeout_s)], request.request_id)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop: str | Sequence[str] | None = None,
+               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+               timeout_s: float | None = None, session_id: str | None = None,
+               slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
+               priority: int = 0, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """`async for chunk in client.stream(...)` (not awaited); closing the iterator early cancels the request."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
+            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+        return self._stream_request(request, timeout_s)
+
+    async def _stream_request(self, request: gateway_pb2.GenerateRequest,
+                              timeout_s: float | None) -> AsyncIterator[StreamChunk]:
+        deadline = self._deadline(timeout_s)
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            received = False
+            try:
+                async for msg in call:
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.aio.AioRpcError as err:
+                delay = self._retry_delay(err, received, attempt, deadline)
+                if delay is None:
+                    raise _error_from_rpc(err) from None
+            finally:
+                call.cancel()  # no-op when finished; stops the server's work when we were closed early
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
+        deadline = self._deadline(timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
+            except grpc.aio.AioRpcError as err:
+                delay = self._retry_delay(err, False, attempt, deadline)
+                if delay is None:
+                    raise _error_from_rpc(err) from None
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        """The served models."""
+        reply = await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s)
+        return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
+
+    async def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
+        """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
+        request = gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s)
+        reply = await self._unary(self._stub.OpenSession, request, timeout_s)
+        return Session(reply.session_id, reply.ttl_s)
+
+    async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Close a session; whether it was open."""
+        request = gateway_pb2.CloseSessionRequest(session_id=session_id)
+        return (await self._unary(self._stub.CloseSession, request, timeout_s)).closed
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Client(_ClientBase):
+    """Blocking client of the Gateway service (gRPC's synchronous API); same methods as AsyncClient."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, timeout_s: float | None = None,
+                 max_retries: int = 3, backoff_s: float = 0.1):
+        super().__init__(target, api_key, timeout_s, max_retries, backoff_s)
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                 timeout_s: float | None = None, session_id: str | None = None,
+                 slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
+                 priority: int = 0, request_id: str | None = None) -> GenerationResult:
+        """Generate to completion (temperature 0 is greedy; unset options take the server's defaults)."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
+            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+        return _result(self._stream_request(request, timeout_s), request.request_id)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop: str | Sequence[str] | None = None,
+               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+               timeout_s: float | None = None, session_id: str | None = None,
+               slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
+               priority: int = 0, request_id: str | None = None) -> Iterator[StreamChunk]:
+        """Stream deltas (same options as generate); closing the iterator early (break) cancels the request."""
+        request = build_generate_request(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
+            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+        return self._stream_request(request, timeout_s)
+
+    def _stream_request(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None) -> Iterator[StreamChunk]:
+        deadline = self._deadline(timeout_s)
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            received = False
+            try:
+                for msg in call:
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as err:
+                delay = self._retry_delay(err, received, attempt, deadline)
+                if delay is None:
+                    raise _error_from_rpc(err) from None
+            finally:
+                call.cancel()
+            time.sleep(delay)
+            attempt += 1
+
+    def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
+        deadline = self._deadline(timeout_s)
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=deadline.remaining(), metadata=self._metadata)
+            except grpc.RpcError as err:
+                delay = self._retry_delay(err, False, attempt, deadline)
+                if delay is None:
+                    raise _error_from_rpc(err) from None
+            time.sleep(delay)
+            attempt += 1
+
+    def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        """The served models."""
+        reply = self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s)
+        return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
+
+    def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
+        """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
+        reply = self._unary(self._stub.OpenSession, gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s),
+                            timeout_s)
+        return Session(reply.session_id, reply.ttl_s)
+
+    def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Close a session; whether it was open."""
+        return self._unary(self._stub.CloseSession, gateway_pb2.CloseSessionRequest(session_id=session_id),
+                           timeout_s).closed
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

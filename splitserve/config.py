@@ -1,0 +1,171 @@
+"""Typed configuration of every service; each field is a CLI flag and an env var.
+
+A field `max_num_seqs` of `WorkerConfig` is `--max-num-seqs` on the command line and
+`SPLITSERVE_WORKER_MAX_NUM_SEQS` in the environment; fields shared by all services
+(`redis_url`, `log_level`, ...) read `SPLITSERVE_REDIS_URL` etc. The flag wins over the
+variable, the variable over the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+COMMON = "common"
+
+
+def opt(default: Any, help: str, *, common: bool = False, **kwargs) -> Any:
+    """A config field with its help text (and whether its env var is service-independent)."""
+    metadata = {"help": help, COMMON: common}
+    if default in (list, dict, set):  # a mutable default: one fresh instance per config
+        return field(default_factory=default, metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+@dataclass
+class CommonConfig:
+    """Options every service has."""
+
+    redis_url: str = opt("redis://127.0.0.1:6379/0", "Redis holding the live cluster state.", common=True)
+    redis_prefix: str = opt("ss:", "Prefix of every Redis key (isolates clusters sharing a Redis).", common=True)
+    redis_connect_attempts: int = opt(10, "Connection attempts at start-up (exponential backoff) before giving up.", common=True)
+    log_level: str = opt("INFO", "DEBUG | INFO | WARNING | ERROR", common=True)
+    log_json: bool = opt(True, "Log one JSON object per line (false: plain text).", common=True)
+    otlp_endpoint: str = opt("", "OTLP/gRPC endpoint for traces, e.g. http://otel-collector:4317; empty disables export.", common=True)
+    metrics_port: int = opt(0, "Port of the Prometheus /metrics HTTP endpoint; 0 picks a free port (logged).")
+    host: str = opt("127.0.0.1", "Address to listen on (0.0.0.0 in containers).")
+    max_message_bytes: int = opt(64 << 20, "Largest gRPC message accepted or sent.", common=True)
+    drain_timeout_s: float = opt(30.0, "On SIGTERM: how long in-flight work may take to finish.", common=True)
+
+    SERVICE: typing.ClassVar[str] = ""
+
+
+@dataclass
+class WorkerConfig(CommonConfig):
+    """A worker: the engine behind the Worker gRPC service."""
+
+    port: int = opt(50061, "gRPC port of the Worker service.")
+    worker_id: str = opt("", "Unique id in the cluster; default: hostname-port.")
+    advertise_address: str = opt("", "host:port other services dial; default: host:port.")
+    role: str = opt("both", "both | prefill | decode")
+    model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer).")
+    dtype: str = opt("auto", "auto | float32 | bfloat16 | float16")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    block_size: int = opt(16, "Tokens per KV block.")
+    max_num_batched_tokens: int = opt(2048, "Token budget of one engine step (prefill + decode).")
+    max_num_seqs: int = opt(64, "Most requests running at once.")
+    max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size on CPU; 0: enough for max_num_seqs full sequences, at most 2 GiB.")
+    gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
+    enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
+    batch_policy: str = opt("fcfs", "Local batch policy (workers/policies).")
+    num_threads: int = opt(0, "torch CPU threads; 0 keeps torch's default.")
+    heartbeat_interval_s: float = opt(1.0, "How often the heartbeat is refreshed in Redis.")
+    load_interval_s: float = opt(0.1, "How often load, prefill-queue metadata and latency samples are published.")
+    heartbeat_ttl_s: float = opt(3.0, "How long the registry keeps a worker without a heartbeat.")
+    latency_window_s: float = opt(10.0, "Window of the TTFT/ITL samples published to Redis.")
+
+    SERVICE: typing.ClassVar[str] = "worker"
+
+
+@dataclass
+class SchedulerConfig(CommonConfig):
+    """The global scheduler: placement of requests onto workers."""
+
+    port: int = opt(50071, "gRPC port of the GlobalScheduler service.")
+    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded.")
+    view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
+
+    SERVICE: typing.ClassVar[str] = "scheduler"
+
+
+@dataclass
+class CoordinatorConfig(CommonConfig):
+    """The coordinator: request lifecycle from plan to stitched stream."""
+
+    port: int = opt(50081, "gRPC port of the Coordinator service.")
+    scheduler_address: str = opt("127.0.0.1:50071", "host:port of the global scheduler.")
+    request_record_ttl_s: float = opt(600.0, "How long request records stay in Redis.")
+    request_timeout_s: float = opt(600.0, "Deadline of a request when the caller sets none.")
+
+    SERVICE: typing.ClassVar[str] = "coordinator"
+
+
+@dataclass
+class GatewayConfig(CommonConfig):
+    """The gateway: gRPC Gateway and OpenAI-compatible HTTP API."""
+
+    port: int = opt(50051, "gRPC port of the Gateway service.")
+    http_port: int = opt(8000, "Port of the OpenAI-compatible HTTP API (also serves /metrics).")
+    coordinator_address: str = opt("127.0.0.1:50081", "host:port of the coordinator.")
+    model: str = opt("", "Model directory: its tokenizer and config (max length) are used here.")
+    served_model_name: str = opt("", "Model id clients send; default: the model directory's name.")
+    api_keys: list[str] = opt(list, "Accepted API keys (comma-separated in the env var); empty: no auth.")
+    max_tokens_limit: int = opt(4096, "Largest max_tokens a request may ask for.")
+    default_max_tokens: int = opt(16, "max_tokens when a request sets none.")
+    max_concurrent_requests: int = opt(256, "Requests in flight before new ones wait in the admission queue.")
+    max_queued_requests: int = opt(1024, "Admission queue length; beyond it requests get 429 / RESOURCE_EXHAUSTED.")
+    queue_timeout_s: float = opt(30.0, "Longest wait in the admission queue before 429.")
+
+    SERVICE: typing.ClassVar[str] = "gateway"
+
+
+SERVICE_CONFIGS: dict[str, type[CommonConfig]] = {
+    c.SERVICE: c for c in (WorkerConfig, SchedulerConfig, CoordinatorConfig, GatewayConfig)
+}
+
+
+def env_var(cls: type[CommonConfig], f: dataclasses.Field) -> str:
+    if f.metadata.get(COMMON):
+        return f"SPLITSERVE_{f.name.upper()}"
+    return f"SPLITSERVE_{cls.SERVICE.upper()}_{f.name.upper()}"
+
+
+def field_type(cls: type, f: dataclasses.Field) -> type:
+    return typing.get_type_hints(cls)[f.name]
+
+
+def parse_value(raw: str, typ: Any, name: str) -> Any:
+    """Convert a flag or env string to the field's type; ValueError names the field."""
+    try:
+        if typ is bool:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        if typing.get_origin(typ) is list:
+            return [p.strip() for p in raw.split(",") if p.strip()]
+        return raw
+    except ValueError as err:
+        raise ValueError(f"{name}: cannot parse {raw!r}: {err}") from None
+
+
+def load_config(cls: type[CommonConfig], overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> CommonConfig:
+    """Build a config: explicit overrides, then env vars, then defaults."""
+    environ = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides and overrides[f.name] is not None:
+            values[f.name] = overrides.pop(f.name)
+        elif env_var(cls, f) in environ:
+            values[f.name] = parse_value(environ[env_var(cls, f)], field_type(cls, f), env_var(cls, f))
+    if overrides:
+        raise ValueError(f"unknown {cls.SERVICE} options: {sorted(overrides)}")
+    return cls(**values)
+
+
+def default_worker_id(host: str, port: int) -> str:
+    name = socket.gethostname().split(".")[0] or "worker"
+    return f"{name}-{port}".replace(":", "-")

@@ -1,0 +1,95 @@
+"""Errors every service raises, with their gRPC status and HTTP mapping."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SplitserveError(Exception):
+    """Base class: carries a gRPC status code and the field at fault, if any."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidArgument(SplitserveError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthenticated(SplitserveError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(SplitserveError):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class Overloaded(SplitserveError):
+    """Admission refused; the caller should retry after `retry_after_s`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(SplitserveError):
+    """A dependency is down or no worker can take the request; retriable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    error_type = "server_error"
+
+
+class DeadlineExceeded(SplitserveError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+    error_type = "timeout"
+
+
+class Cancelled(SplitserveError):
+    code = grpc.StatusCode.CANCELLED
+    http_status = 499
+    error_type = "cancelled"
+
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+async def abort(context: grpc.aio.ServicerContext, err: SplitserveError):
+    """End an RPC with the error's status; overload carries a retry hint as trailing metadata."""
+    if isinstance(err, Overloaded):
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(err.retry_after_s * 1000))),))
+    message = err.message if err.param is None or err.param in err.message else f"{err.param}: {err.message}"
+    await context.abort(err.code, message)
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError:
+    """Rebuild a typed error from a downstream service's status, to pass it upstream."""
+    code = err.code()
+    details = err.details() or code.name
+    for cls in (InvalidArgument, Unauthenticated, NotFound, Unavailable, DeadlineExceeded, Cancelled):
+        if cls.code == code:
+            return cls(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry = 1.0
+        for key, value in (err.trailing_metadata() or ()):
+            if key == RETRY_AFTER_KEY:
+                retry = int(value) / 1000
+        return Overloaded(details, retry_after_s=retry)
+    return SplitserveError(details)

@@ -1,0 +1,174 @@
+"""`splitserve up`: the whole cluster as local child processes, stopped together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.redis_server import PrivateRedis, ensure_redis, free_port
+
+
+@dataclass
+class ClusterSpec:
+    """What to launch."""
+
+    model: str
+    workers: int = 2
+    policy: str = "least_loaded"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = ""  # default: a fresh prefix per cluster
+    host: str = "127.0.0.1"
+    worker_args: dict[str, str] = field(default_factory=dict)
+    gateway_args: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    log_json: bool = True
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    grpc_address: str
+    log_path: Path | None
+
+
+@dataclass
+class Cluster:
+    """A running local cluster."""
+
+    spec: ClusterSpec
+    redis_url: str
+    redis_prefix: str
+    children: list[Child]
+    private_redis: PrivateRedis | None
+    gateway_grpc: str
+    gateway_http: str
+    worker_addresses: list[str]
+    scheduler_address: str
+    coordinator_address: str
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every child (gateway first, so no new work arrives), then Redis."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.private_redis is not None:
+            self.private_redis.stop()
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.process.poll() is not None]
+
+
+def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:
+    cmd = [sys.executable, "-m", "splitserve.cli", "serve", service]
+    for key, value in options.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            cmd += [f"--{flag}", str(value)]
+    return cmd
+
+
+def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
+    """Start Redis (if needed), scheduler, coordinator, workers and gateway; wait until all are healthy."""
+    redis_url, private = ensure_redis(spec.redis_url)
+    prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
+    common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
+    sched_port, coord_port = free_port(), free_port()
+    plan: list[tuple[str, str, dict[str, object]]] = [
+        ("scheduler", f"{spec.host}:{sched_port}",
+         {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0}),
+        ("coordinator", f"{spec.host}:{coord_port}",
+         {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}", "metrics_port": 0}),
+    ]
+    worker_addresses = []
+    for i in range(spec.workers):
+        port = free_port()
+        worker_addresses.append(f"{spec.host}:{port}")
+        plan.append((f"worker-{i}", f"{spec.host}:{port}",
+                     {**common, "port": port, "worker_id": f"worker-{i}", "model": spec.model, "metrics_port": 0,
+                      **spec.worker_args}))
+    plan.append(("gateway", f"{spec.host}:{spec.grpc_port}",
+                 {**common, "port": spec.grpc_port, "http_port": spec.http_port, "model": spec.model,
+                  "coordinator_address": f"{spec.host}:{coord_port}", **spec.gateway_args}))
+
+    children: list[Child] = []
+    cluster = Cluster(spec, redis_url, prefix, children, private, f"{spec.host}:{spec.grpc_port}",
+                      f"http://{spec.host}:{spec.http_port}", worker_addresses,
+                      f"{spec.host}:{sched_port}", f"{spec.host}:{coord_port}")
+    try:
+        for name, address, options in plan:
+            log_path = spec.log_dir / f"{name}.log" if spec.log_dir else None
+            out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+            proc = subprocess.Popen(_serve_cmd(name.split("-")[0], options), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            children.append(Child(name, proc, address, log_path))
+        # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
+        children.reverse()
+        wait_healthy(cluster, ready_timeout_s)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def wait_healthy(cluster: Cluster, timeout_s: float) -> None:
+    """Poll every child's grpc.health.v1 until SERVING; raise naming the ones that are not."""
+    deadline = time.monotonic() + timeout_s
+    pending = {c.name: c for c in cluster.children}
+    while pending:
+        for name, child in list(pending.items()):
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {child.process.returncode}{_log_tail(child)}")
+            if _serving(child.grpc_address):
+                del pending[name]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
+        time.sleep(0.1)  # polling readiness, bounded by the deadline
+
+
+def wait_port_healthy(address: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Poll one service's health until SERVING; raise if its process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not _serving(address):
+        if process.poll() is not None:
+            raise RuntimeError(f"service at {address} exited with code {process.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service at {address} not healthy after {timeout_s:.0f} s")
+        time.sleep(0.1)  # polling readiness, bounded by the deadline
+
+
+def _serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _log_tail(child: Child, lines: int = 15) -> str:
+    if child.log_path is None or not child.log_path.exists():
+        return ""
+    tail = child.log_path.read_text(errors="replace").splitlines()[-lines:]
+    return ":\n" + "\n".join(tail)

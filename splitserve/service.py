@@ -1,0 +1,98 @@
+"""Process runtime shared by the gRPC services: server, health, metrics, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.config import CommonConfig
+from splitserve.telemetry import setup_logging, setup_tracing, start_metrics_server
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(config: CommonConfig) -> list[tuple[str, int]]:
+    """Channel/server options: message size limits and keepalive suited to long streams."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def insecure_channel(address: str, config: CommonConfig) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=grpc_options(config))
+
+
+class ServiceRuntime:
+    """One service process: gRPC server with health, Prometheus, tracing and graceful drain."""
+
+    def __init__(self, service: str, config: CommonConfig, port: int, grpc_service: str = ""):
+        self.service = service
+        # The proto service name health clients ask about, e.g. "splitserve.v1.Worker".
+        self.grpc_service = grpc_service or f"splitserve.v1.{service.capitalize()}"
+        self.config = config
+        self.port = port
+        setup_logging(service, config.log_level, config.log_json)
+        setup_tracing(service, config.otlp_endpoint)
+        self.server = grpc.aio.server(options=grpc_options(config))
+        self.health = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.bound_port = 0
+        self.metrics_port = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        self.bound_port = self.server.add_insecure_port(f"{self.config.host}:{self.port}")
+        if self.bound_port == 0:
+            raise RuntimeError(f"{self.service}: cannot listen on {self.config.host}:{self.port}")
+        await self.server.start()
+        self.metrics_port = start_metrics_server(self.config.host, self.config.metrics_port)
+        log.info("%s listening on %s:%d (metrics on :%d)", self.service, self.config.host,
+                 self.bound_port, self.metrics_port)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(self.grpc_service, status)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve_until_signalled(self, drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then stop admitting, drain, and stop the server."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass  # not the main thread (tests): request_stop() still works
+        await self._stop.wait()
+        log.info("%s draining (timeout %.0f s)", self.service, self.config.drain_timeout_s)
+        await self.set_serving(False)
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(), self.config.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("%s drain timed out; stopping with work in flight", self.service)
+        await self.server.stop(grace=2.0)
+        log.info("%s stopped", self.service)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run a service's main coroutine on uvloop when available."""
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())

@@ -1,0 +1,310 @@
+"""The Worker gRPC service: runs stages on an engine and publishes its load to Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from splitserve.config import WorkerConfig, default_worker_id, load_config
+from splitserve.errors import InvalidArgument, SplitserveError, Unavailable, abort
+from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.service import ServiceRuntime, run
+from splitserve.state import (
+    PrefillTask,
+    RedisRetryPolicy,
+    StateStore,
+    StateUnavailableError,
+    WorkerInfo,
+    WorkerLoadSnapshot,
+)
+from splitserve.telemetry import percentile_buckets, request_id_var
+from workers.engine import Engine, EngineConfig, SamplingParams
+from workers.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+
+STAGES = Counter("splitserve_worker_stages_total", "Stages finished, by finish reason", ["finish_reason"])
+TTFT = Histogram("splitserve_worker_ttft_seconds", "Stage arrival to first token", buckets=percentile_buckets(30.0))
+ITL = Histogram("splitserve_worker_itl_seconds", "Gap between consecutive tokens", buckets=percentile_buckets(2.0))
+KV_USED = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
+RUNNING = Gauge("splitserve_worker_running", "Requests running")
+WAITING = Gauge("splitserve_worker_waiting", "Requests waiting")
+
+
+def sampling_from_proto(sp: types_pb2.SamplingParams) -> SamplingParams:
+    """Engine sampling parameters from the wire message (unset optionals take engine defaults)."""
+    params = SamplingParams(
+        top_k=sp.top_k,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+    if sp.HasField("max_tokens"):
+        params.max_tokens = sp.max_tokens
+    if sp.HasField("temperature"):
+        params.temperature = sp.temperature
+    if sp.HasField("top_p"):
+        params.top_p = sp.top_p
+    if sp.HasField("seed"):
+        params.seed = sp.seed
+    return params
+
+
+def engine_config_from(config: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        model=config.model, dtype=config.dtype, device=config.device, block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len or None, kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
+        gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
+        batch_policy=config.batch_policy, num_threads=config.num_threads or None, detokenize=False,
+    )
+
+
+@dataclass
+class _LatencySamples:
+    ttft: list[float]
+    itl: list[float]
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """gRPC face of one engine."""
+
+    def __init__(self, server: "WorkerServer"):
+        self.server = server
+
+    async def Execute(self, stage: types_pb2.Stage, context):
+        srv = self.server
+        request_id_var.set(stage.request_id)
+        try:
+            if srv.draining:
+                raise Unavailable(f"worker {srv.worker_id} is draining")
+            if stage.kv_sources or stage.HasField("kv_sink"):
+                raise InvalidArgument("kv_sources/kv_sink: KV transfer between workers is not enabled on this worker",
+                                      param="kv_sources")
+            params = sampling_from_proto(stage.sampling)
+            engine_id = f"{stage.request_id}/{stage.stage_index}"
+            arrived = time.monotonic()
+            try:
+                events = await srv.loop.add(engine_id, list(stage.prompt_token_ids), params,
+                                            list(stage.generated_token_ids), stage.keep_kv)
+            except ValueError as err:
+                raise InvalidArgument(str(err)) from None
+        except SplitserveError as err:
+            await abort(context, err)
+            return
+        finished = False
+        last = arrived
+        first_ns = 0
+        try:
+            while True:
+                ev = await events.get()
+                now = time.monotonic()
+                if last == arrived:
+                    srv.samples.ttft.append(now - arrived)
+                    TTFT.observe(now - arrived)
+                    first_ns = time.time_ns()
+                else:
+                    srv.samples.itl.append(now - last)
+                    ITL.observe(now - last)
+                last = now
+                finished = ev.finished
+                yield types_pb2.TokenChunk(
+                    request_id=stage.request_id, token_ids=ev.token_ids, text=ev.text,
+                    finish_reason=ev.finish_reason or "", num_prompt_tokens=ev.num_prompt_tokens,
+                    num_output_tokens=ev.num_output_tokens, first_token_unix_ns=first_ns,
+                    emitted_unix_ns=time.time_ns(), stage_index=stage.stage_index, worker_id=srv.worker_id,
+                )
+                if finished:
+                    STAGES.labels(ev.finish_reason).inc()
+                    return
+        finally:
+            if not finished:  # caller went away or cancelled: free the blocks now
+                srv.loop.abort(engine_id)
+                STAGES.labels("abort").inc()
+
+    async def Cancel(self, request: types_pb2.CancelRequest, context):
+        loop = self.server.loop
+        ids = [rid for rid in loop.request_ids() if rid.split("/", 1)[0] == request.request_id]
+        for rid in ids:
+            loop.abort(rid)
+        return types_pb2.CancelResponse(cancelled=bool(ids))
+
+    async def GetLoad(self, request, context):
+        return self.server.load_proto()
+
+    async def SetRole(self, request: worker_pb2.SetRoleRequest, context):
+        if request.role not in ROLES:
+            await abort(context, InvalidArgument(f"role must be one of {ROLES}, got {request.role!r}", param="role"))
+        previous = self.server.role
+        self.server.role = request.role
+        await self.server.register()
+        log.info("role changed %s -> %s", previous, request.role)
+        return worker_pb2.SetRoleResponse(previous_role=previous, role=request.role)
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context):
+        timeout = request.deadline_ms / 1000 if request.deadline_ms else None
+        in_flight = await self.server.drain(timeout)
+        return worker_pb2.DrainResponse(in_flight=in_flight)
+
+    async def PrepareKv(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PrepareKv: KV transfer is not enabled on this worker")
+
+    async def PullKv(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PullKv: KV transfer is not enabled on this worker")
+
+    async def PushKv(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PushKv: KV transfer is not enabled on this worker")
+
+    async def Profile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Profile: use `splitserve profile` (not yet available)")
+
+
+class WorkerServer:
+    """A worker process's parts: engine thread, gRPC server, Redis publisher."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.runtime = ServiceRuntime("worker", config, config.port)
+        self.store = StateStore(
+            config.redis_url, config.redis_prefix,
+            retry_policy=RedisRetryPolicy(attempts=max(1, config.redis_connect_attempts)),
+            heartbeat_ttl_s=config.heartbeat_ttl_s, latency_window_s=config.latency_window_s,
+        )
+        self.role = config.role
+        self.draining = False
+        self.samples = _LatencySamples([], [])
+        self.worker_id = config.worker_id
+        self.address = ""
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        # redis-py can swallow a cancellation that lands mid-command; loops also check this.
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Connect Redis, load the engine, listen, register; raises on any failure."""
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.config.model:
+            raise ValueError("model: a model directory is required (--model or SPLITSERVE_WORKER_MODEL)")
+        await self.store.connect()
+        self.engine = await asyncio.to_thread(Engine, engine_config_from(self.config))
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        self.loop.start()
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.runtime.server)
+        await self.runtime.start()
+        port = self.runtime.bound_port
+        self.worker_id = self.worker_id or default_worker_id(self.config.host, port)
+        self.address = self.config.advertise_address or f"{self.config.host}:{port}"
+        await self.register()
+        await self.publish_load()
+        self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._publish_loop())]
+        await self.runtime.set_serving(True)
+        log.info("worker %s serving %s at %s (role %s)", self.worker_id, self.config.model, self.address, self.role)
+
+    async def register(self) -> None:
+        await self.store.register_worker(WorkerInfo(
+            worker_id=self.worker_id, address=self.address, role=self.role,
+            engine_kind=self.engine.spec.architecture, model=self.config.model,
+        ))
+
+    def load_snapshot(self) -> WorkerLoadSnapshot:
+        stats = self.loop.snapshot.stats
+        return WorkerLoadSnapshot(
+            worker_id=self.worker_id, role=self.role, engine_kind=self.engine.spec.architecture,
+            free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=stats.block_size,
+            running=stats.running, waiting=stats.waiting, queued_prefill_tokens=stats.queued_prefill_tokens,
+            draining=self.draining,
+        )
+
+    def load_proto(self) -> types_pb2.WorkerLoad:
+        s = self.load_snapshot()
+        return types_pb2.WorkerLoad(
+            worker_id=s.worker_id, role=s.role, engine_kind=s.engine_kind, free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks, block_size=s.block_size, running=s.running, waiting=s.waiting,
+            queued_prefill_tokens=s.queued_prefill_tokens, draining=s.draining,
+        )
+
+    async def publish_load(self) -> None:
+        snap = self.load_snapshot()
+        KV_USED.set(snap.total_blocks - snap.free_blocks)
+        RUNNING.set(snap.running)
+        WAITING.set(snap.waiting)
+        await self.store.publish_load(snap)
+        tasks = [PrefillTask(rid, l_hist, l_incr, enq) for rid, l_hist, l_incr, enq in self.loop.snapshot.prefill_queue]
+        await self.store.publish_prefill_queue(self.worker_id, tasks)
+        ttft, itl = self.samples.ttft, self.samples.itl
+        self.samples = _LatencySamples([], [])
+        now = time.time()
+        # Bounded per interval: the window statistics need a sample, not every token.
+        await asyncio.gather(*(self.store.record_ttft(self.worker_id, s, now) for s in ttft[-64:]),
+                             *(self.store.record_itl(self.worker_id, s, now) for s in itl[-64:]))
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.heartbeat_interval_s)  # periodic schedule, not synchronisation
+            try:
+                if not await self.store.heartbeat(self.worker_id):
+                    await self.register()  # expired (e.g. Redis restarted): come back
+            except Exception as err:
+                log.warning("heartbeat failed: %s", err)
+
+    async def _publish_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.load_interval_s)
+            try:
+                await self.publish_load()
+            except Exception as err:
+                log.warning("publishing load failed: %s", err)
+
+    async def drain(self, timeout_s: float | None) -> int:
+        """Stop admitting stages; wait until in-flight ones finish or the timeout passes."""
+        self.draining = True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.loop.num_in_flight and (deadline is None or time.monotonic() < deadline):
+            await asyncio.sleep(0.05)  # polling the engine's in-flight count, bounded by the deadline
+        return self.loop.num_in_flight
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await self.store.deregister_worker(self.worker_id)
+        except Exception as err:
+            log.warning("deregistering failed: %s", err)
+        if self.loop is not None:
+            self.loop.stop()
+        await self.runtime.server.stop(grace=1.0)
+        await self.store.close()
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGTERM; exits non-zero with a clear message when it cannot start."""
+    server = WorkerServer(config)
+    try:
+        await server.start()
+    except StateUnavailableError as err:
+        log.error("cannot reach Redis: %s", err)
+        sys.exit(2)
+    except (ValueError, FileNotFoundError) as err:
+        log.error("invalid worker configuration: %s", err)
+        sys.exit(2)
+    await server.runtime.serve_until_signalled(drain=lambda: server.drain(config.drain_timeout_s))
+    await server.stop()
+
+
+def main(config: WorkerConfig | None = None) -> None:
+    run(lambda: serve(config or load_config(WorkerConfig)))
+
+
+if __name__ == "__main__":
+    main()
