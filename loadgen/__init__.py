@@ -1,1 +1,1 @@
-"""Load generator: arrival processes, traces, workloads, sessions and metrics (pure core)."""
+"""Load generator: pure core (arrivals, traces, workloads, sessions, metrics) plus runner, targets, reports and CLI."""

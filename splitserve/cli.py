@@ -303,6 +303,15 @@ for _service in _SERVICE_MAINS:
 app.add_typer(serve_app, name="serve")
 
 
+def _mount_bench() -> None:
+    from loadgen.cli import bench_app
+
+    app.add_typer(bench_app, name="bench", help="Load generator: measure a splitserve or any OpenAI-compatible endpoint.")
+
+
+_mount_bench()
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING"))
     app()

@@ -119,6 +119,9 @@ class EngineLoop:
                 self.snapshot = self._take_snapshot()
                 if events:
                     self.loop.call_soon_threadsafe(self._deliver, events)
+                if not engine.last_step_tokens:  # nothing fits (KV held elsewhere): don't spin
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
             else:
                 self.snapshot = self._take_snapshot()
                 self._wake.wait(self.idle_wait_s)

@@ -71,14 +71,15 @@ class BlockManager:
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Block ids holding this sequence's longest cached prefix (no allocation).
 
-        At least one token is always left to compute, since the forward pass over it
-        produces the logits for the next token.
+        At least one token (of this stage's range) is always left to compute, since the
+        forward pass over it produces the logits for the next token.
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         hashes = self.update_block_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        end = seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at)
+        max_blocks = (end - 1) // self.block_size
         bs = self.block_size
         for i, h in enumerate(hashes[:max_blocks]):
             block_id = self._hash_to_block.get(h)
@@ -127,6 +128,36 @@ class BlockManager:
             block_id = self._pop_free()
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
+
+    def reserve(self, num_blocks: int) -> list[int]:
+        """Take blocks for KV arriving from another worker; they belong to no sequence yet."""
+        if num_blocks > self.num_free_blocks:
+            raise MemoryError(f"need {num_blocks} free KV blocks, have {self.num_free_blocks}")
+        taken = []
+        for _ in range(num_blocks):
+            block_id = self._pop_free()
+            self.blocks[block_id].ref_count = 1
+            taken.append(block_id)
+        return taken
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        """Return reserved blocks that no sequence adopted."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} was not a plain reservation"
+            self._free_plain.append(block_id)
+
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+        """Make reserved blocks (holding KV for [0, num_computed_tokens)) a new sequence's table."""
+        assert not seq.block_table, "adopt() is for sequences holding no blocks"
+        needed = self.blocks_for_tokens(num_computed_tokens)
+        if len(block_ids) < needed:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed_tokens} tokens")
+        self.release_reserved(block_ids[needed:])
+        seq.block_table = list(block_ids[:needed])
+        seq.num_computed_tokens = num_computed_tokens
+        self.commit_computed(seq)
 
     def commit_computed(self, seq: Sequence) -> None:
         """Index every fully computed block of `seq` in the prefix cache."""

@@ -78,6 +78,7 @@ class Engine:
             clock,
         )
         self._seed_rng = random.Random(config.seed)
+        self.last_step_tokens = 0  # 0 after a step that found nothing it could run
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s",
             self.spec.architecture, self.runner.device, self.runner.dtype, self.runner.num_blocks,
@@ -98,14 +99,20 @@ class Engine:
         *,
         output_token_ids: list[int] | None = None,
         prefix_kv: torch.Tensor | None = None,
+        prefix_blocks: list[int] | None = None,
+        prefix_len: int = 0,
+        stop_at: int | None = None,
         keep_kv: bool = False,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; raise ValueError naming the field for bad input.
 
         `output_token_ids` continues a request whose first outputs were generated
-        elsewhere; `prefix_kv` ([layers, 2, n, kv_heads, head_dim]) supplies the KV of
-        its first n tokens so they are not recomputed.
+        elsewhere. Its first tokens' KV may be supplied instead of computed: as a tensor
+        `prefix_kv` ([layers, 2, n, kv_heads, head_dim]), or as `prefix_blocks` reserved
+        with `reserve_kv` and filled by a transfer, holding tokens [0, prefix_len).
+        `stop_at` makes this a non-final stage: it finishes with "stage_end" once KV
+        covers [0, stop_at).
         """
         params = params or SamplingParams()
         prompt_ids = self._tokenize(prompt)
@@ -120,6 +127,7 @@ class Engine:
             seed=seed,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             keep_kv=keep_kv,
+            stop_at=stop_at if stop_at is not None and stop_at < len(prompt_ids) + params.max_tokens else None,
         )
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
@@ -127,8 +135,17 @@ class Engine:
                 seq.detokenizer.push(outputs)  # text of earlier stages is not re-emitted
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        known = seq.num_tokens
+        supplied = prefix_kv.shape[2] if prefix_kv is not None else prefix_len
+        if seq.stop_at is not None and seq.stop_at <= supplied:
+            raise ValueError(f"stop_at ({seq.stop_at}) must be beyond the supplied KV ({supplied} tokens)")
         if prefix_kv is not None:
             self._import_prefix(seq, prefix_kv)
+        elif prefix_blocks is not None:
+            if not 0 < prefix_len < known:
+                raise ValueError(f"prefix_len ({prefix_len}) must be in [1, {known - 1}] for {known} known tokens")
+            self.block_manager.adopt(seq, prefix_blocks, prefix_len)
+            seq.status = SequenceStatus.RUNNING
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -148,10 +165,28 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reserve_kv(self, num_tokens: int) -> list[int]:
+        """Reserve blocks for `num_tokens` tokens of KV that another worker will write."""
+        n = self.block_manager.blocks_for_tokens(num_tokens)
+        if n > self.block_manager.num_free_blocks:
+            raise KvCapacityError(f"need {n} free KV blocks for {num_tokens} tokens, have {self.block_manager.num_free_blocks}")
+        return self.block_manager.reserve(n)
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        self.block_manager.release_reserved(block_ids)
+
+    def kv_blocks(self, request_id: str) -> tuple[list[int], int]:
+        """The request's block table and how many tokens of it hold computed KV."""
+        seq = self.scheduler.sequences.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not in the engine")
+        return list(seq.block_table), seq.num_computed_tokens
+
     # ---- the loop -----------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """Schedule, run one forward pass, sample, and report what each request produced."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens
         if not out.entries:
             return []
         started = time.perf_counter()
@@ -159,9 +194,14 @@ class Engine:
         self.scheduler.on_step_done(out, time.perf_counter() - started)
         events = []
         for entry in out.entries:
-            token = sampled.get(entry.seq.request_id)
+            seq = entry.seq
+            token = sampled.get(seq.request_id)
             if token is not None:
-                events.append(self._append_token(entry.seq, token))
+                events.append(self._append_token(seq, token))
+            elif seq.reached_stage_end:  # a prefill-only stage: KV done, nothing sampled
+                self.scheduler.finish(seq, FinishReason.STAGE_END)
+                events.append(TokenEvent(seq.request_id, [], "", FinishReason.STAGE_END.value,
+                                         seq.prompt_len, seq.num_output_tokens))
         return events
 
     def stats(self) -> EngineStats:
@@ -202,6 +242,8 @@ class Engine:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= params.max_tokens:
             reason = FinishReason.LENGTH
+        elif seq.reached_stage_end:
+            reason = FinishReason.STAGE_END
         text = ""
         if seq.detokenizer is not None:
             text = seq.detokenizer.push([token], final=reason is not None)

@@ -113,7 +113,7 @@ class Scheduler:
             seq = self.sequences.get(entry.request_id)
             if seq is None or entry.request_id in scheduled or seq in out.preempted:
                 continue
-            n = min(entry.num_tokens, seq.num_uncomputed_tokens, tokens_left)
+            n = min(entry.num_tokens, seq.num_schedulable_tokens, tokens_left)
             if n <= 0:
                 continue
             if seq.status is SequenceStatus.RUNNING:
@@ -127,6 +127,8 @@ class Scheduler:
                 # Look up again: growing running sequences may have evicted cached blocks.
                 hits = bm.cached_prefix_blocks(seq)
                 n = min(n, seq.num_tokens - len(hits) * bm.block_size)
+                if seq.stop_at is not None:
+                    n = min(n, seq.stop_at - len(hits) * bm.block_size)
                 if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
                     admit_waiting = False  # FCFS: no one overtakes a blocked head
                     continue
@@ -189,6 +191,6 @@ def _view(seq: Sequence, num_computed_tokens: int) -> QueuedRequest:
         request_id=seq.request_id,
         arrival_time=seq.arrival_time,
         prompt_len=seq.prompt_len,
-        num_tokens=seq.num_tokens,
+        num_tokens=seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at),
         num_computed_tokens=num_computed_tokens,
     )

@@ -33,6 +33,8 @@ class Sequence:
     arrival_time: float
     # Keep KV blocks after finishing until `Engine.release` (for export to another stage).
     keep_kv: bool = False
+    # A non-final stage stops once KV covers tokens [0, stop_at) (ARCHITECTURE "the stage").
+    stop_at: int | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching).
@@ -58,6 +60,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens this stage may still compute KV for (bounded by `stop_at`)."""
+        end = len(self.token_ids) if self.stop_at is None else min(len(self.token_ids), self.stop_at)
+        return end - self.num_computed_tokens
+
+    @property
+    def reached_stage_end(self) -> bool:
+        return self.stop_at is not None and self.num_computed_tokens >= self.stop_at
 
     @property
     def in_prefill(self) -> bool:

@@ -71,14 +71,18 @@ class KvSource(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lazy: _Optional[bool] = ...) -> None: ...
 
 class KvSink(_message.Message):
-    __slots__ = ("worker_id", "chunk_tokens", "transfer_id")
+    __slots__ = ("worker_id", "chunk_tokens", "transfer_id", "start", "block_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_tokens: int
     transfer_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    start: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stage(_message.Message):
     __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv")

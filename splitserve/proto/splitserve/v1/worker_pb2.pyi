@@ -28,21 +28,23 @@ class PrepareKvResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "start", "end", "chunk_tokens")
+    __slots__ = ("transfer_id", "request_id", "start", "end", "chunk_tokens", "block_ids")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     start: int
     end: int
     chunk_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "start", "end", "payload", "dtype", "shape", "checksum", "last")
+    __slots__ = ("transfer_id", "request_id", "start", "end", "payload", "dtype", "shape", "checksum", "last", "block_ids", "src_worker")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,8 @@ class KvChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SRC_WORKER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     start: int
@@ -61,7 +65,9 @@ class KvChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     checksum: int
     last: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    src_worker: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., src_worker: _Optional[str] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("ok", "received_tokens", "error")

@@ -1,0 +1,341 @@
+"""Benchmark targets: the splitserve gRPC gateway and any OpenAI-compatible HTTP server.
+
+Both answer ``await target.send(request)`` with a :class:`~loadgen.plan.StreamedResult`
+whose times are ``time.perf_counter()`` seconds since ``target.origin_s`` (the runner
+sets it to the run's start). Serving errors never raise: they come back as
+``ok=False`` with the error text, together with whatever arrived before them.
+
+``token_times_s`` holds one entry per token the stream showed (the tokens of one chunk
+share its arrival time); ``output_len`` is the server's usage count when it reports one.
+gRPC shows every token id, so the two agree; an OpenAI stream without per-chunk usage
+shows one token per non-empty text delta, so a text-less token has no time of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from loadgen.plan import BenchRequest, StreamedResult
+
+__all__ = ["GrpcTarget", "OpenAITarget", "make_target", "synthetic_text", "vocab_size_of_model"]
+
+DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 600.0
+
+# Common English words that are one token in most BPE vocabularies: the text stand-in
+# for token ids when a server refuses token-id prompts, so lengths stay roughly right.
+_WORDS = (
+    "the of and to in is was for on that with as by at from his an were are which this be has or had not "
+    "but first one their its new after who they have her she two been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can "
+    "state about national out known university united then made"
+).split()
+
+
+class _StreamRecorder:
+    """Collects one request's observations while it streams; builds the result at the end."""
+
+    def __init__(self, target: Any, request: BenchRequest):
+        self.target = target
+        self.request = request
+        self.arrival_s = target.now()
+        self.token_times_s: list[float] = []
+        self.output_ids: list[int] = []
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.error: str | None = None
+
+    def tokens(self, count: int, ids: list[int] | None = None) -> None:
+        """``count`` tokens arrived now (all in one chunk, so they share a timestamp)."""
+        now = self.target.now()
+        self.token_times_s.extend([now] * count)
+        if ids:
+            self.output_ids.extend(ids)
+
+    def result(self) -> StreamedResult:
+        # The server's usage is the truth about lengths. Token times stay those the stream
+        # showed: tokens it never showed (empty text deltas are not sent) get no invented
+        # time, so ITL is the gaps the client saw, as in vLLM's benchmark.
+        end_s = self.target.now()
+        if self.completion_tokens and not self.token_times_s:
+            self.token_times_s.append(end_s)  # output existed but was invisible until the end
+        output_len = self.completion_tokens if self.completion_tokens is not None else len(self.token_times_s)
+        ok = self.error is None and output_len > 0
+        return StreamedResult(
+            request_id=self.request.request_id,
+            session_id=self.request.session_id,
+            round_index=self.request.round_index,
+            arrival_s=self.arrival_s,
+            first_token_s=self.token_times_s[0] if self.token_times_s else None,
+            token_times_s=self.token_times_s,
+            end_s=end_s,
+            prompt_len=self.prompt_tokens if self.prompt_tokens is not None else self.request.prompt_len,
+            output_len=output_len,
+            ok=ok,
+            error=self.error if self.error is not None else (None if ok else "no output tokens"),
+            output_token_ids=self.output_ids,
+        )
+
+
+def _error_text(err: BaseException) -> str:
+    if isinstance(err, asyncio.CancelledError):
+        return "cancelled"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+class GrpcTarget:
+    """The splitserve gateway over gRPC (``splitserve.client.AsyncClient``)."""
+
+    kind = "grpc"
+
+    def __init__(self, address: str = DEFAULT_GRPC_TARGET, api_key: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, slo_ttft_ms: int | None = None,
+                 slo_itl_ms: int | None = None):
+        self.address = address
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.slo_ttft_ms = slo_ttft_ms
+        self.slo_itl_ms = slo_itl_ms
+        self.model: str | None = None
+        self.origin_s = time.perf_counter()
+        self._client: Any = None
+
+    def now(self) -> float:
+        """Seconds since ``origin_s``."""
+        return time.perf_counter() - self.origin_s
+
+    def _sdk(self) -> Any:
+        # Created on first use: a grpc.aio channel belongs to the running event loop.
+        if self._client is None:
+            from splitserve.client import AsyncClient
+
+            # No retries: a benchmark reports failures rather than hiding them in TTFT.
+            self._client = AsyncClient(self.address, api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
+        return self._client
+
+    async def info(self) -> dict[str, Any]:
+        """What the gateway serves (model id, max_model_len); errors are reported, not raised."""
+        try:
+            models = await self._sdk().list_models(timeout_s=10)
+        except Exception as err:  # noqa: BLE001 -- informational only
+            return {"kind": self.kind, "address": self.address, "error": _error_text(err)}
+        self.model = models[0].id if models else None
+        max_len = models[0].max_model_len if models else None
+        return {"kind": self.kind, "address": self.address, "model": self.model, "max_model_len": max_len}
+
+    async def send(self, request: BenchRequest) -> StreamedResult:
+        """Stream one request; see the module docstring for the timing and error contract."""
+        rec = _StreamRecorder(self, request)
+        try:
+            stream = self._sdk().stream(
+                request.prompt_token_ids, max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
+                session_id=request.session_id, slo_ttft_ms=self.slo_ttft_ms, slo_itl_ms=self.slo_itl_ms)
+            async for chunk in stream:
+                if chunk.token_ids:
+                    rec.tokens(len(chunk.token_ids), list(chunk.token_ids))
+                if chunk.usage is not None:
+                    rec.prompt_tokens = chunk.usage.prompt_tokens
+                    rec.completion_tokens = chunk.usage.completion_tokens
+        except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 -- recorded, never raised
+            # A cancelled send (duration limit) still returns what it saw, so the task
+            # completes with a result instead of being cancelled.
+            rec.error = _error_text(err)
+        return rec.result()
+
+    async def aclose(self) -> None:
+        """Close the gRPC channel."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+class OpenAITarget:
+    """Any OpenAI-compatible server, through streaming ``POST {base_url}/completions``."""
+
+    kind = "openai"
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = normalise_base_url(base_url)
+        self.transport = transport  # tests inject httpx.MockTransport
+        self.model = model
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.origin_s = time.perf_counter()
+        self.token_id_prompts = True  # switched off for good once the server refuses them
+        self._http: httpx.AsyncClient | None = None
+        self._model_lock: asyncio.Lock | None = None
+
+    def now(self) -> float:
+        """Seconds since ``origin_s``."""
+        return time.perf_counter() - self.origin_s
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            # No connection cap: an open-loop run must not queue requests inside the client.
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url, headers=headers, transport=self.transport,
+                timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        return self._http
+
+    async def _resolve_model(self) -> str:
+        if self.model is None:
+            if self._model_lock is None:
+                self._model_lock = asyncio.Lock()
+            async with self._model_lock:
+                if self.model is None:
+                    response = await self._client().get("/models")
+                    response.raise_for_status()
+                    self.model = response.json()["data"][0]["id"]
+        return self.model
+
+    async def info(self) -> dict[str, Any]:
+        """The served model (first of ``/v1/models`` unless given) and its max_model_len if listed."""
+        try:
+            response = await self._client().get("/models")
+            response.raise_for_status()
+            listed = response.json().get("data", [])
+        except Exception as err:  # noqa: BLE001 -- informational only
+            return {"kind": self.kind, "address": self.base_url, "error": _error_text(err)}
+        if self.model is None and listed:
+            self.model = listed[0]["id"]
+        model = self.model
+        entry = next((m for m in listed if m.get("id") == model), {})
+        return {"kind": self.kind, "address": self.base_url, "model": model,
+                "max_model_len": entry.get("max_model_len")}
+
+    def _body(self, request: BenchRequest, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": request.prompt_token_ids if self.token_id_prompts else synthetic_text(request.prompt_token_ids),
+            "max_tokens": request.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            # continuous_usage_stats (vLLM, SGLang) puts usage on every chunk: exact tokens per chunk.
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": True,
+        }
+        if request.session_id:
+            body["session_id"] = request.session_id  # splitserve extension; others ignore it
+        return body
+
+    async def send(self, request: BenchRequest) -> StreamedResult:
+        """Stream one completion; see the module docstring for the timing and error contract."""
+        try:
+            model = await self._resolve_model()
+        except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 -- recorded, never raised
+            rec = _StreamRecorder(self, request)
+            rec.error = f"model lookup: {_error_text(err)}"
+            return rec.result()
+        rec = _StreamRecorder(self, request)  # the clock starts once the request itself goes out
+        try:
+            refused = await self._stream(request, model, rec)
+            if refused and self.token_id_prompts:
+                # The server takes no token-id prompts: fall back to text for this and later requests.
+                self.token_id_prompts = False
+                rec = _StreamRecorder(self, request)
+                await self._stream(request, model, rec)
+        except (Exception, asyncio.CancelledError) as err:  # noqa: BLE001 -- recorded, never raised
+            rec.error = _error_text(err)
+        return rec.result()
+
+    async def _stream(self, request: BenchRequest, model: str, rec: _StreamRecorder) -> bool:
+        """Run one streamed completion into ``rec``; True when the server refused a token-id prompt."""
+        async with self._client().stream("POST", "/completions", json=self._body(request, model)) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                message = _error_message(text)
+                if self.token_id_prompts and response.status_code in (400, 422) and _refuses_token_ids(message):
+                    return True
+                rec.error = f"HTTP {response.status_code}: {message}"
+                return False
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    rec.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                    break
+                self._count_chunk(chunk, rec)
+        return False
+
+    @staticmethod
+    def _count_chunk(chunk: dict[str, Any], rec: _StreamRecorder) -> None:
+        usage = chunk.get("usage") or {}
+        completion = usage.get("completion_tokens")
+        choices = chunk.get("choices") or []
+        if completion is not None:
+            # Cumulative usage (per chunk or final) tells exactly how many tokens are new.
+            new = completion - len(rec.token_times_s)
+            if choices and new > 0:
+                rec.tokens(new)
+            rec.completion_tokens = completion
+            rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+        elif choices and choices[0].get("text"):
+            rec.tokens(1)  # without usage, one non-empty delta counts as one token
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+def _error_message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:500]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)[:500]
+    return str(error)[:500]
+
+
+def _refuses_token_ids(message: str) -> bool:
+    # A complaint about the prompt that is not about its length: its token-id form was refused.
+    text = message.lower()
+    return "prompt" in text and not any(word in text for word in ("length", "long", "context", "max_model_len"))
+
+
+def normalise_base_url(url: str) -> str:
+    """``http://host:port`` -> ``http://host:port/v1``; a URL with a path is kept as given."""
+    url = url.rstrip("/")
+    return url + "/v1" if urlsplit(url).path in ("", "/") else url
+
+
+def synthetic_text(token_ids: list[int]) -> str:
+    """Roughly ``len(token_ids)`` tokens of text, chosen deterministically from the ids."""
+    return " ".join(_WORDS[t % len(_WORDS)] for t in token_ids)
+
+
+def make_target(address: str, api_key: str | None = None, model: str | None = None,
+                slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None) -> GrpcTarget | OpenAITarget:
+    """An OpenAI target for an ``http(s)://`` URL, else a gRPC target for ``host:port``."""
+    if address.startswith(("http://", "https://")):
+        return OpenAITarget(address, model=model, api_key=api_key)
+    return GrpcTarget(address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
+
+
+def vocab_size_of_model(model: str | None) -> int | None:
+    """``vocab_size`` from ``config.json`` when ``model`` names a local model directory."""
+    if not model:
+        return None
+    config = Path(model).expanduser() / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None

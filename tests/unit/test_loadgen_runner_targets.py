@@ -1,0 +1,132 @@
+"""The OpenAI HTTP target's SSE parsing, token counting and fallbacks, against httpx.MockTransport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from loadgen.plan import BenchRequest
+from loadgen.targets import OpenAITarget, make_target, normalise_base_url, synthetic_text
+
+MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]}
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _chunk(text: str, usage: dict | None = None, finish: str | None = None) -> dict:
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+            "usage": usage}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Server:
+    """A scripted OpenAI server: ``completions(body) -> httpx.Response``; records request bodies."""
+
+    def __init__(self, completions):
+        self.completions = completions
+        self.bodies: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        assert request.url.path == "/v1/completions"
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        return self.completions(body)
+
+
+def _send(server, *requests: BenchRequest, **kwargs):
+    async def go():
+        target = OpenAITarget("http://test/v1", transport=httpx.MockTransport(server), **kwargs)
+        try:
+            return target, [await target.send(r) for r in requests]
+        finally:
+            await target.aclose()
+
+    return asyncio.run(go())
+
+
+REQUEST = BenchRequest("r0", [5, 6, 7], 5)
+
+
+def test_final_usage_is_the_truth_and_token_times_are_what_the_stream_showed():
+    events = [_chunk("a"), _chunk("bc"), _chunk("d", finish="length"),
+              {"object": "text_completion", "choices": [], "usage": _usage(3, 5)}]
+    server = Server(lambda body: httpx.Response(200, content=_sse(*events)))
+    target, (result,) = _send(server, REQUEST)
+    assert result.ok and result.error is None
+    assert result.output_len == 5 and len(result.token_times_s) == 3
+    assert result.prompt_len == 3
+    assert result.token_times_s[-1] <= result.end_s
+    assert result.first_token_s == result.token_times_s[0] >= result.arrival_s
+    body = server.bodies[0]
+    assert body["model"] == "tiny" and body["prompt"] == [5, 6, 7] and body["max_tokens"] == 5
+    assert body["stream"] is True and body["ignore_eos"] is True
+    assert body["stream_options"]["include_usage"] is True
+    assert "session_id" not in body
+
+
+def test_continuous_usage_counts_tokens_per_chunk():
+    events = [_chunk("a", _usage(3, 1)), _chunk("bcd", _usage(3, 4)), _chunk("e", _usage(3, 5), "length"),
+              {"object": "text_completion", "choices": [], "usage": _usage(3, 5)}]
+    server = Server(lambda body: httpx.Response(200, content=_sse(*events)))
+    _, (result,) = _send(server, BenchRequest("r0", [1, 2, 3], 5, session_id="s", round_index=1))
+    times = result.token_times_s
+    assert len(times) == 5 and times[1] == times[2] == times[3]
+    assert result.session_id == "s" and result.round_index == 1
+    assert server.bodies[0]["session_id"] == "s"
+
+
+def test_output_shown_only_at_the_end_gets_one_time():
+    events = [_chunk("", finish="length"), {"object": "text_completion", "choices": [], "usage": _usage(3, 4)}]
+    _, (result,) = _send(Server(lambda body: httpx.Response(200, content=_sse(*events))), REQUEST)
+    assert result.ok and result.output_len == 4 and result.token_times_s == [result.first_token_s]
+
+
+def test_refused_token_ids_fall_back_to_text_for_good():
+    def completions(body):
+        if isinstance(body["prompt"], list):
+            return httpx.Response(400, json={"error": {"message": "prompt must be a string"}})
+        return httpx.Response(200, content=_sse(_chunk("x", _usage(3, 1), "length")))
+
+    server = Server(completions)
+    target, results = _send(server, BenchRequest("r0", [5, 6, 7], 1), BenchRequest("r1", [8, 9], 1))
+    assert all(r.ok for r in results)
+    assert not target.token_id_prompts
+    assert [type(b["prompt"]).__name__ for b in server.bodies] == ["list", "str", "str"]
+    assert server.bodies[1]["prompt"] == synthetic_text([5, 6, 7])
+
+
+@pytest.mark.parametrize("response, expected", [
+    (httpx.Response(429, json={"error": {"message": "overloaded"}}), "HTTP 429: overloaded"),
+    (httpx.Response(400, json={"error": {"message": "prompt is too long for max_model_len"}}),
+     "HTTP 400: prompt is too long for max_model_len"),
+    (httpx.Response(200, content=_sse(_chunk("a"), {"error": {"message": "worker died"}})),
+     "stream error: worker died"),
+])
+def test_errors_become_failed_results(response, expected):
+    _, (result,) = _send(Server(lambda body: response), REQUEST)
+    assert not result.ok and result.error == expected
+
+
+def test_connection_errors_never_raise():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+
+    _, (result,) = _send(refuse, REQUEST, model="m")
+    assert not result.ok and "ConnectError" in result.error and result.output_len == 0
+
+
+def test_target_selection_and_urls():
+    assert make_target("http://h:8000/v1").kind == "openai"
+    assert make_target("127.0.0.1:50051").kind == "grpc"
+    assert normalise_base_url("http://h:8000") == "http://h:8000/v1"
+    assert normalise_base_url("https://h/api/v1/") == "https://h/api/v1"

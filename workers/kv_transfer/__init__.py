@@ -1,0 +1,1 @@
+"""Moving KV blocks between workers: NIXL (UCX) or gRPC byte streams."""

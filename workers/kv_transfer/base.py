@@ -1,0 +1,162 @@
+"""The KV transport interface and the worker memory it moves blocks of.
+
+A worker's KV cache is one tensor [blocks, layers, 2, block_size, kv_heads, head_dim]
+(block-major), so one block is one contiguous byte range: a transfer is a list of
+(source block, destination block) pairs. Chunk boundaries are block-aligned.
+
+The receiving side learns that a chunk landed through a `ChunkCallback(chunk, checksum_ok)`
+that its transport calls on the event loop once the bytes are in place. The transport
+does the integrity check itself (gRPC: crc32 of each received payload; NIXL: crc32 of
+the written destination blocks against the sender's checksum in the notification), so
+the receiver never touches checksums.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+
+class KvTransferError(RuntimeError):
+    """A transfer failed, timed out or arrived incomplete; the receiver recomputes."""
+
+
+class KvMemory:
+    """A worker's KV cache viewed as numbered fixed-size blocks of bytes."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous to be registered for transfer")
+        self.tensor = kv_cache
+        self.num_blocks = kv_cache.shape[0]
+        # Tokens per block: dim 3 of [blocks, layers, 2, block_size, kv_heads, head_dim].
+        self.block_size = kv_cache.shape[3] if kv_cache.dim() >= 4 else 1
+        self.dtype_name = str(kv_cache.dtype).removeprefix("torch.")
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.device = str(kv_cache.device)
+        self.base_ptr = kv_cache.data_ptr()
+        # A flat byte view: block i is bytes [i * block_bytes, (i + 1) * block_bytes).
+        self._bytes = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
+        # CPU caches are copied through a numpy view of the same memory.
+        self._host = self._bytes.numpy() if kv_cache.device.type == "cpu" else None
+
+    def block_addr(self, block_id: int) -> int:
+        return self.base_ptr + block_id * self.block_bytes
+
+    def read(self, block_ids: list[int]) -> bytes:
+        """Copy of the blocks' bytes, in order (CPU bytes even for CUDA caches)."""
+        if self._host is None:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
+            return self._bytes.index_select(0, idx).cpu().numpy().tobytes()
+        # One allocation and one copy: fresh pages are expensive, so no staging tensor.
+        runs = block_runs(block_ids)
+        if len(runs) == 1:
+            return self._host[runs[0][0] : runs[0][1]].tobytes()
+        return b"".join(self._host[a:b].reshape(-1) for a, b in runs)
+
+    def write(self, block_ids: list[int], payload: bytes) -> None:
+        """Overwrite the blocks with `payload` (len = len(block_ids) * block_bytes)."""
+        if len(payload) != len(block_ids) * self.block_bytes:
+            raise KvTransferError(
+                f"payload of {len(payload)} bytes does not fill {len(block_ids)} blocks of {self.block_bytes} bytes"
+            )
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
+        if self._host is not None:
+            done = 0
+            for a, b in block_runs(block_ids):
+                self._host[a:b] = src[done : done + b - a]
+                done += b - a
+            return
+        with warnings.catch_warnings():  # read-only source: torch warns, but only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            staged = torch.from_numpy(src)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
+        self._bytes.index_copy_(0, idx, staged.to(self._bytes.device))
+
+    def checksum(self, block_ids: list[int]) -> int:
+        """zlib.crc32 of the blocks' bytes, in order."""
+        if self._host is None:
+            return zlib.crc32(self.read(block_ids))
+        crc = 0
+        for a, b in block_runs(block_ids):  # straight from the cache, no copy
+            crc = zlib.crc32(self._host[a:b].reshape(-1), crc)
+        return crc
+
+
+def block_runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Consecutive runs [a, b) of block ids, in the given order."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], block + 1)
+        else:
+            runs.append((block, block + 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Copy `src_blocks` on the source worker to `dst_blocks` on the destination, pairwise."""
+
+    transfer_id: str
+    src_worker: str
+    dst_worker: str
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    token_start: int  # the token range these blocks hold, for the receiver's bookkeeping
+    token_end: int
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.dst_blocks or len(self.src_blocks) not in (0, len(self.dst_blocks)):
+            # src_blocks may be empty only on the receiving side of a gRPC push, whose
+            # wire format carries destination blocks alone.
+            raise ValueError(
+                f"transfer {self.transfer_id}: {len(self.src_blocks)} source blocks for "
+                f"{len(self.dst_blocks)} destination blocks"
+            )
+        if not 0 <= self.token_start <= self.token_end:
+            raise ValueError(f"transfer {self.transfer_id}: bad token range [{self.token_start}, {self.token_end})")
+
+
+# Called by a transport on the receiving worker's event loop, once per arrived chunk.
+ChunkCallback = Callable[[BlockTransfer, bool], None]
+
+
+def chunk_token_range(transfer: BlockTransfer, first_block: int, num_blocks: int, block_size: int) -> tuple[int, int]:
+    """Tokens held by blocks [first_block, first_block + num_blocks) of the transfer."""
+    # Block k of a transfer holds tokens from the block-aligned start below token_start.
+    aligned = transfer.token_start - transfer.token_start % block_size
+    start = max(transfer.token_start, aligned + first_block * block_size)
+    end = min(transfer.token_end, aligned + (first_block + num_blocks) * block_size)
+    return start, max(start, end)
+
+
+class KvTransport(Protocol):
+    """Moves blocks between two workers' KvMemory; one instance per worker."""
+
+    name: str  # "nixl" | "grpc"
+
+    async def start(self) -> None:
+        """Register local memory and publish whatever peers need to reach it."""
+
+    async def push(self, transfer: BlockTransfer, checksum: int, timeout_s: float) -> None:
+        """Write local src_blocks into the peer's dst_blocks, then notify the peer.
+
+        `checksum` is `memory.checksum(src_blocks)`. The peer's `on_chunk(chunk, checksum_ok)`
+        runs once the bytes are in place. Raises KvTransferError on failure or timeout.
+        """
+
+    async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
+        """Read the peer's src_blocks into local dst_blocks; returns crc32 of the received bytes.
+
+        The gRPC transport checks every streamed chunk against the source's crc32 and raises
+        KvTransferError on a mismatch; NIXL relies on the transport's own integrity.
+        """
+
+    async def close(self) -> None: ...
