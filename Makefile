@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	# NIXL (KV transfer over UCX): the CUDA-13 wheel carries the UCX plugins; --no-deps
+	# keeps pip from also pulling the CUDA-12 variant. Without it, KV moves over gRPC.
+	$(PY) -c "import nixl" 2>/dev/null || ($(PIP) install -q "nixl-cu13>=1.5" && $(PIP) install -q --no-deps "nixl>=1.5") \
+		|| echo "nixl not installed: KV transfer falls back to gRPC"
 	touch $(STAMP)
 
 test: setup

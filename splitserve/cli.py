@@ -179,7 +179,10 @@ _SERVICE_MAINS = {
 def up(
     workers: int = typer.Option(2, help="Number of worker processes."),
     model: Optional[Path] = typer.Option(None, help="Model directory (default: build the demo model)."),
-    policy: str = typer.Option("least_loaded", help="Placement policy of the global scheduler."),
+    policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | split."),
+    prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
+    split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),
+    kv_transport: str = typer.Option("auto", help="KV transfer between workers: auto | nixl | grpc."),
     http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP API port."),
     grpc_port: int = typer.Option(50051, help="gRPC Gateway port."),
     redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SPLITSERVE_REDIS_URL",
@@ -202,12 +205,15 @@ def up(
     spec = ClusterSpec(
         model=str(model_dir), workers=workers, policy=policy, http_port=http_port, grpc_port=grpc_port,
         redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,
-        worker_args={"max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes},
+        prefill_workers=prefill_workers,
+        worker_args={"max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+                     "kv_transport": kv_transport},
+        scheduler_args={"split_ratio": split_ratio},
     )
     console.print(f"starting {workers} workers on {model_dir} (logs in {log_dir}/) ...")
     try:
         cluster = start_cluster(spec)
-    except (RuntimeError, TimeoutError) as err:
+    except (RuntimeError, TimeoutError, ValueError) as err:
         console.print(f"[red]cluster failed to start:[/red] {err}")
         raise typer.Exit(1)
     stop = {"now": False}

@@ -68,6 +68,10 @@ class WorkerConfig(CommonConfig):
     load_interval_s: float = opt(0.1, "How often load, prefill-queue metadata and latency samples are published.")
     heartbeat_ttl_s: float = opt(3.0, "How long the registry keeps a worker without a heartbeat.")
     latency_window_s: float = opt(10.0, "Window of the TTFT/ITL samples published to Redis.")
+    kv_transport: str = opt("auto", "KV transfer between workers: auto (NIXL when importable) | nixl | grpc.")
+    kv_transfer_timeout_s: float = opt(10.0, "Longest wait for a stage's incoming KV before recomputing it from tokens.")
+    kv_reservation_ttl_s: float = opt(60.0, "Reserved KV blocks no stage claimed are freed after this.")
+    kv_fault_injection: str = opt("", "Testing only: corrupt | truncate the KV this worker pushes.")
 
     SERVICE: typing.ClassVar[str] = "worker"
 
@@ -77,7 +81,8 @@ class SchedulerConfig(CommonConfig):
     """The global scheduler: placement of requests onto workers."""
 
     port: int = opt(50071, "gRPC port of the GlobalScheduler service.")
-    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded.")
+    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split.")
+    split_ratio: float = opt(0.5, "split policy: phi, the fraction of prompt + max_tokens run on the first worker.")
     view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
 
     SERVICE: typing.ClassVar[str] = "scheduler"
@@ -91,6 +96,8 @@ class CoordinatorConfig(CommonConfig):
     scheduler_address: str = opt("127.0.0.1:50071", "host:port of the global scheduler.")
     request_record_ttl_s: float = opt(600.0, "How long request records stay in Redis.")
     request_timeout_s: float = opt(600.0, "Deadline of a request when the caller sets none.")
+    kv_chunk_tokens: int = opt(64, "Tokens per pushed KV chunk between stages (rounded up to whole blocks).")
+    migration_timeout_s: float = opt(20.0, "How long to keep re-placing a request whose worker died mid-stream.")
 
     SERVICE: typing.ClassVar[str] = "coordinator"
 

@@ -28,8 +28,11 @@ class ClusterSpec:
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = ""  # default: a fresh prefix per cluster
     host: str = "127.0.0.1"
-    worker_args: dict[str, str] = field(default_factory=dict)
-    gateway_args: dict[str, str] = field(default_factory=dict)
+    prefill_workers: int = 0  # > 0: the first N workers get role prefill, the others decode
+    worker_args: dict[str, object] = field(default_factory=dict)
+    gateway_args: dict[str, object] = field(default_factory=dict)
+    scheduler_args: dict[str, object] = field(default_factory=dict)
+    coordinator_args: dict[str, object] = field(default_factory=dict)
     log_dir: Path | None = None
     log_json: bool = True
 
@@ -40,6 +43,7 @@ class Child:
     process: subprocess.Popen
     grpc_address: str
     log_path: Path | None
+    metrics_port: int = 0
 
 
 @dataclass
@@ -72,6 +76,9 @@ class Cluster:
         if self.private_redis is not None:
             self.private_redis.stop()
 
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.process.poll() is not None]
 
@@ -95,16 +102,21 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     sched_port, coord_port = free_port(), free_port()
     plan: list[tuple[str, str, dict[str, object]]] = [
         ("scheduler", f"{spec.host}:{sched_port}",
-         {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0}),
+         {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0, **spec.scheduler_args}),
         ("coordinator", f"{spec.host}:{coord_port}",
-         {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}", "metrics_port": 0}),
+         {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}", "metrics_port": 0,
+          **spec.coordinator_args}),
     ]
+    if spec.prefill_workers >= spec.workers:
+        raise ValueError(f"prefill_workers ({spec.prefill_workers}) must leave at least one decode worker "
+                         f"of {spec.workers}")
     worker_addresses = []
     for i in range(spec.workers):
         port = free_port()
         worker_addresses.append(f"{spec.host}:{port}")
         plan.append((f"worker-{i}", f"{spec.host}:{port}",
                      {**common, "port": port, "worker_id": f"worker-{i}", "model": spec.model, "metrics_port": 0,
+                      "role": ("prefill" if i < spec.prefill_workers else "decode") if spec.prefill_workers else "both",
                       **spec.worker_args}))
     plan.append(("gateway", f"{spec.host}:{spec.grpc_port}",
                  {**common, "port": spec.grpc_port, "http_port": spec.http_port, "model": spec.model,
@@ -118,9 +130,11 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
         for name, address, options in plan:
             log_path = spec.log_dir / f"{name}.log" if spec.log_dir else None
             out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+            if name != "gateway":  # the gateway serves /metrics on its HTTP port
+                options = {**options, "metrics_port": free_port()}
             proc = subprocess.Popen(_serve_cmd(name.split("-")[0], options), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            children.append(Child(name, proc, address, log_path))
+            children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0))))
         # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
         children.reverse()
         wait_healthy(cluster, ready_timeout_s)

@@ -52,6 +52,8 @@ class ServiceRuntime:
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
+        # grpc_health reports "" as SERVING by default; readiness is ours to declare.
+        await self.set_serving(False)
         self.bound_port = self.server.add_insecure_port(f"{self.config.host}:{self.port}")
         if self.bound_port == 0:
             raise RuntimeError(f"{self.service}: cannot listen on {self.config.host}:{self.port}")

@@ -40,6 +40,9 @@ class _Add:
     keep_kv: bool
     accepted: asyncio.Future
     events: asyncio.Queue
+    stop_at: int | None = None
+    prefix_blocks: list[int] | None = None
+    prefix_len: int = 0
 
 
 class EngineLoop:
@@ -53,6 +56,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[str, asyncio.Queue] = {}
+        # request id -> callback(num_computed_tokens, block_table), called after steps that advance it
+        self._watchers: dict[str, Callable[[int, list[int]], None]] = {}
+        self._watched_progress: dict[str, int] = {}
         self.snapshot = self._take_snapshot()
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -74,13 +80,15 @@ class EngineLoop:
 
     async def add(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-        output_ids: list[int] | None = None, keep_kv: bool = False,
+        output_ids: list[int] | None = None, keep_kv: bool = False, *,
+        stop_at: int | None = None, prefix_blocks: list[int] | None = None, prefix_len: int = 0,
     ) -> asyncio.Queue:
         """Queue a request; raises the engine's ValueError for bad input. Returns its event queue."""
         events: asyncio.Queue = asyncio.Queue()
         accepted = self.loop.create_future()
         self._streams[request_id] = events
-        self._send(_Add(request_id, prompt_ids, params, list(output_ids or []), keep_kv, accepted, events))
+        self._send(_Add(request_id, prompt_ids, params, list(output_ids or []), keep_kv, accepted, events,
+                        stop_at, prefix_blocks, prefix_len))
         try:
             await accepted
         except BaseException:
@@ -93,6 +101,13 @@ class EngineLoop:
         known = self._streams.pop(request_id, None) is not None
         self._send(("abort", request_id))
         return known
+
+    def watch(self, request_id: str, callback: Callable[[int, list[int]], None]) -> None:
+        """Report a request's KV progress after every step that advances it (chunked push)."""
+        self._watchers[request_id] = callback
+
+    def unwatch(self, request_id: str) -> None:
+        self._watchers.pop(request_id, None)
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the engine thread between steps; resolves with its result."""
@@ -117,6 +132,8 @@ class EngineLoop:
                     events = self._abort_all_running()
                 self.steps += 1
                 self.snapshot = self._take_snapshot()
+                if self._watchers:
+                    self._report_progress()
                 if events:
                     self.loop.call_soon_threadsafe(self._deliver, events)
                 if not engine.last_step_tokens:  # nothing fits (KV held elsewhere): don't spin
@@ -137,13 +154,15 @@ class EngineLoop:
                 try:
                     self.engine.add_request(
                         command.request_id, command.prompt_ids, command.params,
-                        output_token_ids=command.output_ids, keep_kv=command.keep_kv,
+                        output_token_ids=command.output_ids, keep_kv=command.keep_kv, stop_at=command.stop_at,
+                        prefix_blocks=command.prefix_blocks, prefix_len=command.prefix_len,
                     )
                     self.loop.call_soon_threadsafe(_resolve, command.accepted, None, None)
                 except Exception as err:  # ValueError for bad input; anything else is reported too
                     self.loop.call_soon_threadsafe(_resolve, command.accepted, None, err)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+                self._watched_progress.pop(command[1], None)
             elif command[0] == "call":
                 _, fn, fut = command
                 try:
@@ -151,6 +170,15 @@ class EngineLoop:
                 except Exception as err:
                     result, error = None, err
                 self.loop.call_soon_threadsafe(_resolve, fut, result, error)
+
+    def _report_progress(self) -> None:
+        sequences = self.engine.scheduler.sequences
+        for request_id, callback in list(self._watchers.items()):
+            seq = sequences.get(request_id)
+            if seq is None or self._watched_progress.get(request_id) == seq.num_computed_tokens:
+                continue
+            self._watched_progress[request_id] = seq.num_computed_tokens
+            self.loop.call_soon_threadsafe(callback, seq.num_computed_tokens, list(seq.block_table))
 
     def _abort_all_running(self) -> list[TokenEvent]:
         events = []

@@ -24,8 +24,12 @@ from splitserve.state import (
     WorkerLoadSnapshot,
 )
 from splitserve.telemetry import percentile_buckets, request_id_var
-from workers.engine import Engine, EngineConfig, SamplingParams
+from workers.engine import Engine, EngineConfig, KvCapacityError, SamplingParams
 from workers.engine_loop import EngineLoop
+from workers.kv_stages import KvStageManager
+from workers.kv_transfer.base import KvMemory
+from workers.kv_transfer.grpc_transport import GrpcTransport
+from workers.kv_transfer.tracker import TransferTracker
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +87,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Execute(self, stage: types_pb2.Stage, context):
         srv = self.server
         request_id_var.set(stage.request_id)
+        engine_id = f"{stage.request_id}/{stage.stage_index}"
+        sink = stage.kv_sink if stage.HasField("kv_sink") and stage.kv_sink.worker_id else None
         try:
             if srv.draining:
                 raise Unavailable(f"worker {srv.worker_id} is draining")
-            if stage.kv_sources or stage.HasField("kv_sink"):
-                raise InvalidArgument("kv_sources/kv_sink: KV transfer between workers is not enabled on this worker",
+            if len(stage.kv_sources) > 1 or any(src.lazy for src in stage.kv_sources):
+                raise InvalidArgument("kv_sources: one pushed source per stage is supported (lazy pull is not)",
                                       param="kv_sources")
             params = sampling_from_proto(stage.sampling)
-            engine_id = f"{stage.request_id}/{stage.stage_index}"
+            prompt, generated = list(stage.prompt_token_ids), list(stage.generated_token_ids)
+            total = len(prompt) + params.max_tokens
+            stop_at = stage.end if 0 < stage.end < total else None
+            prefix_blocks, prefix_len = None, 0
+            if stage.kv_sources:
+                source = stage.kv_sources[0]
+                prefix_blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
+                prefix_len = source.end if prefix_blocks is not None else 0
             arrived = time.monotonic()
             try:
-                events = await srv.loop.add(engine_id, list(stage.prompt_token_ids), params,
-                                            list(stage.generated_token_ids), stage.keep_kv)
+                events = await srv.loop.add(engine_id, prompt, params, generated, keep_kv=sink is not None,
+                                            stop_at=stop_at, prefix_blocks=prefix_blocks, prefix_len=prefix_len)
             except ValueError as err:
+                if prefix_blocks is not None:
+                    await srv.loop.call(lambda engine: engine.release_reserved(prefix_blocks))
                 raise InvalidArgument(str(err)) from None
+            if sink is not None:
+                srv.kv.start_push(engine_id, sink.transfer_id, sink.worker_id, list(sink.block_ids),
+                                  sink.chunk_tokens, stop_at or total)
         except SplitserveError as err:
             await abort(context, err)
             return
@@ -107,15 +125,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             while True:
                 ev = await events.get()
                 now = time.monotonic()
-                if last == arrived:
-                    srv.samples.ttft.append(now - arrived)
-                    TTFT.observe(now - arrived)
-                    first_ns = time.time_ns()
-                else:
-                    srv.samples.itl.append(now - last)
-                    ITL.observe(now - last)
-                last = now
+                if ev.token_ids:
+                    if last == arrived:
+                        srv.samples.ttft.append(now - arrived)
+                        TTFT.observe(now - arrived)
+                        first_ns = time.time_ns()
+                    else:
+                        srv.samples.itl.append(now - last)
+                        ITL.observe(now - last)
+                    last = now
                 finished = ev.finished
+                if finished and sink is not None:
+                    # The next stage may start once its KV is in place: push the rest first.
+                    await srv.kv.finish_push(engine_id, completed=ev.finish_reason == "stage_end")
                 yield types_pb2.TokenChunk(
                     request_id=stage.request_id, token_ids=ev.token_ids, text=ev.text,
                     finish_reason=ev.finish_reason or "", num_prompt_tokens=ev.num_prompt_tokens,
@@ -128,6 +150,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if not finished:  # caller went away or cancelled: free the blocks now
                 srv.loop.abort(engine_id)
+                if sink is not None:
+                    asyncio.ensure_future(srv.kv.finish_push(engine_id, completed=False))
                 STAGES.labels("abort").inc()
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
@@ -135,7 +159,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ids = [rid for rid in loop.request_ids() if rid.split("/", 1)[0] == request.request_id]
         for rid in ids:
             loop.abort(rid)
-        return types_pb2.CancelResponse(cancelled=bool(ids))
+        released = await self.server.kv.release_for_request(request.request_id)
+        return types_pb2.CancelResponse(cancelled=bool(ids) or released > 0)
 
     async def GetLoad(self, request, context):
         return self.server.load_proto()
@@ -154,14 +179,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         in_flight = await self.server.drain(timeout)
         return worker_pb2.DrainResponse(in_flight=in_flight)
 
-    async def PrepareKv(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PrepareKv: KV transfer is not enabled on this worker")
+    async def PrepareKv(self, request: worker_pb2.PrepareKvRequest, context):
+        if not request.transfer_id or request.num_tokens == 0:
+            await abort(context, InvalidArgument("transfer_id and num_tokens > 0 are required", param="num_tokens"))
+        if self.server.draining:
+            return worker_pb2.PrepareKvResponse(ok=False, error=f"worker {self.server.worker_id} is draining")
+        try:
+            blocks = await self.server.kv.prepare(request.request_id, request.transfer_id, request.num_tokens)
+        except KvCapacityError as err:
+            return worker_pb2.PrepareKvResponse(ok=False, error=str(err))
+        return worker_pb2.PrepareKvResponse(ok=True, block_ids=blocks)
 
     async def PullKv(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PullKv: KV transfer is not enabled on this worker")
+        async for chunk in self.server.grpc_kv.handle_pull(request):
+            yield chunk
 
     async def PushKv(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PushKv: KV transfer is not enabled on this worker")
+        return await self.server.grpc_kv.handle_push(request_iterator)
 
     async def Profile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Profile: use `splitserve profile` (not yet available)")
@@ -185,6 +219,8 @@ class WorkerServer:
         self.address = ""
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
+        self.kv: KvStageManager | None = None
+        self.grpc_kv: GrpcTransport | None = None
         self._tasks: list[asyncio.Task] = []
         # redis-py can swallow a cancellation that lands mid-command; loops also check this.
         self._stopping = False
@@ -204,11 +240,43 @@ class WorkerServer:
         port = self.runtime.bound_port
         self.worker_id = self.worker_id or default_worker_id(self.config.host, port)
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
+        await self._start_kv_transfer()
         await self.register()
         await self.publish_load()
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._publish_loop())]
         await self.runtime.set_serving(True)
         log.info("worker %s serving %s at %s (role %s)", self.worker_id, self.config.model, self.address, self.role)
+
+    async def _start_kv_transfer(self) -> None:
+        """KV memory, transfer tracker and transport: NIXL when importable (or asked for), else gRPC."""
+        memory = KvMemory(self.engine.runner.kv_cache)
+        cfg = self.config
+        self.kv = KvStageManager(self.worker_id, self.loop, memory, TransferTracker(), cfg.kv_transfer_timeout_s,
+                                 cfg.kv_reservation_ttl_s, cfg.kv_fault_injection)
+        # The gRPC transport always serves PushKv/PullKv (peers may use it); it is also the fallback.
+        self.grpc_kv = GrpcTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
+        transport = self.grpc_kv
+        if cfg.kv_transport in ("auto", "nixl"):
+            try:
+                from workers.kv_transfer.nixl_transport import NixlTransport
+
+                transport = NixlTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
+            except ImportError as err:
+                if cfg.kv_transport == "nixl":
+                    raise ValueError(f"kv_transport=nixl but nixl is not importable: {err}") from None
+                log.info("nixl not importable (%s); KV moves over gRPC", err)
+        elif cfg.kv_transport != "grpc":
+            raise ValueError(f"kv_transport must be auto, nixl or grpc, got {cfg.kv_transport!r}")
+        try:
+            await transport.start()
+        except Exception as err:
+            if cfg.kv_transport == "nixl":
+                raise
+            log.warning("NIXL failed to start (%s); KV moves over gRPC", err)
+            transport = self.grpc_kv
+            await transport.start()
+        self.kv.transport = transport
+        log.info("KV transport: %s", transport.name)
 
     async def register(self) -> None:
         await self.store.register_worker(WorkerInfo(
@@ -281,6 +349,13 @@ class WorkerServer:
             await self.store.deregister_worker(self.worker_id)
         except Exception as err:
             log.warning("deregistering failed: %s", err)
+        if self.kv is not None and self.kv.transport is not None:
+            try:
+                await self.kv.transport.close()
+                if self.kv.transport is not self.grpc_kv:
+                    await self.grpc_kv.close()
+            except Exception as err:
+                log.warning("closing the KV transport failed: %s", err)
         if self.loop is not None:
             self.loop.stop()
         await self.runtime.server.stop(grace=1.0)

@@ -196,6 +196,8 @@ class CompletionListener(Protocol):
 _BUILTIN_POLICIES: dict[str, str] = {
     "round_robin": "services.global_scheduler.baselines:RoundRobinPolicy",
     "least_loaded": "services.global_scheduler.baselines:LeastLoadedPolicy",
+    "pd_disaggregated": "services.global_scheduler.disaggregated:PdDisaggregatedPolicy",
+    "split": "services.global_scheduler.disaggregated:SplitPolicy",
 }
 _REGISTERED: dict[str, Callable[..., PlacementPolicy]] = {}
 

@@ -214,7 +214,8 @@ class SchedulerHandle:
 async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
     """Connect to Redis, load the first cluster view, start serving; raises StateUnavailableError."""
     runtime = ServiceRuntime(SERVICE_NAME, config, config.port, GRPC_SERVICE_NAME)  # first: it configures logging
-    policy = make_policy(config.policy)  # ValueError before touching Redis
+    params = {"split_ratio": config.split_ratio} if config.policy == "split" else {}
+    policy = make_policy(config.policy, **params)  # ValueError before touching Redis
     store = StateStore(config.redis_url, config.redis_prefix,
                        retry_policy=RedisRetryPolicy(attempts=config.redis_connect_attempts))
     views = ClusterViewSource(store, config.view_refresh_s)

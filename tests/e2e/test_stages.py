@@ -1,0 +1,182 @@
+"""Requests that span workers (PD disaggregation, split at any token) equal the colocated output."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import uuid
+
+import grpc
+import httpx
+import pytest
+
+from splitserve.client import Client, SplitserveClientError
+from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.redis_server import free_port
+from splitserve.state import StateStore
+from workers.engine import LLM, SamplingParams
+
+P, MAX_TOKENS = 29, 14
+L = P + MAX_TOKENS
+PROMPT = [(i * 37 + 11) % 250 + 1 for i in range(P)]
+CASES = [dict(temperature=0.0), dict(temperature=0.8, top_k=50, seed=4242)]
+
+
+def _start(tiny_model_dirs, tmp_path_factory, **overrides):
+    spec = ClusterSpec(
+        model=str(tiny_model_dirs["llama"]), workers=2, policy="split",
+        http_port=free_port(), grpc_port=free_port(), redis_url=os.environ["SPLITSERVE_TEST_REDIS_URL"],
+        redis_prefix=f"ss:stages-{uuid.uuid4().hex[:8]}:", log_dir=tmp_path_factory.mktemp("stage-logs"),
+        coordinator_args={"kv_chunk_tokens": 8},
+    )
+    for key, value in overrides.items():
+        setattr(spec, key, value)
+    spec.worker_args = {"kv_cache_memory_bytes": 8 << 20, "max_num_seqs": 16, "block_size": 4,
+                        **spec.worker_args}
+    return start_cluster(spec)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama"]))
+    return {i: llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **case))[0].token_ids
+            for i, case in enumerate(CASES)}
+
+
+def _scheduler(cluster):
+    return scheduler_pb2_grpc.GlobalSchedulerStub(grpc.insecure_channel(cluster.scheduler_address))
+
+
+def _set_split(cluster, split: int) -> None:
+    # phi = (s - 0.5) / L so that ceil(phi * L) == s exactly despite floating point.
+    _scheduler(cluster).SetPolicy(scheduler_pb2.SetPolicyRequest(
+        policy="split", params={"split_ratio": repr((split - 0.5) / L)}), timeout=5)
+
+
+def _metric(cluster, child: str, name: str, **labels) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.child(child).metrics_port}/metrics", timeout=5).text
+    label = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}{{{re.escape(label)}}} (\S+)$" if label else rf"^{re.escape(name)} (\S+)$"
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def _kv_used(cluster) -> float:
+    return sum(_metric(cluster, f"worker-{i}", "splitserve_worker_kv_incoming_total", outcome="used")
+               for i in range(len(cluster.worker_addresses)))
+
+
+def _kv_recomputed(cluster) -> float:
+    return sum(_metric(cluster, f"worker-{i}", "splitserve_worker_kv_incoming_total", outcome="recomputed")
+               for i in range(len(cluster.worker_addresses)))
+
+
+def _stages_of(cluster, request_id: str) -> list[dict]:
+    async def read():
+        async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
+            record = await store.get_request(request_id)
+            return record.stages if record else []
+    return asyncio.run(read())
+
+
+def _generate(cluster, case: dict, request_id: str):
+    with Client(cluster.gateway_grpc, timeout_s=60) as client:
+        return client.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=request_id, **case)
+
+
+@pytest.fixture(scope="module", params=["nixl", "grpc"])
+def transport_cluster(request, tiny_model_dirs, tmp_path_factory):
+    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={"kv_transport": request.param})
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("split", [1, P - 1, P, P + 1, P + 7, L - 1])
+def test_split_at_any_token_equals_colocated(transport_cluster, reference, split):
+    _set_split(transport_cluster, split)
+    for i, case in enumerate(CASES):
+        used_before = _kv_used(transport_cluster)
+        request_id = f"split-{split}-{i}-{uuid.uuid4().hex[:6]}"
+        result = _generate(transport_cluster, case, request_id)
+        assert result.token_ids == reference[i]
+        stages = _stages_of(transport_cluster, request_id)
+        assert [(s["start"], s["end"]) for s in stages] == [(0, split), (split, L)]
+        assert stages[0]["worker_id"] != stages[1]["worker_id"]
+        if split < L - 1:  # at L - 1 the first stage produces every token: nothing to hand over
+            assert _kv_used(transport_cluster) == used_before + 1, "the second stage should use the pushed KV"
+
+
+def test_pd_disaggregated_equals_colocated(transport_cluster, reference):
+    for i, role in enumerate(("prefill", "decode")):
+        with grpc.insecure_channel(transport_cluster.worker_addresses[i]) as channel:
+            worker_pb2_grpc.WorkerStub(channel).SetRole(worker_pb2.SetRoleRequest(role=role), timeout=5)
+    scheduler = _scheduler(transport_cluster)
+    scheduler.SetPolicy(scheduler_pb2.SetPolicyRequest(policy="pd_disaggregated"), timeout=5)
+    deadline = time.monotonic() + 10
+    while {w.role for w in scheduler.ClusterState(scheduler_pb2.ClusterStateRequest(), timeout=5).workers} != {
+            "prefill", "decode"}:
+        assert time.monotonic() < deadline, "roles never reached the scheduler's view"
+        time.sleep(0.05)  # polling the scheduler's view, bounded by the deadline
+    try:
+        for i, case in enumerate(CASES):
+            request_id = f"pd-{i}-{uuid.uuid4().hex[:6]}"
+            assert _generate(transport_cluster, case, request_id).token_ids == reference[i]
+            stages = _stages_of(transport_cluster, request_id)
+            assert [(s["start"], s["end"], s["worker_id"]) for s in stages] == [(0, P, "worker-0"), (P, L, "worker-1")]
+    finally:
+        for address in transport_cluster.worker_addresses:
+            with grpc.insecure_channel(address) as channel:
+                worker_pb2_grpc.WorkerStub(channel).SetRole(worker_pb2.SetRoleRequest(role="both"), timeout=5)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncate"])
+def test_bad_transfer_is_detected_and_recomputed(fault, tiny_model_dirs, tmp_path_factory, reference):
+    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={"kv_fault_injection": fault,
+                                                                    "kv_transfer_timeout_s": 2.0})
+    try:
+        _set_split(cluster, P + 1)
+        for i, case in enumerate(CASES):
+            result = _generate(cluster, case, f"{fault}-{i}-{uuid.uuid4().hex[:6]}")
+            assert result.token_ids == reference[i]
+        assert _kv_recomputed(cluster) == len(CASES)
+        assert _kv_used(cluster) == 0
+    finally:
+        cluster.stop()
+
+
+def test_killing_the_first_stage_worker_mid_request(tiny_model_dirs, tmp_path_factory):
+    cluster = _start(tiny_model_dirs, tmp_path_factory, workers=3,
+                     worker_args={"heartbeat_ttl_s": 1.5, "heartbeat_interval_s": 0.5})
+    try:
+        long_tokens = 200
+        total = P + long_tokens
+        # alpha runs almost everything, so it is still generating when killed
+        _scheduler(cluster).SetPolicy(scheduler_pb2.SetPolicyRequest(
+            policy="split", params={"split_ratio": repr((total - 2) / total)}), timeout=5)
+        llm = LLM(str(tiny_model_dirs["llama"]))
+        expected = llm.generate([PROMPT], SamplingParams(max_tokens=long_tokens, ignore_eos=True, temperature=0.0))[0]
+        started = time.monotonic()
+        tokens, outcome = [], None
+        with Client(cluster.gateway_grpc, timeout_s=60) as client:
+            try:
+                for chunk in client.stream(PROMPT, max_tokens=long_tokens, ignore_eos=True, temperature=0.0,
+                                           request_id="kill-alpha"):
+                    tokens += chunk.token_ids
+                    if len(tokens) >= 10 and outcome is None:
+                        outcome = "killed"
+                        alpha = _stages_of(cluster, "kill-alpha")[0]["worker_id"]
+                        os.killpg(cluster.child(alpha).process.pid, signal.SIGKILL)
+            except SplitserveClientError as err:
+                assert err.code == grpc.StatusCode.UNAVAILABLE, err  # retriable
+                outcome = "unavailable"
+        assert time.monotonic() - started < 45
+        if outcome == "killed":  # migrated: the stream completed, and exactly
+            assert tokens == expected.token_ids
+        with Client(cluster.gateway_grpc, timeout_s=60) as client:
+            assert len(client.generate("next", max_tokens=5, temperature=0).token_ids) == 5
+    finally:
+        cluster.stop()

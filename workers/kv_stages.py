@@ -1,0 +1,187 @@
+"""Worker side of multi-stage requests: reserved KV for incoming stages, chunked push out.
+
+Receiver: `prepare` reserves blocks for a transfer (Worker.PrepareKv); the continuing
+stage waits for every chunk (`acquire_prefix`) and adopts the blocks, or recomputes
+from tokens when the transfer failed, timed out or arrived corrupted.
+Sender: a stage with a KvSink pushes every completed chunk of `chunk_tokens` while it
+keeps computing (DynaServe §4.3), then the remainder when it ends, then frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Histogram
+
+from splitserve.telemetry import percentile_buckets
+from workers.engine.engine import KvCapacityError
+from workers.engine_loop import EngineLoop
+from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError, KvTransport
+from workers.kv_transfer.tracker import TransferTracker
+
+log = logging.getLogger(__name__)
+
+KV_BYTES = Counter("splitserve_worker_kv_pushed_bytes_total", "KV bytes pushed to other workers")
+KV_PUSH_SECONDS = Histogram("splitserve_worker_kv_push_seconds", "Time of one pushed chunk",
+                            buckets=percentile_buckets(10.0))
+KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    created: float
+
+
+@dataclass
+class _OutgoingPush:
+    engine_id: str
+    transfer_id: str
+    dst_worker: str
+    dst_blocks: list[int]
+    chunk_tokens: int
+    stop_at: int
+    pushed_upto: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    failed: bool = False
+
+
+class KvStageManager:
+    """Reservations, incoming-transfer waits and outgoing chunked pushes of one worker."""
+
+    def __init__(self, worker_id: str, loop: EngineLoop, memory: KvMemory, tracker: TransferTracker,
+                 transfer_timeout_s: float, reservation_ttl_s: float, fault_injection: str = ""):
+        self.worker_id = worker_id
+        self.loop = loop
+        self.memory = memory
+        self.tracker = tracker
+        self.transport: KvTransport | None = None
+        self.transfer_timeout_s = transfer_timeout_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self.fault_injection = fault_injection
+        self._reservations: dict[str, _Reservation] = {}
+        self._pushes: dict[str, _OutgoingPush] = {}
+
+    def on_chunk(self, chunk: BlockTransfer, checksum_ok: bool) -> None:
+        """Transport callback: a chunk of an incoming transfer is in place."""
+        if not checksum_ok:
+            log.warning("KV chunk [%d, %d) of %s failed its checksum", chunk.token_start, chunk.token_end,
+                        chunk.transfer_id)
+        self.tracker.on_chunk(chunk.transfer_id, chunk.token_start, chunk.token_end, checksum_ok)
+
+    # ---- receiving ----------------------------------------------------------------
+    async def prepare(self, request_id: str, transfer_id: str, num_tokens: int) -> list[int]:
+        """Reserve blocks for [0, num_tokens) of a request's KV; raises KvCapacityError."""
+        self.reap_expired()
+        if transfer_id in self._reservations:
+            return self._reservations[transfer_id].block_ids
+        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens))
+        self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic())
+        self.tracker.expect(transfer_id, request_id, num_tokens, blocks)
+        return blocks
+
+    async def acquire_prefix(self, transfer_id: str, num_tokens: int) -> list[int] | None:
+        """Wait for an incoming transfer; its blocks when complete and intact, else None (recompute)."""
+        reservation = self._reservations.get(transfer_id)
+        if reservation is None:
+            KV_OUTCOMES.labels("no_reservation").inc()
+            return None
+        ok = await self.tracker.wait(transfer_id, self.transfer_timeout_s)
+        self._reservations.pop(transfer_id, None)
+        self.tracker.forget(transfer_id)
+        if ok and reservation.num_tokens >= num_tokens:
+            KV_OUTCOMES.labels("used").inc()
+            return reservation.block_ids
+        outcome = "corrupt" if self.tracker.failed(transfer_id) else "timeout"
+        log.warning("incoming KV %s unusable (%s); recomputing from tokens", transfer_id, outcome)
+        KV_OUTCOMES.labels("recomputed").inc()
+        await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
+        return None
+
+    async def release_for_request(self, request_id: str) -> int:
+        """Free every reservation of a cancelled request."""
+        doomed = [tid for tid, r in self._reservations.items() if r.request_id == request_id]
+        for tid in doomed:
+            await self._drop_reservation(tid)
+        return len(doomed)
+
+    def reap_expired(self) -> None:
+        """Free reservations no stage claimed in time (the coordinator died or gave up)."""
+        now = time.monotonic()
+        for tid, r in list(self._reservations.items()):
+            if now - r.created > self.reservation_ttl_s:
+                asyncio.ensure_future(self._drop_reservation(tid))
+
+    async def _drop_reservation(self, transfer_id: str) -> None:
+        reservation = self._reservations.pop(transfer_id, None)
+        if reservation is not None:
+            self.tracker.forget(transfer_id)
+            await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
+
+    # ---- sending ---------------------------------------------------------------------
+    def start_push(self, engine_id: str, transfer_id: str, dst_worker: str, dst_blocks: list[int],
+                   chunk_tokens: int, stop_at: int) -> None:
+        """Push this stage's KV to `dst_worker` chunk by chunk as the engine computes it."""
+        bs = self.memory.block_size
+        chunk = max(bs, -(-max(chunk_tokens, 1) // bs) * bs)  # whole blocks
+        push = _OutgoingPush(engine_id, transfer_id, dst_worker, list(dst_blocks), chunk, stop_at)
+        push.task = asyncio.create_task(self._pusher(push))
+        self._pushes[engine_id] = push
+        self.loop.watch(engine_id, lambda computed, table: self._on_progress(push, computed, table))
+
+    def _on_progress(self, push: _OutgoingPush, computed: int, block_table: list[int]) -> None:
+        # Only whole chunks while computing: their blocks are full and never written again.
+        while computed - push.pushed_upto >= push.chunk_tokens and push.pushed_upto + push.chunk_tokens < push.stop_at:
+            push.queue.put_nowait((push.pushed_upto, push.pushed_upto + push.chunk_tokens, block_table))
+            push.pushed_upto += push.chunk_tokens
+
+    async def finish_push(self, engine_id: str, completed: bool) -> bool:
+        """After the stage ended: push the rest, wait for every chunk, free the KV. True if all went."""
+        push = self._pushes.pop(engine_id, None)
+        if push is None:
+            return False
+        self.loop.unwatch(engine_id)
+        if completed and push.pushed_upto < push.stop_at and not push.failed:
+            table, computed = await self.loop.call(lambda engine: engine.kv_blocks(engine_id))
+            if self.fault_injection != "truncate":  # testing: the last chunk never arrives
+                push.queue.put_nowait((push.pushed_upto, push.stop_at, table))
+        push.queue.put_nowait(None)
+        await push.task
+        await self.loop.call(lambda engine: engine.release(engine_id))
+        return not push.failed
+
+    async def _pusher(self, push: _OutgoingPush) -> None:
+        bs = self.memory.block_size
+        while True:
+            item = await push.queue.get()
+            if item is None:
+                return
+            if push.failed:
+                continue  # the receiver will time out and recompute; don't waste bandwidth
+            start, end, table = item
+            first, last = start // bs, -(-end // bs)
+            src, dst = table[first:last], push.dst_blocks[first:last]
+            transfer = BlockTransfer(push.transfer_id, self.worker_id, push.dst_worker, tuple(src), tuple(dst),
+                                     start, end, request_id=push.engine_id.split("/", 1)[0])
+            checksum = self.memory.checksum(src)
+            if self.fault_injection == "corrupt":  # testing: the receiver must detect it
+                checksum ^= 0xFFFFFFFF
+            started = time.perf_counter()
+            try:
+                await self.transport.push(transfer, checksum, self.transfer_timeout_s)
+            except (KvTransferError, Exception) as err:
+                push.failed = True
+                log.warning("pushing KV [%d, %d) of %s to %s failed: %s", start, end, push.transfer_id,
+                            push.dst_worker, err)
+                continue
+            KV_PUSH_SECONDS.observe(time.perf_counter() - started)
+            KV_BYTES.inc(len(src) * self.memory.block_bytes)
+
+
+__all__ = ["KvStageManager", "KvCapacityError"]
