@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -192,7 +193,12 @@ def up(
     log_dir: Path = typer.Option(Path(".splitserve/logs"), help="Where each service's log goes."),
     demo_request: bool = typer.Option(False, help="Send a demo request through the OpenAI API once healthy."),
     max_num_seqs: int = typer.Option(64, help="Per-worker concurrent requests."),
-    kv_cache_memory_bytes: int = typer.Option(256 << 20, help="Per-worker KV cache size (CPU)."),
+    kv_cache_memory_bytes: Optional[int] = typer.Option(
+        None, help="Per-worker KV cache size (default: 256 MiB on CPU; emulated: the preset GPU's free memory)."),
+    backend: str = typer.Option("real", help="real | emulated: perf-model-timed workers without weights (--gpu, --model-preset, --tp)."),
+    gpu: str = typer.Option("H100", help="emulated: GPU preset (A100 | H100 | H200 | L40S | RTX4090)."),
+    model_preset: str = typer.Option("llama-3-8b", help="emulated: model preset (Llama-3-8B | Qwen2.5-14B | ...)."),
+    tp: int = typer.Option(1, help="emulated: tensor-parallel degree of the preset."),
 ) -> None:
     """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
     import signal as _signal
@@ -200,17 +206,24 @@ def up(
     from splitserve.launcher import ClusterSpec, start_cluster
 
     _quiet_hf()
+    # Emulated workers need no weights; the demo model's tokenizer and config.json (vocabulary,
+    # max length, EOS) serve the gateway and the workers alike, so both agree on what is valid.
     model_dir = model or ensure_demo_model()
     log_dir.mkdir(parents=True, exist_ok=True)
+    worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend}
+    if backend == "emulated":
+        worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp)
+    if kv_cache_memory_bytes is not None or backend != "emulated":
+        worker_args["kv_cache_memory_bytes"] = 256 << 20 if kv_cache_memory_bytes is None else kv_cache_memory_bytes
     spec = ClusterSpec(
         model=str(model_dir), workers=workers, policy=policy, http_port=http_port, grpc_port=grpc_port,
         redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,
         prefill_workers=prefill_workers,
-        worker_args={"max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes,
-                     "kv_transport": kv_transport},
+        worker_args=worker_args,
         scheduler_args={"split_ratio": split_ratio},
     )
-    console.print(f"starting {workers} workers on {model_dir} (logs in {log_dir}/) ...")
+    what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"
+    console.print(f"starting {workers} {what} (logs in {log_dir}/) ...")
     try:
         cluster = start_cluster(spec)
     except (RuntimeError, TimeoutError, ValueError) as err:
@@ -315,7 +328,8 @@ def _mount_bench() -> None:
     app.add_typer(bench_app, name="bench", help="Load generator: measure a splitserve or any OpenAI-compatible endpoint.")
 
 
-_mount_bench()
+if sys.argv[1:2] != ["serve"]:  # a service process starts without the load generator's imports
+    _mount_bench()
 
 
 def main() -> None:

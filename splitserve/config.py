@@ -52,14 +52,22 @@ class WorkerConfig(CommonConfig):
     worker_id: str = opt("", "Unique id in the cluster; default: hostname-port.")
     advertise_address: str = opt("", "host:port other services dial; default: host:port.")
     role: str = opt("both", "both | prefill | decode")
-    model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer).")
+    model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer); with --backend "
+                     "emulated optional: only its config.json's vocabulary, max length and EOS are used.")
+    backend: str = opt("real", "real: the engine on CPU/CUDA | emulated: the real service, scheduler and block manager, "
+                       "each forward pass replaced by sleeping the performance model's time (no weights).")
+    gpu: str = opt("H100", "emulated: GPU of the performance-model preset (A100 | H100 | H200 | L40S | RTX4090).")
+    model_preset: str = opt("llama-3-8b", "emulated: model of the preset (Llama-3-8B | Qwen2.5-14B | Qwen2.5-32B | "
+                            "Llama-3.1-70B).")
+    tp: int = opt(1, "emulated: tensor-parallel degree of the preset (1 | 2 | 4 | 8).")
     dtype: str = opt("auto", "auto | float32 | bfloat16 | float16")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     block_size: int = opt(16, "Tokens per KV block.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step (prefill + decode).")
     max_num_seqs: int = opt(64, "Most requests running at once.")
     max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
-    kv_cache_memory_bytes: int = opt(0, "KV cache size on CPU; 0: enough for max_num_seqs full sequences, at most 2 GiB.")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size on CPU; 0: enough for max_num_seqs full sequences, at most 2 GiB "
+                                     "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
     batch_policy: str = opt("fcfs", "Local batch policy (workers/policies).")

@@ -84,7 +84,8 @@ class Cluster:
 
 
 def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:
-    cmd = [sys.executable, "-m", "splitserve.cli", "serve", service]
+    # faulthandler: a crash in native code (UCX, torch) leaves a Python stack in the log.
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "splitserve.cli", "serve", service]
     for key, value in options.items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -11,9 +12,23 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 
+# Below Linux's default ephemeral range (32768-60999): outgoing connections never take
+# these, so a port picked here stays free until the service we start binds it.
+_PORT_RANGE = (20000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port nothing listens on right now, outside the ephemeral range."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # crowded range: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Awaitable, Callable
 
@@ -91,10 +92,23 @@ class ServiceRuntime:
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
-    """Run a service's main coroutine on uvloop when available."""
+    """Run a service's main coroutine on uvloop; a failed start exits with code 2, not a traceback."""
     try:
         import uvloop
 
-        uvloop.run(main())
+        runner = uvloop.run
     except ImportError:
-        asyncio.run(main())
+        runner = asyncio.run
+    try:
+        runner(main())
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except Exception as err:  # e.g. a port already taken
+        log.error("fatal: %s", err, exc_info=True)
+        code = 2
+    else:
+        return
+    # Leave at once: tearing down half-started grpc.aio objects after their loop closed
+    # can crash the interpreter during garbage collection.
+    logging.shutdown()
+    os._exit(code)

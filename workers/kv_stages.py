@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 KV_BYTES = Counter("splitserve_worker_kv_pushed_bytes_total", "KV bytes pushed to other workers")
 KV_PUSH_SECONDS = Histogram("splitserve_worker_kv_push_seconds", "Time of one pushed chunk",
                             buckets=percentile_buckets(10.0))
+KV_EXPOSED_SECONDS = Histogram(
+    "splitserve_worker_kv_exposed_seconds",
+    "Transfer time not hidden behind compute: stage end to its last KV chunk in place (DynaServe §4.3)",
+    buckets=percentile_buckets(10.0))
 KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
 
 
@@ -104,6 +108,30 @@ class KvStageManager:
         await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
         return None
 
+    async def pull_prefix(self, request_id: str, source_worker: str, source_blocks: list[int],
+                          num_tokens: int, transfer_id: str) -> list[int] | None:
+        """Lazy pull (AMPD §6): read [0, num_tokens) of KV from the source's blocks now; None → recompute."""
+        needed = -(-num_tokens // self.memory.block_size)
+        if len(source_blocks) < needed:
+            KV_OUTCOMES.labels("recomputed").inc()
+            return None
+        try:
+            blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens))
+        except KvCapacityError:
+            KV_OUTCOMES.labels("recomputed").inc()
+            return None
+        transfer = BlockTransfer(transfer_id, source_worker, self.worker_id, tuple(source_blocks[:needed]),
+                                 tuple(blocks), 0, num_tokens, request_id=request_id)
+        try:
+            await self.transport.pull(transfer, self.transfer_timeout_s)
+        except Exception as err:  # KvTransferError, or the peer is gone
+            log.warning("lazy pull of %s from %s failed (%s); recomputing from tokens", transfer_id, source_worker, err)
+            KV_OUTCOMES.labels("recomputed").inc()
+            await self.loop.call(lambda engine: engine.release_reserved(blocks))
+            return None
+        KV_OUTCOMES.labels("pulled").inc()
+        return blocks
+
     async def release_for_request(self, request_id: str) -> int:
         """Free every reservation of a cancelled request."""
         doomed = [tid for tid, r in self._reservations.items() if r.request_id == request_id]
@@ -152,7 +180,11 @@ class KvStageManager:
             if self.fault_injection != "truncate":  # testing: the last chunk never arrives
                 push.queue.put_nowait((push.pushed_upto, push.stop_at, table))
         push.queue.put_nowait(None)
+        ended = time.perf_counter()
+        log.debug("stage %s ended; %d chunk(s) still queued", engine_id, push.queue.qsize() - 1)
         await push.task
+        if completed and not push.failed:
+            KV_EXPOSED_SECONDS.observe(time.perf_counter() - ended)
         await self.loop.call(lambda engine: engine.release(engine_id))
         return not push.failed
 
@@ -181,6 +213,8 @@ class KvStageManager:
                             push.dst_worker, err)
                 continue
             KV_PUSH_SECONDS.observe(time.perf_counter() - started)
+            log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, push.transfer_id,
+                      (time.perf_counter() - started) * 1e3)
             KV_BYTES.inc(len(src) * self.memory.block_bytes)
 
 

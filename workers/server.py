@@ -34,6 +34,7 @@ from workers.kv_transfer.tracker import TransferTracker
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+BACKENDS = ("real", "emulated")
 
 STAGES = Counter("splitserve_worker_stages_total", "Stages finished, by finish reason", ["finish_reason"])
 TTFT = Histogram("splitserve_worker_ttft_seconds", "Stage arrival to first token", buckets=percentile_buckets(30.0))
@@ -92,9 +93,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             if srv.draining:
                 raise Unavailable(f"worker {srv.worker_id} is draining")
-            if len(stage.kv_sources) > 1 or any(src.lazy for src in stage.kv_sources):
-                raise InvalidArgument("kv_sources: one pushed source per stage is supported (lazy pull is not)",
-                                      param="kv_sources")
+            if len(stage.kv_sources) > 1:
+                raise InvalidArgument("kv_sources: at most one source per stage", param="kv_sources")
             params = sampling_from_proto(stage.sampling)
             prompt, generated = list(stage.prompt_token_ids), list(stage.generated_token_ids)
             total = len(prompt) + params.max_tokens
@@ -102,11 +102,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefix_blocks, prefix_len = None, 0
             if stage.kv_sources:
                 source = stage.kv_sources[0]
-                prefix_blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
+                if source.lazy:
+                    prefix_blocks = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
+                                                             source.end, source.transfer_id or engine_id)
+                else:
+                    prefix_blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
                 prefix_len = source.end if prefix_blocks is not None else 0
             arrived = time.monotonic()
             try:
-                events = await srv.loop.add(engine_id, prompt, params, generated, keep_kv=sink is not None,
+                events = await srv.loop.add(engine_id, prompt, params, generated,
+                                            keep_kv=sink is not None or stage.keep_kv,
                                             stop_at=stop_at, prefix_blocks=prefix_blocks, prefix_len=prefix_len)
             except ValueError as err:
                 if prefix_blocks is not None:
@@ -135,14 +140,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         ITL.observe(now - last)
                     last = now
                 finished = ev.finished
+                kv_blocks, kv_tokens = [], 0
                 if finished and sink is not None:
                     # The next stage may start once its KV is in place: push the rest first.
                     await srv.kv.finish_push(engine_id, completed=ev.finish_reason == "stage_end")
+                elif finished and stage.keep_kv:  # held for a lazy pull; Cancel(request_id) frees it
+                    kv_blocks, kv_tokens = await srv.loop.call(lambda engine: engine.kv_blocks(engine_id))
                 yield types_pb2.TokenChunk(
                     request_id=stage.request_id, token_ids=ev.token_ids, text=ev.text,
                     finish_reason=ev.finish_reason or "", num_prompt_tokens=ev.num_prompt_tokens,
                     num_output_tokens=ev.num_output_tokens, first_token_unix_ns=first_ns,
                     emitted_unix_ns=time.time_ns(), stage_index=stage.stage_index, worker_id=srv.worker_id,
+                    kv_block_ids=kv_blocks, kv_tokens=kv_tokens,
                 )
                 if finished:
                     STAGES.labels(ev.finish_reason).inc()
@@ -156,7 +165,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         loop = self.server.loop
-        ids = [rid for rid in loop.request_ids() if rid.split("/", 1)[0] == request.request_id]
+        # Stages in flight and finished ones still holding KV (keep_kv) alike.
+        ids = await loop.call(lambda engine: [rid for rid in engine.scheduler.sequences
+                                              if rid.split("/", 1)[0] == request.request_id])
+        ids = sorted(set(ids) | {rid for rid in loop.request_ids() if rid.split("/", 1)[0] == request.request_id})
         for rid in ids:
             loop.abort(rid)
         released = await self.server.kv.release_for_request(request.request_id)
@@ -229,10 +241,12 @@ class WorkerServer:
         """Connect Redis, load the engine, listen, register; raises on any failure."""
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if not self.config.model:
+        if self.config.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.config.backend!r}")
+        if self.config.backend == "real" and not self.config.model:
             raise ValueError("model: a model directory is required (--model or SPLITSERVE_WORKER_MODEL)")
         await self.store.connect()
-        self.engine = await asyncio.to_thread(Engine, engine_config_from(self.config))
+        self.engine = await asyncio.to_thread(self._build_engine)
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop.start()
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.runtime.server)
@@ -247,16 +261,38 @@ class WorkerServer:
         await self.runtime.set_serving(True)
         log.info("worker %s serving %s at %s (role %s)", self.worker_id, self.config.model, self.address, self.role)
 
+    def _build_engine(self) -> Engine:
+        """The engine of `backend`: the real one, or the emulated one (no weights, perf-model timing)."""
+        cfg = engine_config_from(self.config)
+        if self.config.backend == "emulated":
+            from workers.engine.emulated import Emulation, build_emulated_engine
+
+            return build_emulated_engine(cfg, Emulation(self.config.gpu, self.config.model_preset, self.config.tp))
+        return Engine(cfg)
+
     async def _start_kv_transfer(self) -> None:
-        """KV memory, transfer tracker and transport: NIXL when importable (or asked for), else gRPC."""
-        memory = KvMemory(self.engine.runner.kv_cache)
+        """KV memory, transfer tracker and transport: NIXL when importable (or asked for), else gRPC.
+
+        Emulated: block accounting without bytes; pushes and pulls sleep the perf model's
+        transfer time and carry metadata only over Worker.PushKv / PullKv."""
         cfg = self.config
+        emulated = cfg.backend == "emulated"
+        if emulated:
+            from workers.kv_transfer.emulated_transport import EmulatedKvMemory, EmulatedTransport
+
+            memory = EmulatedKvMemory(self.engine.runner.num_blocks, cfg.block_size)
+        else:
+            memory = KvMemory(self.engine.runner.kv_cache)
         self.kv = KvStageManager(self.worker_id, self.loop, memory, TransferTracker(), cfg.kv_transfer_timeout_s,
                                  cfg.kv_reservation_ttl_s, cfg.kv_fault_injection)
         # The gRPC transport always serves PushKv/PullKv (peers may use it); it is also the fallback.
-        self.grpc_kv = GrpcTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
+        if emulated:
+            self.grpc_kv = EmulatedTransport(self.worker_id, memory, self.store, self.kv.on_chunk,
+                                             self.engine.runner.perf)
+        else:
+            self.grpc_kv = GrpcTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
         transport = self.grpc_kv
-        if cfg.kv_transport in ("auto", "nixl"):
+        if not emulated and cfg.kv_transport in ("auto", "nixl"):
             try:
                 from workers.kv_transfer.nixl_transport import NixlTransport
 
@@ -265,7 +301,7 @@ class WorkerServer:
                 if cfg.kv_transport == "nixl":
                     raise ValueError(f"kv_transport=nixl but nixl is not importable: {err}") from None
                 log.info("nixl not importable (%s); KV moves over gRPC", err)
-        elif cfg.kv_transport != "grpc":
+        elif cfg.kv_transport not in ("auto", "nixl", "grpc"):
             raise ValueError(f"kv_transport must be auto, nixl or grpc, got {cfg.kv_transport!r}")
         try:
             await transport.start()

@@ -180,3 +180,38 @@ def test_killing_the_first_stage_worker_mid_request(tiny_model_dirs, tmp_path_fa
             assert len(client.generate("next", max_tokens=5, temperature=0).token_ids) == 5
     finally:
         cluster.stop()
+
+
+def test_lazy_pull_of_kept_kv_equals_colocated(transport_cluster, reference):
+    """A stage keeps its KV; a later stage on another worker pulls it lazily (AMPD's history read)."""
+    from splitserve.proto import types_pb2
+
+    split = P + 3
+    case = CASES[1]
+    sampling = types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=case["temperature"], top_k=case["top_k"],
+                                        seed=case["seed"], ignore_eos=True)
+    alpha_address, beta_address = transport_cluster.worker_addresses
+    with grpc.insecure_channel(alpha_address) as a_channel, grpc.insecure_channel(beta_address) as b_channel:
+        alpha, beta = worker_pb2_grpc.WorkerStub(a_channel), worker_pb2_grpc.WorkerStub(b_channel)
+        first = list(alpha.Execute(types_pb2.Stage(
+            request_id="lazy", stage_index=0, start=0, end=split, prompt_token_ids=PROMPT, sampling=sampling,
+            keep_kv=True), timeout=30))
+        tokens = [t for c in first for t in c.token_ids]
+        last = first[-1]
+        assert last.finish_reason == "stage_end" and last.kv_tokens == split and last.kv_block_ids
+        second = list(beta.Execute(types_pb2.Stage(
+            request_id="lazy", stage_index=1, start=split, end=L, prompt_token_ids=PROMPT,
+            generated_token_ids=tokens, sampling=sampling, emit=True,
+            kv_sources=[types_pb2.KvSource(worker_id="worker-0", start=0, end=split, lazy=True,
+                                           transfer_id="lazy:0", block_ids=last.kv_block_ids)]), timeout=30))
+        tokens += [t for c in second for t in c.token_ids]
+        assert tokens == reference[1]
+        assert _metric(transport_cluster, "worker-1", "splitserve_worker_kv_incoming_total", outcome="pulled") >= 1
+        # the kept KV is freed on cancel
+        assert alpha.Cancel(types_pb2.CancelRequest(request_id="lazy"), timeout=5).cancelled
+        load = alpha.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        deadline = time.monotonic() + 5
+        while load.free_blocks != load.total_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the worker's load, bounded by the deadline
+            load = alpha.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert load.free_blocks == load.total_blocks

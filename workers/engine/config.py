@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported on use: the emulated backend never loads it
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -17,16 +19,17 @@ SUPPORTED_ARCHITECTURES = (
 # Rope types whose frequencies do not depend on the running sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return getattr(torch, name)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class ModelSpec:
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
     """Read config.json (and generation_config.json) of a local model directory."""
+    import torch
     from transformers import AutoConfig
 
     path = Path(model_dir)

@@ -7,18 +7,18 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig, load_model_spec
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from workers.policies import make_batch_policy
+
+if TYPE_CHECKING:  # torch and the model runner load on use: the emulated backend has neither
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +58,28 @@ class KvCapacityError(RuntimeError):
 
 
 class Engine:
-    """Continuous-batching inference engine over one model."""
+    """Continuous-batching inference engine over one model.
 
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, tokenizer=None):
+    `spec` and `runner` may be injected (the emulated backend, workers/engine/emulated.py):
+    then no model directory is read and no tokenizer is loaded unless one is passed.
+    """
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, tokenizer=None, *,
+                 spec=None, runner=None):
         config.validate()
         self.config = config
         self.clock = clock
-        self.spec = load_model_spec(config.model)
+        self.spec = spec if spec is not None else load_model_spec(config.model)
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(config.model))
-        self.runner = ModelRunner(config, self.spec, self.max_model_len)
+        if tokenizer is None and spec is None:
+            tokenizer = _load_tokenizer(Path(config.model))
+        self.tokenizer = tokenizer
+        if runner is None:
+            from workers.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config, self.spec, self.max_model_len)
+        self.runner = runner
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

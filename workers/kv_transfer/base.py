@@ -16,10 +16,10 @@ from __future__ import annotations
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # imported on use: the emulated backend's memory (emulated_transport.py) needs neither
+    import torch
 
 
 class KvTransferError(RuntimeError):
@@ -30,6 +30,8 @@ class KvMemory:
     """A worker's KV cache viewed as numbered fixed-size blocks of bytes."""
 
     def __init__(self, kv_cache: torch.Tensor):
+        import torch
+
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous to be registered for transfer")
         self.tensor = kv_cache
@@ -51,6 +53,8 @@ class KvMemory:
     def read(self, block_ids: list[int]) -> bytes:
         """Copy of the blocks' bytes, in order (CPU bytes even for CUDA caches)."""
         if self._host is None:
+            import torch
+
             idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
             return self._bytes.index_select(0, idx).cpu().numpy().tobytes()
         # One allocation and one copy: fresh pages are expensive, so no staging tensor.
@@ -65,6 +69,9 @@ class KvMemory:
             raise KvTransferError(
                 f"payload of {len(payload)} bytes does not fill {len(block_ids)} blocks of {self.block_bytes} bytes"
             )
+        import numpy as np
+        import torch
+
         src = np.frombuffer(payload, dtype=np.uint8).reshape(len(block_ids), self.block_bytes)
         if self._host is not None:
             done = 0

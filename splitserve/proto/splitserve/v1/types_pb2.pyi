@@ -57,18 +57,20 @@ class RequestMeta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy")
+    __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy", "block_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAZY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     start: int
     end: int
     transfer_id: str
     lazy: bool
-    def __init__(self, worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lazy: _Optional[bool] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lazy: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSink(_message.Message):
     __slots__ = ("worker_id", "chunk_tokens", "transfer_id", "start", "block_ids")
@@ -123,7 +125,7 @@ class Plan(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "first_token_unix_ns", "emitted_unix_ns", "stage_index", "worker_id")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "first_token_unix_ns", "emitted_unix_ns", "stage_index", "worker_id", "kv_block_ids", "kv_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,8 @@ class TokenChunk(_message.Message):
     EMITTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -144,7 +148,9 @@ class TokenChunk(_message.Message):
     emitted_unix_ns: int
     stage_index: int
     worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., emitted_unix_ns: _Optional[int] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    kv_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., emitted_unix_ns: _Optional[int] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")

@@ -1,0 +1,138 @@
+"""How much KV transfer chunked push hides behind computation (DynaServe §4.3).
+
+A long prompt is split at the end of the prompt (alpha = prefill, beta = decode) on a
+real two-worker cluster. Each worker measures the transfer time that is *not* hidden:
+from alpha's stage end to its last KV chunk being in place on beta. We compare chunked
+push (a chunk every `--chunk-tokens` while alpha computes) with one transfer after the
+stage ends, for each transport, in the same run.
+
+    .venv/bin/python benchmarks/kv_overlap.py --out bench-results/kv_overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from splitserve.client import Client  # noqa: E402
+from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402
+from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
+from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from splitserve.redis_server import free_port  # noqa: E402
+
+console = Console()
+SINGLE_TRANSFER = 1 << 30  # a chunk larger than any stage: everything goes after it ends
+
+
+def _scrape(port: int, name: str) -> tuple[float, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
+    count = re.search(rf"^{name}_count (\S+)$", text, re.M)
+    return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
+
+
+def measure(model_dir: Path, transport: str, chunk_tokens: int, prompt_len: int, requests: int,
+            redis_url: str, step_tokens: int) -> dict:
+    import grpc
+
+    spec = ClusterSpec(
+        model=str(model_dir), workers=2, policy="split", http_port=free_port(), grpc_port=free_port(),
+        redis_url=redis_url, redis_prefix=f"ss:overlap-{uuid.uuid4().hex[:8]}:",
+        worker_args={"kv_transport": transport, "kv_cache_memory_bytes": 512 << 20, "max_num_batched_tokens": step_tokens,
+                     "log_level": os.environ.get("SPLITSERVE_BENCH_LOG_LEVEL", "INFO")},
+        coordinator_args={"kv_chunk_tokens": chunk_tokens},
+        log_dir=Path(os.environ.get("SPLITSERVE_BENCH_LOG_DIR", "/tmp/splitserve-kv-overlap-logs")),
+    )
+    spec.log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = start_cluster(spec)
+    try:
+        max_tokens = 4
+        total = prompt_len + max_tokens
+        with grpc.insecure_channel(cluster.scheduler_address) as channel:
+            scheduler_pb2_grpc.GlobalSchedulerStub(channel).SetPolicy(scheduler_pb2.SetPolicyRequest(
+                policy="split", params={"split_ratio": repr((prompt_len - 0.5) / total)}), timeout=5)
+        prompt = [(i * 7919) % 250 + 1 for i in range(prompt_len)]
+
+        def totals() -> tuple[float, float, float]:
+            exposed = pushed = stages = 0.0
+            for child in cluster.children:
+                if child.name.startswith("worker"):
+                    s, c = _scrape(child.metrics_port, "splitserve_worker_kv_exposed_seconds")
+                    exposed, stages = exposed + s, stages + c
+                    pushed += _scrape(child.metrics_port, "splitserve_worker_kv_push_seconds")[0]
+            return exposed, pushed, stages
+
+        with Client(cluster.gateway_grpc, timeout_s=600) as client:
+            # Warm-up: the first transfer to a peer sets up its connection (tens of ms).
+            client.generate(prompt[:64], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            before = totals()
+            started = time.perf_counter()
+            for _ in range(requests):
+                client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            wall = time.perf_counter() - started
+        after = totals()
+        exposed, pushed, stages = (a - b for a, b in zip(after, before))
+    finally:
+        cluster.stop()
+    return {"transport": transport, "chunk_tokens": chunk_tokens, "requests": requests, "stages_measured": stages,
+            "exposed_s_per_request": exposed / max(stages, 1), "push_busy_s_per_request": pushed / max(stages, 1),
+            "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-len", type=int, default=4000)
+    ap.add_argument("--step-tokens", type=int, default=256, help="worker max_num_batched_tokens")
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--transports", default="nixl,grpc")
+    ap.add_argument("--model-dir", type=Path, default=REPO / "models" / "bench-llama")
+    ap.add_argument("--redis-url", default=os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "kv_overlap.json")
+    args = ap.parse_args()
+    model_dir = build_demo_model(bench_model_spec(), args.model_dir)
+    rows = []
+    for transport in args.transports.split(","):
+        chunked = measure(model_dir, transport, args.chunk_tokens, args.prompt_len, args.requests, args.redis_url,
+                          args.step_tokens)
+        single = measure(model_dir, transport, SINGLE_TRANSFER, args.prompt_len, args.requests, args.redis_url,
+                         args.step_tokens)
+        hidden = 1 - chunked["exposed_s_per_request"] / single["exposed_s_per_request"] if single[
+            "exposed_s_per_request"] else 0.0
+        rows.append({"transport": transport, "chunked": chunked, "single": single, "hidden_fraction": hidden})
+    table = Table("transport", "exposed, chunked (ms)", "exposed, one transfer (ms)", "push busy (ms)",
+                  "hidden by chunked push")
+    for r in rows:
+        table.add_row(r["transport"], f"{r['chunked']['exposed_s_per_request'] * 1e3:.1f}",
+                      f"{r['single']['exposed_s_per_request'] * 1e3:.1f}",
+                      f"{r['single']['push_busy_s_per_request'] * 1e3:.1f}", f"{r['hidden_fraction']:.0%}")
+    console.print(f"prompt {args.prompt_len} tokens in steps of {args.step_tokens}, split at the end of the prompt, "
+                  f"chunk {args.chunk_tokens} tokens, {args.requests} requests per configuration")
+    console.print(table)
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+              "prompt_len": args.prompt_len, "step_tokens": args.step_tokens, "chunk_tokens": args.chunk_tokens,
+              "command": " ".join(sys.argv), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
