@@ -325,7 +325,10 @@ app.add_typer(serve_app, name="serve")
 def _mount_bench() -> None:
     from loadgen.cli import bench_app
 
+    from services.planner.cli import simulate_app
+
     app.add_typer(bench_app, name="bench", help="Load generator: measure a splitserve or any OpenAI-compatible endpoint.")
+    app.add_typer(simulate_app, name="simulate", help="Discrete-event simulator: the real policies in virtual time.")
 
 
 if sys.argv[1:2] != ["serve"]:  # a service process starts without the load generator's imports

@@ -1,0 +1,131 @@
+"""Simulator speed: simulated requests per wall second on an hour of the Mooncake conversation trace.
+
+The whole trace (12,031 requests over 3,537 s, real lengths: prompts mean 12,035 / max
+126,195 tokens, outputs mean 343) replayed at its own timestamps on H100 x Llama-3-8B
+preset workers (TP1, 25,720 KV blocks of 16 tokens each). Each row is one full
+simulation; wall time covers building the cluster (every worker's real BlockManager),
+the event loop and the per-request results. The default configuration is the
+simulator's default: prefix caching on, fast-forwarded decode runs; the other rows show
+what each costs, and with --stepping what fast-forward saves.
+
+    .venv/bin/python benchmarks/simulator_speed.py --out bench-results/simulator_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from loadgen import arrivals  # noqa: E402
+from loadgen.metrics import Slo, summarize  # noqa: E402
+from loadgen.traces import read_trace  # noqa: E402
+from services.planner.sim_workload import requests_from_trace  # noqa: E402
+from services.planner.simulator import Simulator, pd_roles  # noqa: E402
+
+console = Console(width=170)  # tables stay readable when piped to a file
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+SLO = Slo(ttft_s=5.0, itl_s=0.1)  # reported only as a sanity check of what was simulated
+
+
+def configurations(workers: list[int], stepping: bool) -> list[dict[str, Any]]:
+    """(label, simulator options) rows: the default at every worker count, then variants at 64."""
+    rows = [{"label": f"{n} workers, least_loaded", "workers": n, "options": {}} for n in workers]
+    rows += [
+        {"label": "64 workers, least_loaded, no prefix caching", "workers": 64,
+         "options": {"enable_prefix_caching": False}},
+        {"label": "64 workers, round_robin", "workers": 64, "options": {"placement_policy": "round_robin"}},
+        {"label": "64 workers, pd_disaggregated 16P+48D", "workers": 64,
+         "options": {"placement_policy": "pd_disaggregated", "roles": pd_roles(64, 16)}},
+    ]
+    if stepping:
+        rows.append({"label": "64 workers, least_loaded, stepping (no fast-forward)", "workers": 64,
+                     "options": {"fast_forward": False}})
+    return rows
+
+
+def run_row(row: dict[str, Any], items: list, arrival: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    sim = Simulator.from_preset(row["workers"], "H100", "Llama-3-8B", **row["options"])
+    outcome = sim.run(items, arrival)
+    wall = time.perf_counter() - started
+    summary = summarize(outcome.results, SLO)
+    s = outcome.stats
+    return {
+        "label": row["label"], "workers": row["workers"],
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in row["options"].items()},
+        "requests": len(outcome.results), "wall_s": wall, "event_loop_wall_s": s.wall_s,
+        "setup_and_results_wall_s": wall - s.wall_s, "requests_per_wall_s": len(outcome.results) / wall,
+        "virtual_s": s.virtual_s, "virtual_per_wall": s.virtual_s / wall, "engine_steps": s.steps,
+        "events": s.events, "kv_transfers": s.kv_transfers, "preemptions": s.preemptions,
+        "worker_busy_fraction": s.worker_busy_fraction, "n_ok": summary.n_ok,
+        "ttft_p50_s": summary.ttft.p50, "ttft_p99_s": summary.ttft.p99, "itl_p99_s": summary.itl.p99,
+        "slo_attainment": summary.slo_attainment,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--workers", default="8,64,256", help="worker counts of the default configuration")
+    ap.add_argument("--stepping", action="store_true", help="also run without fast-forward (slow)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "simulator_speed.json")
+    args = ap.parse_args()
+
+    rows = read_trace(args.trace)
+    items = requests_from_trace(rows)
+    arrival = arrivals.trace([r.arrival_s for r in rows])
+    results = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
+        "workload": {"trace": args.trace.name, "requests": len(rows), "span_s": rows[-1].arrival_s,
+                     "prompt_tokens": sum(r.prompt_len for r in rows),
+                     "output_tokens": sum(r.output_len for r in rows)},
+        "preset": "H100 x Llama-3-8B, TP1, bf16, rdma-400g", "slo": {"ttft_s": SLO.ttft_s, "itl_s": SLO.itl_s},
+        "runs": [],
+    }
+    for row in configurations([int(w) for w in args.workers.split(",")], args.stepping):
+        result = run_row(row, items, arrival)
+        console.print(f"{result['label']}: {result['wall_s']:.1f} s wall, "
+                      f"{result['requests_per_wall_s']:,.0f} requests/s")
+        results["runs"].append(result)
+    default = next((r for r in results["runs"] if r["workers"] == 64 and not r["options"]), None)
+    if default is not None:
+        results["one_hour_of_trace_on_64_workers_wall_s"] = default["wall_s"] * 3600 / default["virtual_s"]
+    _report(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"wrote {args.out}")
+
+
+def _report(results: dict[str, Any]) -> None:
+    w = results["workload"]
+    table = Table(title=f"simulator speed: {w['trace']} ({w['requests']:,} requests, {w['span_s']:,.0f} s), "
+                        f"{results['preset']}", header_style="bold")
+    for col in ("configuration", "wall s", "of which setup", "requests / wall s", "virtual / wall",
+                "engine steps", "events", "TTFT p50 s", "ok"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in results["runs"]:
+        table.add_row(r["label"], f"{r['wall_s']:.1f}", f"{r['setup_and_results_wall_s']:.1f}",
+                      f"{r['requests_per_wall_s']:,.0f}", f"{r['virtual_per_wall']:,.0f}x",
+                      f"{r['engine_steps']:,}", f"{r['events']:,}", f"{r['ttft_p50_s']:.3f}",
+                      f"{r['n_ok']:,}/{r['requests']:,}")
+    console.print(table)
+    if "one_hour_of_trace_on_64_workers_wall_s" in results:
+        console.print(f"one hour of the trace on 64 workers: "
+                      f"{results['one_hour_of_trace_on_64_workers_wall_s']:.1f} s wall")
+
+
+if __name__ == "__main__":
+    main()

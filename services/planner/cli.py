@@ -1,0 +1,290 @@
+"""``splitserve simulate``: `splitserve bench`'s workloads on a simulated cluster, in virtual time.
+
+Takes bench's workload, arrival and SLO options (parsed by loadgen's own code) plus the
+cluster's shape, and writes the same JSON/CSV/PNG reports, so
+``splitserve bench compare`` compares simulated and measured runs. Mounted by the lead
+as ``app.add_typer(simulate_app, name="simulate")``; runnable alone:
+``python -c "from services.planner.cli import simulate_app; simulate_app()" --help``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+from rich.console import Console
+
+from loadgen.bench_config import BenchOptions, arrival_at_rate, describe_arrival
+from loadgen.cli import _floats, _slo, _write_run
+from loadgen.metrics import RequestResult, find_capacity, summarize
+from loadgen.report import machine_info, run_record, summary_table, write_json
+from services.planner.sim_config import NetworkLatency
+from services.planner.sim_workload import SimWorkload, build_sim_workload
+from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
+from splitserve.perf_model import PerfModel
+from splitserve.perf_presets import preset
+
+__all__ = ["simulate_app", "ClusterOptions", "build_simulator", "run_simulation"]
+
+simulate_app = typer.Typer(help="Simulate a splitserve cluster in virtual time: the real policies, "
+                                "step times from the performance model.", add_completion=False)
+console = Console()
+
+
+@dataclass
+class ClusterOptions:
+    """The simulated cluster `splitserve simulate` was asked for."""
+
+    workers: int = 8
+    gpu: str = "H100"
+    model_preset: str = "Llama-3-8B"
+    tp: int = 1
+    dtype: str = "bf16"
+    link: str = "rdma-400g"
+    perf_model: Path | None = None
+    policy: str = "least_loaded"
+    policy_params: dict[str, str] = field(default_factory=dict)
+    batch_policy: str = "fcfs"
+    prefill_workers: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    kv_blocks: int | None = None
+    view_refresh_ms: float = 100.0
+    kv_chunk_tokens: int = 64
+    prefix_caching: bool = True
+    fast_forward: bool = True
+    dispatch_ms: float = 1.0
+    handoff_ms: float = 0.5
+    stream_ms: float = 0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able view."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: int = 0) -> Simulator:
+    """The Simulator for `cluster`: a preset's (or a fitted model's) times, the preset's KV memory."""
+    if cluster.perf_model is not None:
+        perf_model = PerfModel.load(cluster.perf_model)
+    else:
+        perf_model = preset(cluster.gpu, cluster.model_preset, cluster.tp, dtype=cluster.dtype, link=cluster.link)
+    blocks = cluster.kv_blocks or preset_kv_blocks(cluster.gpu, cluster.model_preset, cluster.tp, cluster.block_size,
+                                                   dtype=cluster.dtype)
+    roles = pd_roles(cluster.workers, cluster.prefill_workers) if cluster.prefill_workers else None
+    latency = NetworkLatency(cluster.dispatch_ms / 1000, cluster.handoff_ms / 1000, cluster.stream_ms / 1000)
+    return Simulator(cluster.workers, perf_model, num_kv_blocks=blocks, placement_policy=cluster.policy,
+                     policy_params=cluster.policy_params, batch_policy=cluster.batch_policy,
+                     block_size=cluster.block_size, max_num_batched_tokens=cluster.max_num_batched_tokens,
+                     max_num_seqs=cluster.max_num_seqs, roles=roles, view_refresh_s=cluster.view_refresh_ms / 1000,
+                     latency=latency, kv_chunk_tokens=cluster.kv_chunk_tokens,
+                     enable_prefix_caching=cluster.prefix_caching, fast_forward=cluster.fast_forward,
+                     slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
+
+
+def _simulate(sim: Simulator, opts: BenchOptions, workload: SimWorkload, arrival: Any) -> SimulationOutcome:
+    return sim.run(workload.items, arrival, seed=opts.seed, max_concurrency=opts.max_concurrency,
+                   concurrency=opts.concurrency, duration_limit_s=opts.duration_limit_s)
+
+
+def _stats_line(outcome: SimulationOutcome) -> str:
+    s = outcome.stats
+    rate = len(outcome.results) / s.wall_s if s.wall_s > 0 else math.inf
+    return (f"simulated {s.virtual_s:,.1f} s in {s.wall_s:,.2f} s wall ({len(outcome.results):,} requests, "
+            f"{rate:,.0f} requests/s; {s.steps:,} engine steps, {s.kv_transfers:,} KV transfers, "
+            f"{s.preemptions:,} preemptions, workers {s.worker_busy_fraction:.0%} busy)")
+
+
+def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any]:
+    """Simulate what `opts` asks (one run, a rate sweep or a capacity search); returns the JSON record."""
+    if opts.concurrency and (opts.sweep_rates or opts.find_capacity):
+        raise ValueError("--concurrency (closed loop) has no rate: it cannot be swept or capacity-searched")
+    if opts.sweep_rates and opts.find_capacity:
+        raise ValueError("choose one of --sweep-rates and --find-capacity")
+    workload = build_sim_workload(opts)
+    arrival = workload.arrival
+    send = opts.send_slo
+    sim = build_simulator(cluster, round(opts.slo_ttft_ms) if send else 0, round(opts.slo_itl_ms) if send else 0)
+    slo = _slo(opts)
+    target = {"kind": "simulator", "cluster": cluster.to_dict(), "simulator": sim.config.to_dict()}
+    config = {"options": opts.to_dict(), "target": target, "vocab_size": None,
+              "workload_kind": workload.workload.kind, "workload": workload.workload.description,
+              "arrival": describe_arrival(arrival, opts.concurrency)}
+    written: list[Path] = []
+
+    if not (opts.sweep_rates or opts.find_capacity):
+        outcome = _simulate(sim, opts, workload, arrival)
+        summary = summarize(outcome.results, slo)
+        console.print(summary_table(summary, "simulation summary"))
+        console.print(_stats_line(outcome))
+        record = run_record(summary, config, outcome.results if opts.per_request else None,
+                            simulation=asdict(outcome.stats))
+        if opts.out_dir:
+            written = _write_run(opts.out_dir, "simulate", outcome.results, record, slo, plots=True)
+        _print_written(written)
+        return record
+
+    points: list[dict[str, Any]] = []
+
+    def measure(rate: float) -> float:
+        outcome = _simulate(sim, opts, workload, arrival_at_rate(arrival, rate))
+        results: list[RequestResult] = outcome.results
+        summary = summarize(results, slo)
+        points.append({"rate": rate, "attainment": summary.slo_attainment,
+                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "summary": summary.to_dict(),
+                       "simulation": asdict(outcome.stats)})
+        console.print(f"rate {rate:g}/s: attainment {summary.slo_attainment:.1%}, "
+                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed "
+                      f"({outcome.stats.wall_s:.2f} s wall)")
+        if opts.out_dir:
+            run_config = {**config, "arrival": describe_arrival(arrival_at_rate(arrival, rate)), "rate": rate}
+            record = run_record(summary, run_config, results if opts.per_request else None,
+                                simulation=asdict(outcome.stats))
+            written.extend(_write_run(opts.out_dir, f"rate-{rate:g}", results, record, slo, plots=False))
+        return summary.slo_attainment
+
+    extra: dict[str, Any] = {}
+    if opts.find_capacity:
+        capacity = find_capacity(measure, opts.target_attainment, opts.rate_lo, opts.rate_hi, opts.rate_tol,
+                                 opts.max_probes)
+        extra["capacity"] = capacity.to_dict()
+        console.print(f"[bold]capacity[/]: {capacity.rate:g} req/s meets {opts.target_attainment:.0%} attainment "
+                      f"(first failing rate {capacity.fail_rate:g}, converged={capacity.converged})")
+    else:
+        for rate in sorted(opts.sweep_rates):
+            measure(rate)
+    record = {"config": config, "machine": machine_info(), "points": points, **extra}
+    if opts.out_dir:
+        from loadgen.plots import plot_attainment_vs_rate
+
+        stem = "capacity" if opts.find_capacity else "sweep"
+        written.append(write_json(opts.out_dir / f"{stem}.json", record))
+        written.append(plot_attainment_vs_rate(points, opts.out_dir / "attainment_vs_rate.png",
+                                               opts.target_attainment if opts.find_capacity else None))
+    _print_written(written)
+    return record
+
+
+def _print_written(paths: list[Path]) -> None:
+    for path in paths:
+        console.print(f"wrote {path}")
+
+
+def _key_values(items: list[str] | None, name: str) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint=name)
+        params[key.strip()] = value.strip()
+    return params
+
+
+def simulate(
+    ctx: typer.Context,
+    # ---- the workload, as `splitserve bench` takes it ----
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Azure CSV or Mooncake JSONL trace: lengths "
+                                         "(and, with --arrival trace, timestamps)."),
+    length_scale: float = typer.Option(1.0, "--length-scale", help="Multiply prompt/output lengths (reported)."),
+    num_requests: int = typer.Option(100, "--num-requests", "-n", help="Requests to send (trace: first N rows)."),
+    trace_time_scale: float = typer.Option(1.0, "--trace-time-scale", help="Trace replay speed-up (2 = 2x faster)."),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help="Request shape(s) P<prompt>/D<output>, "
+                                              "repeatable or comma list (default P256/D64)."),
+    sessions: Optional[str] = typer.Option(None, "--sessions", help="Multi-round session preset: toolbench | gaia | "
+                                           "hotpotqa | dureader."),
+    num_sessions: int = typer.Option(10, "--num-sessions", help="Sessions to run with --sessions."),
+    tool_delay: str = typer.Option("exponential:mean=1", "--tool-delay", help="Delay between session rounds: "
+                                   "exponential:mean=S | constant:mean=S | none."),
+    arrival: Optional[str] = typer.Option(None, "--arrival", help="poisson:rate=R | gamma:rate=R,burstiness=B | "
+                                          "constant:rate=R | trace (default: trace with --trace, else "
+                                          "poisson:rate=1)."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Closed loop: N clients sending back "
+                                              "to back."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Cap on requests in flight."),
+    duration_limit: Optional[float] = typer.Option(None, "--duration-limit", "--duration",
+                                                   help="Stop after S virtual seconds; unfinished requests are "
+                                                   "cut off."),
+    slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="TTFT SLO (ms)."),
+    slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="Per-request p99 inter-token latency SLO (ms)."),
+    slo_incremental_ttft_ms: Optional[float] = typer.Option(None, "--slo-incremental-ttft-ms",
+                                                            help="TTFT SLO of session rounds > 0 (ms)."),
+    send_slo: bool = typer.Option(True, "--send-slo/--no-send-slo", help="Give the SLO to the placement policy."),
+    find_capacity_: bool = typer.Option(False, "--find-capacity", help="Search the highest rate meeting "
+                                        "--target-attainment."),
+    target_attainment: float = typer.Option(0.9, "--target-attainment", help="SLO attainment to meet."),
+    rate_lo: float = typer.Option(0.5, "--rate-lo", help="Capacity search: first (low) rate probed."),
+    rate_hi: float = typer.Option(8.0, "--rate-hi", help="Capacity search: first high rate probed."),
+    rate_tol: float = typer.Option(0.25, "--rate-tol", help="Capacity search: stop when the bracket is this narrow."),
+    max_probes: int = typer.Option(8, "--max-probes", help="Capacity search: at most this many runs."),
+    sweep_rates: Optional[str] = typer.Option(None, "--sweep-rates", help="Comma list of rates, one run each."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Write JSON, CSV and PNG plots here."),
+    per_request: bool = typer.Option(False, "--per-request", help="Include per-request records in the JSON."),
+    seed: int = typer.Option(0, "--seed", help="Seed of every random draw (lengths, sessions, arrivals)."),
+    # ---- the simulated cluster ----
+    workers: int = typer.Option(8, "--workers", help="Simulated workers (instances of --tp GPUs each)."),
+    gpu: str = typer.Option("H100", "--gpu", help="GPU preset: A100 | H100 | H200 | L40S | RTX4090."),
+    model_preset: str = typer.Option("Llama-3-8B", "--model-preset", help="Model preset: Llama-3-8B | Qwen2.5-14B | "
+                                     "Qwen2.5-32B | Llama-3.1-70B."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs per worker."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp8 (linear layers)."),
+    link: str = typer.Option("rdma-400g", "--link", help="KV transfer link: rdma-400g | rdma-200g | nvlink | pcie | "
+                             "tcp-10g."),
+    perf_model: Optional[Path] = typer.Option(None, "--perf-model", help="Fitted perf model JSON (`splitserve "
+                                              "profile`) instead of the preset's times; memory stays the preset's."),
+    policy: str = typer.Option("least_loaded", "--policy", help="Placement policy (round_robin | least_loaded | "
+                               "pd_disaggregated | split | any registered)."),
+    policy_param: Optional[List[str]] = typer.Option(None, "--policy-param", help="Placement policy parameter "
+                                                     "key=value (repeatable), e.g. split_ratio=0.4."),
+    batch_policy: str = typer.Option("fcfs", "--batch-policy", help="Workers' local batch policy."),
+    prefill_workers: Optional[int] = typer.Option(None, "--prefill-workers", help="The first N workers take role "
+                                                  "prefill, the rest decode (for pd_disaggregated)."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Token budget of one step."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most requests running at once per worker."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV blocks per worker (default: what fits "
+                                            "beside the weights in 90% of the GPU memory)."),
+    view_refresh_ms: float = typer.Option(100.0, "--view-refresh-ms", help="Staleness of the load view placement "
+                                          "sees (the workers' load publishing interval)."),
+    kv_chunk_tokens: int = typer.Option(64, "--kv-chunk-tokens", help="Tokens per pushed KV chunk between stages."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Engine prefix caching."),
+    fast_forward: bool = typer.Option(True, "--fast-forward/--no-fast-forward", help="Apply runs of identical "
+                                      "decode steps in bulk (same results, faster)."),
+    dispatch_ms: float = typer.Option(1.0, "--dispatch-ms", help="Send -> first stage queued on its worker."),
+    handoff_ms: float = typer.Option(0.5, "--handoff-ms", help="Stage end -> next stage queued on its worker."),
+    stream_ms: float = typer.Option(0.5, "--stream-ms", help="Token sampled -> seen by the client."),
+) -> None:
+    """Simulate a workload on a cluster (the default command)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    opts = BenchOptions(
+        target="simulator", trace=trace, length_scale=length_scale, num_requests=num_requests,
+        trace_time_scale=trace_time_scale, shapes=list(shape or []), sessions=sessions, num_sessions=num_sessions,
+        tool_delay=tool_delay, arrival=arrival, concurrency=concurrency, max_concurrency=max_concurrency,
+        duration_limit_s=duration_limit, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
+        slo_incremental_ttft_ms=slo_incremental_ttft_ms, send_slo=send_slo, find_capacity=find_capacity_,
+        target_attainment=target_attainment, rate_lo=rate_lo, rate_hi=rate_hi, rate_tol=rate_tol,
+        max_probes=max_probes, sweep_rates=_floats(sweep_rates, "--sweep-rates"), out_dir=out_dir,
+        per_request=per_request, seed=seed, progress=False)
+    cluster = ClusterOptions(
+        workers=workers, gpu=gpu, model_preset=model_preset, tp=tp, dtype=dtype, link=link, perf_model=perf_model,
+        policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
+        prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,
+        kv_chunk_tokens=kv_chunk_tokens, prefix_caching=prefix_caching, fast_forward=fast_forward,
+        dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)
+    try:
+        record = run_simulation(opts, cluster)
+    except (ValueError, OSError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(2) from None
+    summaries = [record["summary"]] if "summary" in record else [p["summary"] for p in record.get("points", [])]
+    if summaries and all(s["n_ok"] == 0 for s in summaries):
+        raise typer.Exit(1)  # scripts notice a run where every request failed
+
+
+# The simulation is both the group's default (`splitserve simulate ...`) and an explicit `run`.
+simulate_app.callback(invoke_without_command=True)(simulate)
+simulate_app.command("run")(simulate)

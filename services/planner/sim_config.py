@@ -1,0 +1,96 @@
+"""What a simulated cluster is: workers, engine limits, policies, view staleness, fixed delays."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from services.global_scheduler.policy import ROLES
+from splitserve.perf_model import PerfModel
+
+__all__ = ["NetworkLatency", "SimulatorConfig", "worker_id"]
+
+
+def worker_id(index: int) -> str:
+    """Zero-padded, so id order (the order policies and ClusterView sort by) is index order."""
+    return f"w{index:03d}"
+
+
+@dataclass(frozen=True)
+class NetworkLatency:
+    """Fixed control-plane delays (seconds) around the workers' compute; KV transfers use the perf model.
+
+    dispatch_s: a client's send until the first stage is queued on its worker (gateway,
+    coordinator, GlobalScheduler.Place, Worker.Execute); handoff_s: a stage's end reaching
+    the coordinator until the next stage's Execute reaches its worker; stream_s: a sampled
+    token leaving its worker until the client sees it (worker -> coordinator -> gateway).
+    Defaults are sub-millisecond in-datacenter gRPC hops.
+    """
+
+    dispatch_s: float = 1.0e-3
+    handoff_s: float = 0.5e-3
+    stream_s: float = 0.5e-3
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """Every knob of a simulated cluster (see `Simulator` for their meaning)."""
+
+    num_workers: int
+    perf_model: PerfModel
+    num_kv_blocks: int
+    placement_policy: str = "least_loaded"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    batch_policy: str = "fcfs"
+    batch_policy_options: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    roles: tuple[str, ...] | None = None
+    view_refresh_s: float = 0.1
+    latency: NetworkLatency = NetworkLatency()
+    kv_chunk_tokens: int = 64
+    enable_prefix_caching: bool = True
+    fast_forward: bool = True
+    slo_ttft_ms: int = 0
+    slo_itl_ms: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
+                     "kv_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if not (math.isfinite(self.view_refresh_s) and self.view_refresh_s > 0):
+            raise ValueError(f"view_refresh_s must be a finite number > 0, got {self.view_refresh_s!r}")
+        if self.roles is not None:
+            roles = tuple(self.roles)
+            object.__setattr__(self, "roles", roles)
+            if len(roles) != self.num_workers:
+                raise ValueError(f"roles: {len(roles)} given for {self.num_workers} workers")
+            bad = sorted({r for r in roles if r not in ROLES})
+            if bad:
+                raise ValueError(f"roles: unknown role(s) {bad}; known: {', '.join(ROLES)}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def worker_roles(self) -> tuple[str, ...]:
+        """The role of each worker (all "both" unless given)."""
+        return self.roles if self.roles is not None else ("both",) * self.num_workers
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able view, the performance model by its label and coefficients."""
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "perf_model"}
+        data["roles"] = list(self.worker_roles)
+        data["latency"] = asdict(self.latency)
+        data["perf_model"] = self.perf_model.to_dict()
+        data["kv_capacity_tokens_per_worker"] = self.num_kv_blocks * self.block_size
+        return data

@@ -1,0 +1,380 @@
+"""One simulation run: a heap of virtual-time events driving sends, placement, stages and KV handoffs.
+
+Mirrors the real request path: the load generator's send (open loop, closed loop,
+max_concurrency, sessions with tool delays, a duration limit that cuts requests off),
+`GlobalScheduler.Place` (the real policy over a stale `ClusterView`), the
+coordinator's stage loop (reserve the next stage's KV before running a stage, run
+stages in order, cancel what a finished request no longer needs) and each worker's
+engine loop (`SimWorker`). Results are `loadgen.metrics.RequestResult`s, as `bench` records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import itertools
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from loadgen.metrics import RequestResult
+from loadgen.runner import CUT_OFF
+from loadgen.sessions import Session
+from services.global_scheduler.policy import (CompletionListener, CompletionReport, NoWorkerAvailable,
+                                              PlacementRequest, make_policy)
+from services.planner.sim_config import SimulatorConfig, worker_id
+from services.planner.sim_view import SimClusterView
+from services.planner.sim_worker import SimWorker, StageRun
+from services.planner.sim_workload import PromptIds, SimItem
+from workers.engine.sequence import FinishReason
+
+__all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
+
+STALLED = "simulation stalled: no event left that could finish the request"
+# Event kinds; ties in time run in push order.
+_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE = range(5)
+
+
+@dataclass
+class SimStats:
+    """What a run cost and did: wall time, events, engine steps, KV transfers, preemptions."""
+
+    wall_s: float = 0.0
+    virtual_s: float = 0.0
+    events: int = 0
+    steps: int = 0
+    kv_transfers: int = 0
+    kv_recomputes: int = 0
+    preemptions: int = 0
+    view_refreshes: int = 0
+    worker_busy_fraction: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    """Progress of one workload item: a request, or a session's rounds."""
+
+    item: SimItem
+    history: list[int] | None = None  # a session's prompt and outputs so far, until its next round
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    """One request (or session round) in flight: its prompt, stages and token times."""
+
+    request_id: str
+    session_id: str | None
+    round_index: int
+    item: _Item
+    prompt_ids: list[int]  # becomes the first stage's sequence, which appends its outputs
+    max_tokens: int
+    sent_at: float
+    prompt_len: int = 0
+    token_times: array = field(default_factory=lambda: array("d"))
+    stages: list[StageRun] = field(default_factory=list)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
+
+
+class VirtualClock:
+    """The engine schedulers' injected clock: the simulation's current time (seconds)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off: it would only keep walking the KV blocks (hundreds of
+    thousands of objects); a run holds no reference cycles once its requests have ended."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class SimRun:
+    """Simulates `items` sent at `offsets` (or by `concurrency` closed-loop clients) on a fresh cluster."""
+
+    def __init__(self, config: SimulatorConfig, items: Sequence[SimItem], offsets: np.ndarray | None, *,
+                 max_concurrency: int | None = None, concurrency: int | None = None,
+                 duration_limit_s: float | None = None):
+        self.config = config
+        self.clock = VirtualClock()
+        self.workers = [
+            SimWorker(worker_id(i), config.perf_model, clock=self.clock, num_kv_blocks=config.num_kv_blocks,
+                      block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_num_seqs=config.max_num_seqs, batch_policy=config.batch_policy,
+                      batch_policy_options=config.batch_policy_options,
+                      enable_prefix_caching=config.enable_prefix_caching, role=role,
+                      kv_chunk_tokens=config.kv_chunk_tokens, view_refresh_s=config.view_refresh_s,
+                      fast_forward=config.fast_forward)
+            for i, role in enumerate(config.worker_roles)
+        ]
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.policy = make_policy(config.placement_policy, **config.policy_params)
+        self.view = SimClusterView(self.workers, config.view_refresh_s)
+        self.latency = config.latency
+        self.prompts = PromptIds()
+        self.items = [_Item(item) for item in items]
+        self.offsets = offsets
+        self.concurrency = concurrency
+        self.free_slots = max_concurrency
+        self.limit = duration_limit_s
+        self.results: list[RequestResult] = []
+        self.stats = SimStats()
+        self._heap: list = []
+        self._order = itertools.count()
+        self._in_flight: dict[str, _Request] = {}
+        self._waiting_for_slot: deque[tuple[_Item, int]] = deque()
+        self._next_item = 0
+        self._closing = False  # cutting off: nothing new is sent
+
+    @property
+    def now(self) -> float:
+        """The current virtual time (seconds since the first send)."""
+        return self.clock.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.clock.now = value
+
+    # ---- the loop ----------------------------------------------------------------------
+    def execute(self) -> list[RequestResult]:
+        """Run every event (up to the duration limit); results sorted by (arrival, request id)."""
+        started = time.perf_counter()
+        if self.concurrency:
+            for _ in range(min(self.concurrency, len(self.items))):
+                self._next_closed_loop_item()
+        else:
+            for item, offset in zip(self.items, self.offsets):
+                self._push(float(offset), _SEND, (item, 0))
+        heap, pop = self._heap, heapq.heappop
+        limit = self.limit if self.limit is not None else float("inf")
+        events = 0
+        cut = False
+        with gc_paused():
+            while heap:
+                t, _, kind, payload, generation = pop(heap)
+                if t > limit:
+                    cut = True
+                    break
+                self.now = t
+                events += 1
+                if kind == _STEP_DONE:
+                    if generation != payload.generation:
+                        continue  # the step was cut short: a later event replaced this one
+                    for stage in payload.finish_step(t):
+                        self._stage_ended(stage)
+                    self._kick(payload)
+                else:
+                    self._dispatch(kind, payload)
+        if self._in_flight:
+            # Past the duration limit requests are cut off, as bench cuts them; with no event
+            # left, what is still in flight can never finish (e.g. KV reservations deadlocked).
+            self._closing = True
+            if cut:
+                self._cut_off(limit, CUT_OFF)
+            else:
+                self._cut_off(self.now, STALLED)
+        self._finish_stats(events, time.perf_counter() - started)
+        return sorted(self.results, key=lambda r: (r.arrival_s, r.request_id))
+
+    def _dispatch(self, kind: int, payload: object) -> None:
+        if kind == _STAGE_START:
+            self._start_stage(payload)
+        elif kind == _KV_DONE:
+            self._kv_done(payload)
+        else:
+            self._send(*payload, holds_slot=kind == _SEND_WITH_SLOT)
+
+    def _push(self, t: float, kind: int, payload: object, generation: int = 0) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), kind, payload, generation))
+
+    def _kick(self, worker: SimWorker) -> None:
+        """After any change to a worker: start its next step unless one is running (the engine
+        loop steps back to back), or reschedule the end of a fast-forwarded run cut short."""
+        if worker.stepping:
+            if worker.step_moved:
+                worker.step_moved = False
+                self._push(worker.step_end, _STEP_DONE, worker, worker.generation)
+            return
+        end = worker.start_step(self.now)
+        if end is not None:
+            self._push(end, _STEP_DONE, worker, worker.generation)
+
+    # ---- sends and placement -------------------------------------------------------------
+    def _send(self, item: _Item, round_index: int, holds_slot: bool = False) -> None:
+        if self.free_slots is not None and not holds_slot:
+            if self.free_slots == 0:
+                self._waiting_for_slot.append((item, round_index))  # sent when a request ends
+                return
+            self.free_slots -= 1
+        spec = item.item
+        if isinstance(spec, Session):
+            rnd = spec.rounds[round_index]
+            prompt = self.prompts.for_round(item.history or [], rnd.incr_prompt_len)
+            request = _Request(f"{spec.session_id}/r{round_index}", spec.session_id, round_index, item, prompt,
+                               rnd.output_len, self.now)
+        else:
+            request = _Request(spec.request_id, None, 0, item, self.prompts.for_request(spec), spec.output_len,
+                               self.now)
+        item.history = None
+        self._in_flight[request.request_id] = request
+        placement_request = PlacementRequest(
+            request_id=request.request_id, prompt_len=request.prompt_len, max_tokens=request.max_tokens,
+            session_id=request.session_id or "", slo_ttft_ms=self.config.slo_ttft_ms,
+            slo_itl_ms=self.config.slo_itl_ms)
+        try:
+            placement = self.policy.place(placement_request, self.view.current(self.now), self.now)
+        except NoWorkerAvailable as err:
+            self._fail(request, f"UNAVAILABLE: {err}")
+            return
+        self.view.note_placed(placement.worker_ids)
+        for index, sp in enumerate(placement.stages):
+            request.stages.append(StageRun(f"{request.request_id}/{index}", index, sp.start, sp.end,
+                                           self.by_id[sp.worker_id], request.token_times, request))
+        self._push(self.now + self.latency.dispatch_s, _STAGE_START, request.stages[0])
+
+    # ---- stages ------------------------------------------------------------------------------
+    def _start_stage(self, stage: StageRun) -> None:
+        request: _Request | None = stage.owner
+        if request is None or request.done:
+            return
+        worker = stage.worker
+        error = worker.admission_error(request.prompt_len + request.max_tokens)
+        if error is not None:
+            self._fail(request, error)
+            return
+        following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
+        if following is not None:
+            # The coordinator reserves the next stage's KV before running this one; with no
+            # room there, the next stage recomputes this range from tokens.
+            following.reserved_blocks = following.worker.reserve_kv(stage.end, self.now)
+            stage.pushes_kv = following.reserved_blocks is not None
+            self._kick(following.worker)
+        if stage.index == 0:
+            tokens, prefix_len = request.prompt_ids, 0
+        else:
+            previous = request.stages[stage.index - 1]
+            tokens = list(previous.seq.token_ids)
+            prefix_len = previous.end if stage.reserved_blocks is not None else 0
+            if stage.reserved_blocks is None:
+                self.stats.kv_recomputes += 1
+        worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now)
+        self._kick(worker)
+
+    def _stage_ended(self, stage: StageRun) -> None:
+        if stage.pushes_kv:
+            self.stats.kv_transfers += 1
+            self._push(stage.push_done_at, _KV_DONE, stage)  # the worker reports the end after its push
+        elif stage.finish_reason is FinishReason.STAGE_END:
+            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+        else:
+            self._complete(stage.owner)
+
+    def _kv_done(self, stage: StageRun) -> None:
+        if stage.owner is None:
+            return  # the request ended meanwhile: its stages were aborted
+        worker = stage.worker
+        worker.release(stage, self.now)
+        self._kick(worker)  # freed blocks may admit waiting work
+        if stage.last_token_pending:
+            stage.token_times.append(self.now)
+        if stage.finish_reason is FinishReason.STAGE_END:
+            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+        else:
+            self._complete(stage.owner)
+
+    # ---- endings -----------------------------------------------------------------------------
+    def _complete(self, request: _Request) -> None:
+        stream = self.latency.stream_s
+        times = (np.frombuffer(request.token_times, dtype=np.float64) + stream).tolist()
+        # The last stage that ran holds the whole sequence: prompt + output, the next round's history.
+        history = next(s for s in reversed(request.stages) if s.seq is not None).seq.token_ids
+        worker_ids = tuple(s.worker.worker_id for s in request.stages)
+        self._end(request, RequestResult(
+            request.request_id, request.session_id, request.round_index, request.sent_at, times[0], times,
+            times[-1], request.prompt_len, len(times), True))
+        if isinstance(self.policy, CompletionListener):
+            self.policy.on_completion(CompletionReport(
+                request.request_id, "length", session_id=request.session_id or "",
+                prompt_tokens=request.prompt_len, output_tokens=len(times),
+                ttft_ms=(times[0] - request.sent_at) * 1000,
+                mean_itl_ms=(times[-1] - times[0]) / max(1, len(times) - 1) * 1000,
+                e2e_ms=(times[-1] - request.sent_at) * 1000, worker_ids=worker_ids))
+        item = request.item
+        spec = item.item
+        if isinstance(spec, Session) and request.round_index + 1 < len(spec.rounds):
+            item.history = history
+            delay = spec.rounds[request.round_index + 1].delay_before_s
+            self._push(times[-1] + delay, _SEND, (item, request.round_index + 1))
+        else:
+            self._item_done()
+
+    def _fail(self, request: _Request, error: str) -> None:
+        self._end(request, RequestResult(request.request_id, request.session_id, request.round_index,
+                                         request.sent_at, None, [], self.now, request.prompt_len, 0, False, error))
+        self._item_done()  # a failed round ends its session
+
+    def _end(self, request: _Request, result: RequestResult) -> None:
+        request.done = True
+        self.results.append(result)
+        del self._in_flight[request.request_id]
+        for stage in request.stages:  # reservations and stages the request no longer needs
+            if stage.reserved_blocks is not None:
+                stage.worker.release_reserved(stage.reserved_blocks, self.now)
+                stage.reserved_blocks = None
+                self._kick(stage.worker)
+            elif stage.worker.stages.get(stage.engine_id) is stage:
+                stage.worker.abort(stage, self.now)
+                self._kick(stage.worker)
+            stage.owner = stage.seq = None  # no cycles left for a collector (it is off during runs)
+        request.stages = []
+        request.prompt_ids = []
+        if self.free_slots is not None:
+            if self._waiting_for_slot and not self._closing:
+                # The slot passes straight to the longest waiting send (FIFO, as a semaphore).
+                self._push(self.now, _SEND_WITH_SLOT, self._waiting_for_slot.popleft())
+            else:
+                self.free_slots += 1
+
+    def _item_done(self) -> None:
+        if self.concurrency:
+            self._next_closed_loop_item()
+
+    def _next_closed_loop_item(self) -> None:
+        if self._next_item < len(self.items):
+            item = self.items[self._next_item]
+            self._next_item += 1
+            self._push(self.now, _SEND, (item, 0))
+
+    def _cut_off(self, at: float, error: str) -> None:
+        self.now = at
+        for request in list(self._in_flight.values()):
+            self._end(request, RequestResult(request.request_id, request.session_id, request.round_index,
+                                             request.sent_at, None, [], at, request.prompt_len, 0, False, error))
+
+    def _finish_stats(self, events: int, wall_s: float) -> None:
+        s = self.stats
+        s.wall_s, s.virtual_s, s.events = wall_s, self.now, events
+        s.steps = sum(w.num_steps for w in self.workers)
+        s.preemptions = sum(w.scheduler.num_preemptions for w in self.workers)
+        s.view_refreshes = self.view.num_refreshes
+        if self.now > 0:
+            s.worker_busy_fraction = sum(w.busy_s for w in self.workers) / (self.now * len(self.workers))

@@ -1,0 +1,263 @@
+"""Discrete-event simulator: hand-checked timings, real policies, stages, accounting, fast-forward."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from loadgen import arrivals
+from loadgen.metrics import Slo, summarize
+from loadgen.report import compare
+from loadgen.runner import CUT_OFF
+from loadgen.sessions import Round, Session
+from services.global_scheduler import policy as policy_module
+from services.global_scheduler.baselines import LeastLoadedPolicy, RoundRobinPolicy
+from services.global_scheduler.policy import ClusterView, PlacementRequest
+from services.planner import sim_run, sim_worker
+from services.planner.cli import simulate_app
+from services.planner.sim_run import SimRun
+from services.planner.sim_workload import SimRequestSpec
+from services.planner.simulator import NetworkLatency, Simulator, pd_roles
+from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler
+from workers.policies import make_batch_policy
+from workers.policies.fcfs import FcfsPolicy
+
+# Round numbers, compute-bound everywhere (memory lines are 0): easy to check by hand.
+TOY = PerfModel(PrefillCoeffs(c0=1e-3, c_tok=1e-5), DecodeCoeffs(c0=2e-3, c_seq=1e-4, c_ctx=1e-7),
+                TransferCoeffs(latency=1e-4, per_token=1e-6), label="toy")
+NO_DELAY = NetworkLatency(0.0, 0.0, 0.0)
+
+
+def toy_sim(num_workers: int = 1, **options) -> Simulator:
+    options.setdefault("num_kv_blocks", 2000)
+    options.setdefault("latency", NO_DELAY)
+    return Simulator(num_workers, TOY, **options)
+
+
+def spec(i: int, prompt_len: int, output_len: int) -> SimRequestSpec:
+    return SimRequestSpec(f"req-{i}", prompt_len, output_len)
+
+
+def t_xfer(tokens: int) -> float:
+    return TOY.kv_transfer_time(tokens)
+
+
+def test_one_request_on_one_worker_matches_the_perf_model_by_hand():
+    latency = NetworkLatency(dispatch_s=1e-3, handoff_s=5e-4, stream_s=2e-4)
+    result = toy_sim(latency=latency).run([spec(0, 100, 5)]).results[0]
+    assert result.ok and result.output_len == 5 and result.prompt_len == 100
+    # One prefill step of 100 tokens: 1 ms + 100 * 10 us = 2 ms, after 1 ms dispatch and 0.2 ms stream.
+    assert result.ttft_s == pytest.approx(1e-3 + 2e-3 + 2e-4, rel=1e-12)
+    assert TOY.prefill_time(0, 100) == pytest.approx(2e-3)
+    # Decode i reads the KV of prompt + i tokens.
+    expected_itls = [TOY.decode_time(1, 100 + i) for i in range(1, 5)]
+    assert result.itls_s.tolist() == pytest.approx(expected_itls, rel=1e-12)
+    assert result.end_s == pytest.approx(result.first_token_s + sum(expected_itls), rel=1e-12)
+
+
+def test_pd_stage_adds_the_kv_transfer_of_its_chunks():
+    colocated = toy_sim().run([spec(0, 100, 5)]).results[0]
+    pd = toy_sim(2, placement_policy="pd_disaggregated", roles=pd_roles(2, 1),
+                 latency=NetworkLatency(0.0, handoff_s=3e-4, stream_s=0.0)).run([spec(0, 100, 5)])
+    result = pd.results[0]
+    assert result.ok and result.output_len == 5 and pd.stats.kv_transfers == 1
+    # 100 tokens of KV in 64-token chunks: one whole chunk and the 36-token rest, back to back;
+    # the first token is delivered when the push is done (the worker yields it after finish_push).
+    assert result.ttft_s == pytest.approx(colocated.ttft_s + t_xfer(64) + t_xfer(36), rel=1e-12)
+    # The decode stage starts after the handoff and reads prompt + first token.
+    assert result.itls_s[0] == pytest.approx(3e-4 + TOY.decode_time(1, 101), rel=1e-12)
+    assert result.itls_s[1:].tolist() == pytest.approx(colocated.itls_s[1:].tolist(), rel=1e-12)
+
+
+def test_chunked_push_overlaps_all_but_the_last_step_of_a_long_prefill():
+    pd = toy_sim(2, placement_policy="pd_disaggregated", roles=pd_roles(2, 1), max_num_batched_tokens=2048)
+    result = pd.run([spec(0, 4096, 2)]).results[0]
+    first_step = TOY.step_time([(0, 2048)])
+    second_step = TOY.step_time([(2048, 2048)])
+    # The first step's 32 chunks are pushed while the second step computes; the second step's
+    # 32 chunks (the last one at the stage's end) follow it on the critical path.
+    assert 32 * t_xfer(64) < second_step
+    assert result.ttft_s == pytest.approx(first_step + second_step + 32 * t_xfer(64), rel=1e-12)
+
+
+def test_split_plan_runs_both_stages_and_recomputes_nothing():
+    sim = toy_sim(2, placement_policy="split", policy_params={"split_ratio": "0.5"})
+    outcome = sim.run([spec(0, 1000, 10)])
+    result = outcome.results[0]
+    assert result.ok and result.output_len == 10
+    assert outcome.stats.kv_transfers == 1 and outcome.stats.kv_recomputes == 0
+    # s = ceil(0.5 * 1010) = 505: alpha prefills [0, 505), beta prefills the rest and samples.
+    expected = TOY.prefill_time(0, 505) + t_xfer(64) * 7 + t_xfer(505 - 448) + TOY.prefill_time(505, 495)
+    assert result.ttft_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_real_policies_are_called_unchanged(monkeypatch):
+    assert sim_run.make_policy is policy_module.make_policy
+    assert sim_worker.make_batch_policy is make_batch_policy
+    calls: list[tuple[PlacementRequest, ClusterView, float]] = []
+    completions: list[str] = []
+
+    class Recording(RoundRobinPolicy):
+        def place(self, request, view, now):
+            calls.append((request, view, now))
+            return super().place(request, view, now)
+
+        def on_completion(self, report):
+            completions.append(report.request_id)
+
+    monkeypatch.setitem(policy_module._REGISTERED, "recording", Recording)
+    sim = toy_sim(3, placement_policy="recording", slo_ttft_ms=500, slo_itl_ms=50)
+    outcome = sim.run([spec(i, 64, 4) for i in range(6)], arrivals.constant(10.0))
+    assert all(r.ok for r in outcome.results)
+    assert [c[0].request_id for c in calls] == [f"req-{i}" for i in range(6)]
+    assert all(isinstance(view, ClusterView) and len(view.workers) == 3 for _, view, _ in calls)
+    assert calls[0][0].slo_ttft_ms == 500 and calls[0][0].max_tokens == 4
+    assert [now for _, _, now in calls] == pytest.approx([i / 10 for i in range(6)])
+    assert sorted(completions) == [f"req-{i}" for i in range(6)]
+
+    run = SimRun(sim.config, [], np.zeros(0))
+    assert isinstance(SimRun(toy_sim().config, [], np.zeros(0)).policy, LeastLoadedPolicy)
+    worker = run.workers[0]
+    assert type(worker.scheduler) is Scheduler and type(worker.block_manager) is BlockManager
+    assert isinstance(worker.scheduler.policy, FcfsPolicy)
+
+
+def test_stale_view_spreads_a_burst_with_inflight_counters(monkeypatch):
+    chosen: list[tuple[str, float]] = []
+
+    class Recording(LeastLoadedPolicy):
+        def place(self, request, view, now):
+            placement = super().place(request, view, now)
+            chosen.append((placement.stages[0].worker_id, view.taken_at))
+            return placement
+
+    monkeypatch.setitem(policy_module._REGISTERED, "recording", Recording)
+    sim = toy_sim(4, placement_policy="recording", view_refresh_s=0.1)
+    sim.run([spec(i, 64, 4) for i in range(8)] + [spec(8, 64, 4)], [0.0] * 8 + [0.25])
+    first_wave = [w for w, _ in chosen[:8]]
+    assert sorted(first_wave) == ["w000", "w000", "w001", "w001", "w002", "w002", "w003", "w003"]
+    assert [t for _, t in chosen] == pytest.approx([0.0] * 8 + [0.2])  # the snapshot of the last refresh
+
+
+def test_more_workers_serve_more_goodput():
+    items = [spec(i, 2048, 128) for i in range(60)]
+    slo = Slo(1.0, 0.1)
+    goodput = {}
+    for workers in (1, 4):
+        sim = Simulator.from_preset(workers, "H100", "Llama-3-8B", placement_policy="least_loaded")
+        summary = summarize(sim.run(items, arrivals.poisson(30.0)).results, slo)
+        assert summary.n_ok == 60
+        goodput[workers] = summary.goodput_tokens_per_s
+    assert goodput[4] > 2 * goodput[1]
+
+
+def mixed_items() -> list:
+    sessions = [Session(f"s{i}", [Round(300, 20, 0.0), Round(200, 30, 0.05), Round(100, 10, 0.02)]) for i in range(4)]
+    return [spec(i, 100 + 37 * i, 5 + 11 * (i % 7)) for i in range(24)] + sessions
+
+
+@pytest.mark.parametrize("policy,roles", [("least_loaded", None), ("pd_disaggregated", ("prefill", "decode", "decode")),
+                                          ("split", None)])
+def test_everything_finishes_and_every_block_comes_back(policy, roles):
+    # A small KV cache: admission waits and preemption happen.
+    config = toy_sim(3, placement_policy=policy, roles=roles, num_kv_blocks=120, max_num_batched_tokens=256,
+                     latency=NetworkLatency()).config
+    items = mixed_items()
+    run = SimRun(config, items, arrivals.poisson(40.0).offsets(len(items), np.random.default_rng(1)))
+    results = run.execute()
+    assert len(results) == 24 + 4 * 3 and all(r.ok for r in results), [r.error for r in results if not r.ok]
+    for r in results:
+        assert len(r.token_times_s) == r.output_len and np.all(np.diff(r.token_times_s) >= 0)
+    for worker in run.workers:
+        bm = worker.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        assert not worker.stages and not worker.has_work() and not worker.scheduler.sequences
+    if policy != "least_loaded":
+        assert run.stats.kv_transfers > 0
+    assert sum(w.scheduler.num_preemptions for w in run.workers) == run.stats.preemptions
+
+
+@pytest.mark.parametrize("policy,roles,caching", [("least_loaded", None, True), ("round_robin", None, False),
+                                                  ("pd_disaggregated", ("prefill", "decode", "decode"), True)])
+def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, roles, caching):
+    views: list[tuple] = []
+
+    def recording(**params):
+        inner = policy_module.make_policy(policy, **params)
+
+        class Recording:
+            name = inner.name
+
+            def place(self, request, view, now):
+                views.append(view.workers)  # the loads a refresh saw, inside fast-forwarded runs too
+                return inner.place(request, view, now)
+
+        return Recording()
+
+    monkeypatch.setitem(policy_module._REGISTERED, "recording", recording)
+    items = mixed_items()
+    outcomes, seen = [], []
+    for fast in (False, True):
+        views.clear()
+        sim = toy_sim(3, placement_policy="recording", roles=roles, num_kv_blocks=150, max_num_batched_tokens=256,
+                      enable_prefix_caching=caching, fast_forward=fast, view_refresh_s=0.01,
+                      latency=NetworkLatency())
+        outcomes.append(sim.run(items, arrivals.poisson(30.0), seed=3))
+        seen.append(list(views))
+    slow, fast = outcomes
+    assert [(r.request_id, r.token_times_s) for r in slow.results] == [(r.request_id, r.token_times_s)
+                                                                        for r in fast.results]
+    assert seen[0] == seen[1] and len(seen[0]) == len(items) + 4 * 2
+    assert slow.stats.steps == fast.stats.steps and fast.stats.events < slow.stats.events
+    assert slow.stats.worker_busy_fraction == pytest.approx(fast.stats.worker_busy_fraction, rel=1e-9)
+
+
+def test_session_rounds_carry_history_and_wait_for_the_tool():
+    session = Session("s", [Round(50, 4, 0.0), Round(30, 3, 0.5)])
+    results = toy_sim().run([session]).results
+    first, second = results
+    assert (first.request_id, second.request_id) == ("s/r0", "s/r1")
+    assert second.prompt_len == 50 + 4 + 30 and second.round_index == 1
+    assert second.arrival_s == pytest.approx(first.end_s + 0.5)
+    # Round 1 hits the prefix cache on the same worker: only the uncached tail is prefilled.
+    assert second.ttft_s < TOY.prefill_time(0, 84)
+
+
+def test_max_concurrency_and_duration_limit_as_bench_has_them():
+    items = [spec(i, 64, 50) for i in range(10)]
+    results = toy_sim().run(items, max_concurrency=2).results
+    assert all(r.ok for r in results)
+    for r in results:  # never more than two requests in flight
+        assert sum(1 for o in results if o.arrival_s <= r.arrival_s < o.end_s) <= 2
+    cut = toy_sim().run(items, max_concurrency=2, duration_limit_s=0.5).results
+    assert any(r.ok for r in cut) and {r.error for r in cut if not r.ok} == {CUT_OFF}
+    assert all(r.end_s <= 0.5 + 1e-9 for r in cut)
+    closed = toy_sim().run(items, concurrency=3).results
+    assert len(closed) == 10 and all(r.ok for r in closed)
+
+
+def test_a_request_too_long_for_the_kv_cache_fails_like_the_engine_rejects_it():
+    results = toy_sim(num_kv_blocks=10).run([spec(0, 200, 10), spec(1, 100, 10)]).results
+    assert not results[0].ok and "exceeds the KV cache capacity" in results[0].error
+    assert results[1].ok
+
+
+def test_simulate_cli_writes_a_bench_compatible_report(tmp_path):
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(simulate_app, ["--workers", "2", "--shape", "P256/D16", "-n", "20",
+                                               "--arrival", "poisson:rate=20", "--policy", "pd_disaggregated",
+                                               "--prefill-workers", "1", "--out-dir", str(out), "--per-request"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "simulate.json").read_text())
+    assert record["summary"]["n_ok"] == 20 and len(record["requests"]) == 20
+    assert record["config"]["target"]["simulator"]["roles"] == ["prefill", "decode"]
+    assert (out / "simulate.csv").exists() and (out / "simulate_latency_cdf.png").exists()
+    _, rows = compare(out / "simulate.json", out / "simulate.json")
+    assert {row["metric"] for row in rows} >= {"goodput tokens /s", "TTFT p99 s"}
+    bad = CliRunner().invoke(simulate_app, ["--policy", "nope", "-n", "2"])
+    assert bad.exit_code == 2 and "unknown placement policy" in bad.output
