@@ -21,10 +21,17 @@ Same worker config, same model, same requests, one run:
 * ``--profile``: py-spy (``pip install py-spy``) samples every service during a throughput
   run and during a sequential streaming run; self time is grouped by function and by library.
 
-The machine has 2 cores and other processes may run: every figure is a median over
-``--repeats`` repeats (the per-repeat values are in the JSON).
+The paths are interleaved request by request. The machine has 2 cores and other processes
+may run: CPU used by other processes is measured per repeat (/proc/stat minus ours), repeats
+continue up to ``--max-repeats`` until ``--repeats`` quiet ones were seen, and every figure is a
+median over repeats (quiet ones when there are >= 3; per-repeat values are in the JSON). With
+torch's default 2 intra-op threads the direct engine on the main thread collapses when another
+job takes a core, so on a shared machine use ``--num-threads 1`` (the same for the worker and
+the direct engine); ``--only-thread-check`` steps the engine on the main thread, a plain thread
+and the worker's EngineLoop to show that effect. See docs/control_plane_profile.md.
 
     .venv/bin/python benchmarks/control_plane.py --out bench-results/control_plane.json
+    .venv/bin/python benchmarks/control_plane.py --num-threads 1 --repeats 5 --max-repeats 6 --requests 24 --profile
 """
 
 from __future__ import annotations
@@ -588,12 +595,15 @@ def main() -> None:
                     help="extra option of scheduler, coordinator or gateway, e.g. scheduler:view_refresh_s=0.5")
     ap.add_argument("--tput-workers", default="1,2")
     ap.add_argument("--tput-concurrency", default="64,256")
-    ap.add_argument("--tput-requests", type=int, default=3000, help="requests per throughput run (0: use --tput-seconds)")
+    ap.add_argument("--tput-requests", type=int, default=3000,
+                    help="requests per throughput run (0: use --tput-seconds)")
     ap.add_argument("--tput-seconds", type=float, default=0.0, help="time bound of a throughput run (0: none)")
     ap.add_argument("--tput-repeats", type=int, default=3)
     ap.add_argument("--tput-prompt-len", type=int, default=8)
     ap.add_argument("--no-uvloop", action="store_true", help="load generator on asyncio's default loop")
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--only-thread-check", action="store_true",
+                    help="only step the engine on the main thread, a plain thread and the worker's EngineLoop")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also sample every service with py-spy")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
@@ -625,7 +635,8 @@ def main() -> None:
                              else sys.executable] + [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
         "machine": machine_info(),
         "config": {"model_dir": str(model_dir), "engine": {k: v for k, v in vars(engine_config).items()},
-                   "worker_args": worker_args, "service_args": service_args, "repeats": args.repeats, "requests": args.requests,
+                   "worker_args": worker_args, "service_args": service_args, "repeats": args.repeats,
+                   "max_repeats": args.max_repeats, "requests": args.requests,
                    "prompt_lens": prompt_lens, "max_tokens": args.max_tokens,
                    "tput": {"workers": args.tput_workers, "concurrency": args.tput_concurrency,
                             "requests": args.tput_requests, "seconds": args.tput_seconds,
@@ -647,6 +658,23 @@ def main() -> None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         results["profile_dir"] = str(args.profile_dir)
 
+    if args.only_thread_check:
+        engine = Engine(engine_config)
+        run_direct(engine, make_requests(8, prompt_lens, seed=10_000), args.max_tokens)  # warm-up
+        checks = []
+        for _ in range(args.repeats):
+            with CpuMeter({"loadgen (this process)": os.getpid()}) as meter:
+                check = engine_thread_check(engine, prompt_lens, args.max_tokens)
+            check["foreign_cpu_cores"] = meter.foreign
+            checks.append(check)
+            console.print("ITL p50 main / plain thread / EngineLoop / main: " + " / ".join(
+                f"{check[k]['itl_ms']['p50']:.2f}" for k in ("main_thread", "plain_thread", "engine_loop",
+                                                             "main_thread_again"))
+                + f" ms (other processes {meter.foreign:.2f} cores)")
+        results["engine_thread_check"] = checks
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+        return
     if not args.skip_latency:
         results["latency"] = latency_phase(args, model_dir, engine_config, worker_args, prompt_lens, log_dir)
     if not args.skip_throughput or args.profile:
@@ -764,13 +792,15 @@ def latency_phase(args, model_dir: Path, engine_config, worker_args: dict, promp
                 "foreign_cpu_cores": meter.foreign, "loadavg": os.getloadavg()[0],
                 "direct": latency_stats(direct), "gateway": latency_stats(gw),
                 "coordinator": latency_stats(co), "worker": latency_stats(wk),
-                "direct_coordinator_prompts": latency_stats(direct_o), "direct_worker_prompts": latency_stats(direct_o2),
+                "direct_coordinator_prompts": latency_stats(direct_o),
+                "direct_worker_prompts": latency_stats(direct_o2),
                 "added_gateway": added(direct, gw), "added_coordinator": added(direct_o, co),
                 "added_worker": added(direct_o2, wk),
             }
             per_repeat.append(rep)
             a = rep["added_gateway"]
-            console.print(f"  repeat {r}: added TTFT p50/p99 {a['ttft_paired_p50_ms']:.2f}/{a['ttft_paired_p99_ms']:.2f} ms"
+            console.print(f"  repeat {r}: added TTFT p50/p99 "
+                          f"{a['ttft_paired_p50_ms']:.2f}/{a['ttft_paired_p99_ms']:.2f} ms"
                           f" (paired), added ITL p50/p99 {a['itl_dist_p50_ms']:.3f}/{a['itl_dist_p99_ms']:.3f} ms,"
                           f" mismatched outputs {mismatch}; direct ITL p50 {rep['direct']['itl_ms']['p50']:.2f} ms;"
                           f" other processes' CPU {meter.foreign:.2f} cores")

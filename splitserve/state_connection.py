@@ -67,14 +67,19 @@ def make_client(url: str, policy: RedisRetryPolicy, *, decode_responses: bool) -
         ExponentialWithJitterBackoff(base=policy.base_delay_s, cap=policy.max_delay_s),
         policy.reconnect_retries,
     )
-    return aioredis.Redis.from_url(
+    # A blocking pool: under a burst, commands wait for a free connection instead of
+    # failing with "too many connections" (which surfaced as INTERNAL to clients).
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=128,
+        timeout=policy.socket_timeout_s,
         decode_responses=decode_responses,
         socket_timeout=policy.socket_timeout_s,
         socket_connect_timeout=policy.socket_timeout_s,
         retry=retry,
         health_check_interval=30,
     )
+    return aioredis.Redis(connection_pool=pool)
 
 
 async def wait_until_reachable(url: str, policy: RedisRetryPolicy) -> None:
