@@ -329,6 +329,9 @@ def _mount_bench() -> None:
 
     app.add_typer(bench_app, name="bench", help="Load generator: measure a splitserve or any OpenAI-compatible endpoint.")
     app.add_typer(simulate_app, name="simulate", help="Discrete-event simulator: the real policies in virtual time.")
+    from splitserve.profile_cli import profile_command
+
+    app.command("profile")(profile_command)
 
 
 if sys.argv[1:2] != ["serve"]:  # a service process starts without the load generator's imports

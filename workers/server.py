@@ -210,7 +210,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await self.server.grpc_kv.handle_push(request_iterator)
 
     async def Profile(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Profile: use `splitserve profile` (not yet available)")
+        from workers.profiling import handle_profile  # real engine steps of synthetic shapes
+
+        try:
+            return await handle_profile(self.server, request)
+        except ValueError as err:
+            await abort(context, InvalidArgument(str(err)))
 
 
 class WorkerServer:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -89,8 +90,13 @@ class Emulation:
     model_preset: str = "llama-3-8b"
     tp: int = 1
     link: str = "rdma-400g"  # KV-transfer link of the preset (splitserve.perf_presets.LINK_SPECS)
+    # A fitted model's JSON (`splitserve profile --out`) for the step and transfer times
+    # instead of the preset's; KV memory and model shape stay the preset's.
+    perf_model_path: str = ""
 
     def perf_model(self) -> PerfModel:
+        if self.perf_model_path:
+            return PerfModel.load(self.perf_model_path)
         return preset(self.gpu, self.model_preset, self.tp, link=self.link)
 
     @property
@@ -311,8 +317,19 @@ class EmulatedEngine(Engine):
         return events
 
 
+PERF_MODEL_ENV = "SPLITSERVE_WORKER_PERF_MODEL"
+
+
 def build_emulated_engine(config: EngineConfig, emulation: Emulation) -> EmulatedEngine:
-    """An emulated engine; ValueError for an unknown GPU/model/tp or a model that does not fit."""
+    """An emulated engine; ValueError for an unknown GPU/model/tp or a model that does not fit.
+
+    Without `emulation.perf_model_path`, a fitted model's JSON named by the environment
+    variable SPLITSERVE_WORKER_PERF_MODEL (the worker option `--perf-model` once the
+    worker configuration has it) replaces the preset's times."""
+    if not emulation.perf_model_path and os.environ.get(PERF_MODEL_ENV):
+        emulation = dataclasses.replace(emulation, perf_model_path=os.environ[PERF_MODEL_ENV])
+    if emulation.perf_model_path and not Path(emulation.perf_model_path).is_file():
+        raise FileNotFoundError(f"perf model {emulation.perf_model_path!r} does not exist")
     if config.dtype != "auto":
         raise ValueError(f"dtype: the emulated backend models bfloat16 KV; leave dtype auto, got {config.dtype!r}")
     # The engine thread wakes from its sleep needing the GIL, which the worker's event loop may
