@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -125,3 +127,36 @@ class CoordinatorClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class EmbeddedCoordinatorClient:
+    """The same interface over a Coordinator running in the gateway's own process.
+
+    No Submit RPC and no second token relay: each chunk comes straight from the
+    coordinator's Worker.Execute stream.
+    """
+
+    def __init__(self, coordinator, tokenization: DetokenizerFactory):
+        self.coordinator = coordinator  # services.coordinator.core.Coordinator
+        self.tokenization = tokenization
+
+    async def generate(self, request: GenerationRequest,
+                       timeout_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas of one request; closing the iterator early cancels it on the worker."""
+        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
+                                    len(request.prompt_token_ids))
+        deadline = time.monotonic() + (timeout_s or self.coordinator.config.request_timeout_s)
+        async with contextlib.aclosing(self.coordinator.submit(request.submit_request(), deadline)) as chunks:
+            async for chunk in chunks:
+                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
+                if delta is not None:
+                    yield delta
+                if assembler.finished:
+                    return
+        raise Unavailable("the coordinator ended the stream without a finish reason")
+
+    async def ready(self, timeout_s: float = 1.0) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """The gateway closes the embedded coordinator itself (it owns its lifetime)."""

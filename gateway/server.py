@@ -11,24 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from typing import AsyncIterator, Callable
 
 import uvicorn
 
-from gateway.coordinator_client import CoordinatorClient
+from gateway.coordinator_client import CoordinatorClient, EmbeddedCoordinatorClient
 from gateway.core import GatewayCore
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
 from gateway.tokenization import Tokenization
-from splitserve.config import GatewayConfig, load_config
+from services.coordinator.server import open_coordinator
+from splitserve.config import CommonConfig, CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import gateway_pb2_grpc
 from splitserve.service import ServiceRuntime, insecure_channel, run
 
 log = logging.getLogger(__name__)
 
 HTTP_SHUTDOWN_GRACE_S = 2.0
+# GatewayConfig.coordinator_address value that runs the coordinator in the gateway process.
+EMBEDDED = "embedded"
 
 
 class _UvicornWithoutSignals(uvicorn.Server):
@@ -44,10 +48,17 @@ def _listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
+def embedded_coordinator_config(config: GatewayConfig) -> CoordinatorConfig:
+    """SPLITSERVE_COORDINATOR_* from the environment; options common to all services from the gateway's own."""
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(CommonConfig) if f.metadata.get("common")}
+    return load_config(CoordinatorConfig, shared)
+
+
 class GatewayServer:
     """One gateway: gRPC Gateway + health on `config.port`, HTTP on `config.http_port`, one coordinator channel."""
 
-    def __init__(self, config: GatewayConfig, tokenization: Tokenization | None = None):
+    def __init__(self, config: GatewayConfig, tokenization: Tokenization | None = None,
+                 coordinator_config: CoordinatorConfig | None = None):
         if tokenization is None and not config.model:
             raise ValueError("the gateway needs a model directory (SPLITSERVE_GATEWAY_MODEL / --model) for its "
                              "tokenizer and max length")
@@ -58,6 +69,11 @@ class GatewayServer:
         self.http_port = 0
         self._http: _UvicornWithoutSignals | None = None
         self._http_task: asyncio.Task | None = None
+        # coordinator_address "embedded": the Coordinator runs here (config from the
+        # SPLITSERVE_COORDINATOR_* environment unless given) and closes with the gateway.
+        self._coordinator_config = coordinator_config
+        self._embedded = None
+        self._exit_stack = contextlib.AsyncExitStack()
 
     @property
     def grpc_port(self) -> int:
@@ -67,7 +83,13 @@ class GatewayServer:
         """Load the tokenizer, open the coordinator channel, start both listeners, report SERVING."""
         config = self.config
         tokenization = self._tokenization or await asyncio.to_thread(Tokenization.from_model_dir, config.model)
-        coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
+        if config.coordinator_address == EMBEDDED:
+            coordinator_config = self._coordinator_config or embedded_coordinator_config(config)
+            embedded = await self._exit_stack.enter_async_context(open_coordinator(coordinator_config))
+            self._embedded = embedded
+            coordinator = EmbeddedCoordinatorClient(embedded, tokenization)
+        else:
+            coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
         self.core = GatewayCore(config, tokenization, coordinator)
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.core), self.runtime.server)
         await self.runtime.start()
@@ -91,6 +113,8 @@ class GatewayServer:
         assert self.core is not None
         self.core.admission.stop_admitting()
         await self.core.admission.wait_idle()
+        if self._embedded is not None:
+            await self._embedded.drain()
 
     async def serve_until_signalled(self) -> None:
         """Serve until SIGTERM/SIGINT (or request_stop), drain, then stop everything."""
@@ -120,6 +144,7 @@ class GatewayServer:
             await asyncio.gather(self._http_task, return_exceptions=True)
         if self.core is not None:
             await self.core.coordinator.close()
+        await self._exit_stack.aclose()
 
 
 async def serve(config: GatewayConfig, ready: Callable[[GatewayServer], object] | None = None) -> None:

@@ -199,6 +199,10 @@ def up(
     gpu: str = typer.Option("H100", help="emulated: GPU preset (A100 | H100 | H200 | L40S | RTX4090)."),
     model_preset: str = typer.Option("llama-3-8b", help="emulated: model preset (Llama-3-8B | Qwen2.5-14B | ...)."),
     tp: int = typer.Option(1, help="emulated: tensor-parallel degree of the preset."),
+    coordinator: str = typer.Option("process", help="process: its own service | embedded: inside the gateway "
+                                    "process (one gRPC hop less per request and token)."),
+    placement: str = typer.Option("scheduler", help="scheduler: plans from the GlobalScheduler service | local: the "
+                                  "same policy run inside the coordinator (one RPC less per request)."),
 ) -> None:
     """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
     import signal as _signal
@@ -221,11 +225,20 @@ def up(
         prefill_workers=prefill_workers,
         worker_args=worker_args,
         scheduler_args={"split_ratio": split_ratio},
+        coordinator=coordinator, placement=placement,
     )
     what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"
     console.print(f"starting {workers} {what} (logs in {log_dir}/) ...")
+    def _interrupt_start(*_):
+        # SIGTERM while starting: unwind through start_cluster, which stops every child it started.
+        raise KeyboardInterrupt
+
+    _signal.signal(_signal.SIGTERM, _interrupt_start)
     try:
         cluster = start_cluster(spec)
+    except KeyboardInterrupt:
+        console.print("interrupted while starting; every service started so far was stopped")
+        raise typer.Exit(130)
     except (RuntimeError, TimeoutError, ValueError) as err:
         console.print(f"[red]cluster failed to start:[/red] {err}")
         raise typer.Exit(1)
@@ -240,7 +253,8 @@ def up(
     table.add_row("OpenAI HTTP API", cluster.gateway_http + "/v1")
     table.add_row("gRPC gateway", cluster.gateway_grpc)
     table.add_row("coordinator", cluster.coordinator_address)
-    table.add_row("global scheduler", f"{cluster.scheduler_address} (policy {policy})")
+    table.add_row("global scheduler", f"{cluster.scheduler_address} (policy {policy}"
+                  + (", placing in the coordinator)" if placement == "local" else ")"))
     for i, address in enumerate(cluster.worker_addresses):
         table.add_row(f"worker-{i}", address)
     table.add_row("redis", f"{cluster.redis_url} (prefix {cluster.redis_prefix!r})"

@@ -71,7 +71,8 @@ class WorkerConfig(CommonConfig):
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
     batch_policy: str = opt("fcfs", "Local batch policy (workers/policies).")
-    num_threads: int = opt(0, "torch CPU threads; 0 keeps torch's default.")
+    num_threads: int = opt(0, "torch CPU threads of the engine; 0: all cores this process may use but one (that "
+                           "one runs the gRPC event loop).")
     heartbeat_interval_s: float = opt(1.0, "How often the heartbeat is refreshed in Redis.")
     load_interval_s: float = opt(0.1, "How often load, prefill-queue metadata and latency samples are published.")
     heartbeat_ttl_s: float = opt(3.0, "How long the registry keeps a worker without a heartbeat.")
@@ -106,6 +107,14 @@ class CoordinatorConfig(CommonConfig):
     request_timeout_s: float = opt(600.0, "Deadline of a request when the caller sets none.")
     kv_chunk_tokens: int = opt(64, "Tokens per pushed KV chunk between stages (rounded up to whole blocks).")
     migration_timeout_s: float = opt(20.0, "How long to keep re-placing a request whose worker died mid-stream.")
+    placement: str = opt("scheduler", "Where plans come from: scheduler (the GlobalScheduler service; run-time "
+                         "SetPolicy, one view for all coordinators) | local (the same policy in this process: one "
+                         "gRPC hop less per request).")
+    policy: str = opt("least_loaded", "placement=local: the policy (round_robin | least_loaded | pd_disaggregated | "
+                      "split).")
+    split_ratio: float = opt(0.5, "placement=local, policy split: phi.")
+    view_refresh_s: float = opt(0.05, "placement=local: how often the cluster view is re-read from Redis.")
+    record_flush_interval_s: float = opt(0.02, "Request records are written to Redis in one batch per interval.")
 
     SERVICE: typing.ClassVar[str] = "coordinator"
 
@@ -116,7 +125,8 @@ class GatewayConfig(CommonConfig):
 
     port: int = opt(50051, "gRPC port of the Gateway service.")
     http_port: int = opt(8000, "Port of the OpenAI-compatible HTTP API (also serves /metrics).")
-    coordinator_address: str = opt("127.0.0.1:50081", "host:port of the coordinator.")
+    coordinator_address: str = opt("127.0.0.1:50081", "host:port of the coordinator, or 'embedded': run the "
+                                   "coordinator in this process (configured by SPLITSERVE_COORDINATOR_* variables).")
     model: str = opt("", "Model directory: its tokenizer and config (max length) are used here.")
     served_model_name: str = opt("", "Model id clients send; default: the model directory's name.")
     api_keys: list[str] = opt(list, "Accepted API keys (comma-separated in the env var); empty: no auth.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -33,6 +34,11 @@ class ClusterSpec:
     gateway_args: dict[str, object] = field(default_factory=dict)
     scheduler_args: dict[str, object] = field(default_factory=dict)
     coordinator_args: dict[str, object] = field(default_factory=dict)
+    # "process": its own service (the deployment topology) | "embedded": inside the gateway
+    # process (one gRPC hop less per request and per token).
+    coordinator: str = "process"
+    # "scheduler": plans from the GlobalScheduler service | "local": the same policy in the coordinator.
+    placement: str = "scheduler"
     log_dir: Path | None = None
     log_json: bool = True
 
@@ -95,19 +101,40 @@ def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:
     return cmd
 
 
+def coordinator_environment(options: dict[str, object]) -> dict[str, str]:
+    """SPLITSERVE_COORDINATOR_* variables that configure an embedded coordinator like these flags would."""
+    from splitserve.config import CoordinatorConfig, env_var
+
+    fields = {f.name: f for f in dataclasses.fields(CoordinatorConfig)}
+    env = {}
+    for key, value in options.items():
+        if key in fields and not fields[key].metadata.get("common"):
+            env[env_var(CoordinatorConfig, fields[key])] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
 def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     """Start Redis (if needed), scheduler, coordinator, workers and gateway; wait until all are healthy."""
+    if spec.coordinator not in ("process", "embedded"):
+        raise ValueError(f"coordinator must be process or embedded, got {spec.coordinator!r}")
     redis_url, private = ensure_redis(spec.redis_url)
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
     common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
     sched_port, coord_port = free_port(), free_port()
-    plan: list[tuple[str, str, dict[str, object]]] = [
-        ("scheduler", f"{spec.host}:{sched_port}",
-         {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0, **spec.scheduler_args}),
-        ("coordinator", f"{spec.host}:{coord_port}",
-         {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}", "metrics_port": 0,
-          **spec.coordinator_args}),
-    ]
+    scheduler_options = {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0, **spec.scheduler_args}
+    coordinator_options = {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}",
+                           "metrics_port": 0, "placement": spec.placement, "policy": spec.policy,
+                           **({"split_ratio": spec.scheduler_args["split_ratio"]}
+                              if "split_ratio" in spec.scheduler_args else {}),
+                           **spec.coordinator_args}
+    plan: list[tuple[str, str, dict[str, object]]] = [("scheduler", f"{spec.host}:{sched_port}", scheduler_options)]
+    gateway_env: dict[str, str] = {}
+    if spec.coordinator == "process":
+        plan.append(("coordinator", f"{spec.host}:{coord_port}", coordinator_options))
+        coordinator_address = f"{spec.host}:{coord_port}"
+    else:
+        coordinator_address = "embedded"
+        gateway_env = coordinator_environment(coordinator_options)
     if spec.prefill_workers >= spec.workers:
         raise ValueError(f"prefill_workers ({spec.prefill_workers}) must leave at least one decode worker "
                          f"of {spec.workers}")
@@ -121,20 +148,21 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
                       **spec.worker_args}))
     plan.append(("gateway", f"{spec.host}:{spec.grpc_port}",
                  {**common, "port": spec.grpc_port, "http_port": spec.http_port, "model": spec.model,
-                  "coordinator_address": f"{spec.host}:{coord_port}", **spec.gateway_args}))
+                  "coordinator_address": coordinator_address, **spec.gateway_args}))
 
     children: list[Child] = []
     cluster = Cluster(spec, redis_url, prefix, children, private, f"{spec.host}:{spec.grpc_port}",
                       f"http://{spec.host}:{spec.http_port}", worker_addresses,
-                      f"{spec.host}:{sched_port}", f"{spec.host}:{coord_port}")
+                      f"{spec.host}:{sched_port}", coordinator_address)
     try:
         for name, address, options in plan:
             log_path = spec.log_dir / f"{name}.log" if spec.log_dir else None
             out = open(log_path, "ab") if log_path else subprocess.DEVNULL
             if name != "gateway":  # the gateway serves /metrics on its HTTP port
                 options = {**options, "metrics_port": free_port()}
+            env = {**os.environ, **gateway_env} if name == "gateway" and gateway_env else None
             proc = subprocess.Popen(_serve_cmd(name.split("-")[0], options), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, env=env)
             children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0))))
         # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
         children.reverse()

@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 from splitserve import state_scripts
 from splitserve.state_connection import (
@@ -293,6 +293,30 @@ class StateStore:
         return int(count)
 
     @unavailable_on_connection_error
+    async def record_latencies(
+        self, worker_id: str, ttft: Sequence[float], itl: Sequence[float], now: float | None = None
+    ) -> None:
+        """Record many TTFT and ITL samples in one round trip (one pipeline of script calls)."""
+        samples = [("ttft", s) for s in ttft] + [("itl", s) for s in itl]
+        if not samples:
+            return
+        for _, seconds in samples:
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"latency must be a finite number >= 0 s, got {seconds}")
+        now = time.time() if now is None else now
+        expire_ms = _ttl_ms(self.latency_window_s) + 1000
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for kind, seconds in samples:
+                member = f"{seconds!r}|{self._member_tag}:{next(self._member_seq)}"
+                await self._record_sample(
+                    keys=[self._keys.latency_samples(worker_id, kind)],
+                    args=[repr(float(now)), member, repr(float(self.latency_window_s)),
+                          self.max_latency_samples, expire_ms],
+                    client=pipe,
+                )
+            await pipe.execute()
+
+    @unavailable_on_connection_error
     async def window_stats(
         self, worker_id: str, kind: str, now: float | None = None, window_s: float | None = None
     ) -> LatencyWindow:
@@ -350,6 +374,19 @@ class StateStore:
         """Write a request record that expires after ttl_s without another put."""
         key = self._keys.request(request.request_id)
         await self._replace_hash(key, request_to_hash(request), ttl_s)
+
+    @unavailable_on_connection_error
+    async def put_requests(self, requests: Sequence[RequestRecord], ttl_s: float) -> None:
+        """Write many request records in one MULTI/EXEC (each replaced whole, like put_request)."""
+        if not requests:
+            return
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for request in requests:
+                key = self._keys.request(request.request_id)
+                pipe.delete(key)
+                pipe.hset(key, mapping=request_to_hash(request))
+                pipe.pexpire(key, _ttl_ms(ttl_s))
+            await pipe.execute()
 
     @unavailable_on_connection_error
     async def append_emitted(

@@ -48,8 +48,12 @@ class _Add:
 class EngineLoop:
     """Owns the engine thread; every method is called from the asyncio loop."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.05):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, idle_wait_s: float = 0.05,
+                 thread_init: Callable[[], None] | None = None):
         self.engine = engine
+        # Runs first on the engine thread: per-thread runtime settings (torch's OpenMP thread
+        # count is per thread, so setting it where the engine was built does not reach here).
+        self.thread_init = thread_init
         self.loop = loop
         self.idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -122,6 +126,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        if self.thread_init is not None:
+            self.thread_init()
         while not self._stopping:
             self._apply_commands()
             if engine.has_unfinished():

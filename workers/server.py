@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
 
-import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from splitserve.config import WorkerConfig, default_worker_id, load_config
@@ -25,6 +25,7 @@ from splitserve.state import (
 )
 from splitserve.telemetry import percentile_buckets, request_id_var
 from workers.engine import Engine, EngineConfig, KvCapacityError, SamplingParams
+from workers.engine.engine import TokenEvent
 from workers.engine_loop import EngineLoop
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory
@@ -63,14 +64,32 @@ def sampling_from_proto(sp: types_pb2.SamplingParams) -> SamplingParams:
     return params
 
 
+def resolve_num_threads(num_threads: int) -> int:
+    """0 (auto): every core this process may use but one, which stays free for the gRPC event loop."""
+    if num_threads > 0:
+        return num_threads
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def engine_config_from(config: WorkerConfig) -> EngineConfig:
     return EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len or None, kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
-        batch_policy=config.batch_policy, num_threads=config.num_threads or None, detokenize=False,
+        batch_policy=config.batch_policy, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
     )
+
+
+def _merge_pending(event: TokenEvent, events: asyncio.Queue) -> TokenEvent:
+    """One event for everything already queued: a stream that fell behind catches up in one message."""
+    token_ids, text = list(event.token_ids), event.text
+    while not event.finished and not events.empty():
+        event = events.get_nowait()
+        token_ids += event.token_ids
+        text += event.text
+    return TokenEvent(event.request_id, token_ids, text, event.finish_reason, event.num_prompt_tokens,
+                      event.num_output_tokens)
 
 
 @dataclass
@@ -129,6 +148,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while True:
                 ev = await events.get()
+                if not ev.finished and not events.empty():
+                    ev = _merge_pending(ev, events)
                 now = time.monotonic()
                 if ev.token_ids:
                     if last == arrived:
@@ -252,7 +273,7 @@ class WorkerServer:
             raise ValueError("model: a model directory is required (--model or SPLITSERVE_WORKER_MODEL)")
         await self.store.connect()
         self.engine = await asyncio.to_thread(self._build_engine)
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), thread_init=self._engine_thread_init())
         self.loop.start()
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.runtime.server)
         await self.runtime.start()
@@ -265,6 +286,19 @@ class WorkerServer:
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._publish_loop())]
         await self.runtime.set_serving(True)
         log.info("worker %s serving %s at %s (role %s)", self.worker_id, self.config.model, self.address, self.role)
+
+    def _engine_thread_init(self):
+        """On CPU, give torch's intra-op pool the thread count on the engine thread itself."""
+        if self.config.backend != "real":
+            return None
+        threads = resolve_num_threads(self.config.num_threads)
+
+        def init() -> None:
+            import torch
+
+            if self.engine.runner.device.type == "cpu":
+                torch.set_num_threads(threads)
+        return init
 
     def _build_engine(self) -> Engine:
         """The engine of `backend`: the real one, or the emulated one (no weights, perf-model timing)."""
@@ -353,9 +387,9 @@ class WorkerServer:
         ttft, itl = self.samples.ttft, self.samples.itl
         self.samples = _LatencySamples([], [])
         now = time.time()
-        # Bounded per interval: the window statistics need a sample, not every token.
-        await asyncio.gather(*(self.store.record_ttft(self.worker_id, s, now) for s in ttft[-64:]),
-                             *(self.store.record_itl(self.worker_id, s, now) for s in itl[-64:]))
+        # Bounded per interval: the window statistics need a sample, not every token. One
+        # round trip for all of them, so a burst does not stall token delivery on this loop.
+        await self.store.record_latencies(self.worker_id, ttft[-64:], itl[-64:], now)
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
+import logging
 
 from splitserve.config import CommonConfig
 from splitserve.errors import Unavailable
@@ -10,22 +11,35 @@ from splitserve.proto import worker_pb2_grpc
 from splitserve.service import insecure_channel
 from splitserve.state import StateStore
 
+log = logging.getLogger(__name__)
+
 
 class WorkerDirectory:
-    """Resolves worker ids to stubs; re-reads the registry on a miss or when stale."""
+    """Resolves worker ids to stubs without I/O; the registry is re-read in the background.
 
-    def __init__(self, store: StateStore, config: CommonConfig, max_age_s: float = 2.0):
+    Only an id it has never seen (a worker that registered since the last refresh) makes
+    `stub` read Redis inline.
+    """
+
+    def __init__(self, store: StateStore, config: CommonConfig, refresh_s: float = 1.0):
         self.store = store
         self.config = config
-        self.max_age_s = max_age_s
+        self.refresh_s = refresh_s
         self._addresses: dict[str, str] = {}
-        self._read_at = 0.0
         self._channels: dict[str, object] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._refresh_now = asyncio.Event()
+
+    async def start(self) -> None:
+        """Read the registry once (errors propagate), then keep it fresh in the background."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="worker-directory-refresh")
 
     async def stub(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
         address = self._addresses.get(worker_id)
-        if address is None or time.monotonic() - self._read_at > self.max_age_s:
+        if address is None:
             await self.refresh()
             address = self._addresses.get(worker_id)
         if address is None:
@@ -37,11 +51,32 @@ class WorkerDirectory:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
 
+    def forget_soon(self) -> None:
+        """A worker failed: re-read the registry now rather than at the next interval."""
+        self._refresh_now.set()
+
     async def refresh(self) -> None:
         workers = await self.store.list_workers()
         self._addresses = {w.worker_id: w.address for w in workers}
-        self._read_at = time.monotonic()
+
+    async def _refresh_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._refresh_now.wait(), self.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+            self._refresh_now.clear()
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # keep the last addresses; the next round retries
+                log.warning("worker registry refresh failed: %s", err)
 
     async def close(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()

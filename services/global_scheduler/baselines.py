@@ -6,7 +6,6 @@ import math
 
 from services.global_scheduler.policy import (
     ClusterView,
-    CompletionReport,
     NoWorkerAvailable,
     Placement,
     PlacementRequest,
@@ -44,8 +43,6 @@ class RoundRobinPolicy:
         self._last_worker_id = chosen.worker_id
         return Placement.single_stage(chosen, request, self.name, f"next in turn of {len(candidates)}")
 
-    def on_completion(self, report: CompletionReport) -> None:
-        """Round robin ignores feedback."""
 
 
 class LeastLoadedPolicy:
@@ -84,8 +81,6 @@ class LeastLoadedPolicy:
         reason = f"lowest load score {self.score(chosen):.3f} of {len(candidates)}"
         return Placement.single_stage(chosen, request, self.name, reason)
 
-    def on_completion(self, report: CompletionReport) -> None:
-        """Least loaded ignores feedback: load snapshots already reflect finished work."""
 
 
 def _positive(value: float | str, name: str) -> float:

@@ -13,7 +13,6 @@ import math
 from services.global_scheduler.baselines import LeastLoadedPolicy, colocated_candidates
 from services.global_scheduler.policy import (
     ClusterView,
-    CompletionReport,
     NoWorkerAvailable,
     Placement,
     PlacementRequest,
@@ -56,8 +55,6 @@ class PdDisaggregatedPolicy:
         return two_stage(prefill, decode, request.prompt_len, request, self.name,
                          f"prefill on {prefill.worker_id}, decode on {decode.worker_id}")
 
-    def on_completion(self, report: CompletionReport) -> None:
-        """Static pools: no feedback."""
 
 
 class SplitPolicy:
@@ -86,5 +83,3 @@ class SplitPolicy:
         return two_stage(pool[0], pool[1], split, request, self.name,
                          f"phi={self.split_ratio} split at {split} of {request.total_len}")
 
-    def on_completion(self, report: CompletionReport) -> None:
-        """Fixed ratio: no feedback."""

@@ -136,7 +136,9 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             metrics.PLACEMENTS.labels(placement.policy, worker_id).inc()
         log.debug("placed %s on %s (%s: %s)", request.request_id, placement.worker_ids,
                   placement.policy, placement.reason, extra={"request_id": request.request_id})
-        return placement_to_plan(request.request_id, placement)
+        plan = placement_to_plan(request.request_id, placement)
+        plan.report_completion = isinstance(policy, CompletionListener)
+        return plan
 
     async def ReportCompletion(self, request: scheduler_pb2.CompletionReport,
                                context: grpc.aio.ServicerContext) -> types_pb2.Ack:

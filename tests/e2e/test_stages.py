@@ -75,11 +75,18 @@ def _kv_recomputed(cluster) -> float:
                for i in range(len(cluster.worker_addresses)))
 
 
-def _stages_of(cluster, request_id: str) -> list[dict]:
+def _stages_of(cluster, request_id: str, finished: bool = True, timeout_s: float = 10.0) -> list[dict]:
+    """The stages in the request's record; the coordinator writes records in batches, so poll."""
     async def read():
+        deadline = time.monotonic() + timeout_s
         async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
-            record = await store.get_request(request_id)
-            return record.stages if record else []
+            while True:
+                record = await store.get_request(request_id)
+                if record is not None and (record.state != "running" or not finished):
+                    return record.stages
+                if time.monotonic() > deadline:
+                    return record.stages if record else []
+                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
     return asyncio.run(read())
 
 
@@ -168,7 +175,7 @@ def test_killing_the_first_stage_worker_mid_request(tiny_model_dirs, tmp_path_fa
                     tokens += chunk.token_ids
                     if len(tokens) >= 10 and outcome is None:
                         outcome = "killed"
-                        alpha = _stages_of(cluster, "kill-alpha")[0]["worker_id"]
+                        alpha = _stages_of(cluster, "kill-alpha", finished=False)[0]["worker_id"]
                         os.killpg(cluster.child(alpha).process.pid, signal.SIGKILL)
             except SplitserveClientError as err:
                 assert err.code == grpc.StatusCode.UNAVAILABLE, err  # retriable

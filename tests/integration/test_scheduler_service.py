@@ -140,6 +140,7 @@ def test_place_follows_the_policy_and_set_policy_switches_it(prefix):
 
             plan = await cluster.place("req-1", prompt_len=12, predicted=7)
             assert plan.policy == "round_robin"
+            assert not plan.report_completion  # baselines take no feedback: no ReportCompletion RPC
             [stage] = plan.stages
             assert (stage.request_id, stage.stage_index, stage.start, stage.end, stage.emit) == ("req-1", 0, 0, 19, True)
             picks = [stage.worker_id] + [await cluster.placed_worker(f"req-{n}") for n in range(2, 5)]

@@ -13,7 +13,6 @@ from services.global_scheduler.baselines import LeastLoadedPolicy, RoundRobinPol
 from services.global_scheduler.policy import (
     ClusterView,
     CompletionListener,
-    CompletionReport,
     NoWorkerAvailable,
     Placement,
     PlacementPolicy,
@@ -81,7 +80,9 @@ def test_registered_policy_is_built_by_name(monkeypatch):
     assert "fixed_for_test" in known_policies()
     built = make_policy("fixed_for_test")
     assert isinstance(built, PlacementPolicy) and not isinstance(built, CompletionListener)
-    assert isinstance(RoundRobinPolicy(), CompletionListener)
+    # Baselines take no feedback, so the coordinator never sends them completion reports.
+    assert not isinstance(RoundRobinPolicy(), CompletionListener)
+    assert not isinstance(LeastLoadedPolicy(), CompletionListener)
 
 
 def test_cluster_view_sorts_and_filters():
@@ -216,12 +217,6 @@ def test_build_cluster_view_joins_registry_and_loads():
     assert a == WorkerView("a", "h:1", "prefill", "llama", 3, 8, 16, 1, 2, 40, True, 0)
     assert (b.role, b.engine_kind, b.inflight_assigned) == ("both", "emulated", 3)
     assert view.taken_at == NOW
-
-
-def test_baselines_ignore_completion_reports():
-    report = CompletionReport(request_id="r", finish_reason="stop", worker_ids=("a",))
-    for policy in (RoundRobinPolicy(), LeastLoadedPolicy()):
-        policy.on_completion(report)
 
 
 # ---- properties --------------------------------------------------------------------

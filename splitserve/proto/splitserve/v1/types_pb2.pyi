@@ -115,14 +115,16 @@ class Stage(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "policy", "reason")
+    __slots__ = ("stages", "policy", "reason", "report_completion")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REPORT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[Stage]
     policy: str
     reason: str
-    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    report_completion: bool
+    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., report_completion: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "first_token_unix_ns", "emitted_unix_ns", "stage_index", "worker_id", "kv_block_ids", "kv_tokens")

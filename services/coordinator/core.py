@@ -1,0 +1,249 @@
+"""A request's lifecycle from plan to the last token, without the gRPC server around it.
+
+`Coordinator.submit` is what the Coordinator service's `Submit` runs, and what a gateway
+with an embedded coordinator calls directly (one process and one gRPC hop less per
+request and per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from services.coordinator.placement import Placer
+from services.coordinator.records import RequestRecordWriter
+from services.coordinator.workers import WorkerDirectory
+from splitserve.config import CoordinatorConfig
+from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
+from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
+from splitserve.state import RequestRecord
+from splitserve.telemetry import outgoing_metadata, percentile_buckets
+
+log = logging.getLogger(__name__)
+
+REQUESTS = Counter("splitserve_coordinator_requests_total", "Requests finished, by outcome", ["outcome"])
+PLACE_SECONDS = Histogram("splitserve_coordinator_place_seconds", "Time to get a plan", buckets=percentile_buckets(1.0))
+TTFT = Histogram("splitserve_coordinator_ttft_seconds", "Submit to first token", buckets=percentile_buckets(30.0))
+MIGRATIONS = Counter("splitserve_coordinator_migrations_total", "Requests continued on another worker after a failure")
+E2E = Histogram("splitserve_coordinator_e2e_seconds", "Submit to last token", buckets=percentile_buckets(600.0))
+
+# Placement is retried when a worker dies before producing a token.
+MAX_PLACEMENT_ATTEMPTS = 3
+
+
+class Coordinator:
+    """Owns each request's lifecycle: place, execute stages, stitch, migrate, record."""
+
+    def __init__(self, config: CoordinatorConfig, placer: Placer, workers: WorkerDirectory,
+                 records: RequestRecordWriter):
+        self.config = config
+        self.placer = placer
+        self.workers = workers
+        self.records = records
+        self._calls: dict[str, grpc.aio.Call] = {}
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    async def submit(self, request: coordinator_pb2.SubmitRequest, deadline: float) -> AsyncIterator[types_pb2.TokenChunk]:
+        """Stream the request's tokens; `deadline` is on the monotonic clock. Raises SplitserveError."""
+        request_id = request.request_id or uuid.uuid4().hex
+        started = time.monotonic()
+        emitted: list[int] = []
+        outcome = "error"
+        plan_holder: list[types_pb2.Plan] = []
+        try:
+            if not request.prompt_token_ids:
+                raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
+            if request_id in self._calls:
+                raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
+            async for chunk in self._run(request, request_id, deadline, emitted, plan_holder):
+                if emitted and len(emitted) == len(chunk.token_ids):
+                    TTFT.observe(time.monotonic() - started)
+                if chunk.finish_reason:  # before yielding: a consumer may stop at the last chunk
+                    outcome = chunk.finish_reason
+                yield chunk
+        except SplitserveError as err:
+            outcome = err.code.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if outcome == "error":  # closed before the last chunk
+                outcome = "cancelled"
+            raise
+        finally:
+            REQUESTS.labels(outcome).inc()
+            E2E.observe(time.monotonic() - started)
+            plan = plan_holder[-1] if plan_holder else None
+            if plan is not None and len(plan.stages) > 1 and outcome not in ("stop", "length"):
+                # Ended early (cancel, error, deadline): later stages' workers hold KV
+                # reservations for this request; free them now rather than at their TTL.
+                for worker_id in {s.worker_id for s in plan.stages[1:]}:
+                    self._spawn(self._cancel_on(worker_id, request_id))
+            self.records.put(RequestRecord(request_id, outcome, stages=_stage_dicts(plan), emitted_token_ids=emitted))
+            if plan is not None and plan.report_completion:
+                self._spawn(self._report(request, request_id, outcome, plan, len(emitted), started))
+
+    def cancel(self, request_id: str) -> bool:
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.cancel()
+        return call is not None
+
+    # ---- lifecycle ----------------------------------------------------------------
+    async def _run(self, request, request_id: str, deadline: float, emitted: list[int],
+                   plan_holder: list[types_pb2.Plan]):
+        """Place and execute; on a worker failure, continue elsewhere from the tokens so far.
+
+        Before the first token a failure simply re-places the request. After it, the
+        request migrates: a new single stage recomputes the KV from prompt + emitted
+        tokens (counter-based sampling keeps the output identical).
+        """
+        migration_deadline = None
+        attempt = 0
+        while True:
+            attempt += 1
+            plan = await self._place(request, request_id, deadline)
+            if emitted:  # migrating: one stage, everything recomputed from tokens
+                last = plan.stages[-1]
+                del plan.stages[:]
+                plan.stages.append(types_pb2.Stage(request_id=request_id, worker_id=last.worker_id, start=0,
+                                                   end=last.end, emit=True))
+            plan_holder.append(plan)
+            self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
+                                           emitted_token_ids=list(emitted)))
+            try:
+                async for chunk in self._execute(request, request_id, plan, deadline, emitted):
+                    yield chunk
+                return
+            except Unavailable as err:
+                # Free what the failed plan reserved before placing again, so a late cancel
+                # cannot hit the next attempt on the same worker.
+                await asyncio.gather(*(self._cancel_on(st.worker_id, request_id) for st in plan.stages))
+                now = time.monotonic()
+                if not emitted and attempt >= MAX_PLACEMENT_ATTEMPTS:
+                    raise
+                if emitted:
+                    migration_deadline = migration_deadline or now + self.config.migration_timeout_s
+                    if now > migration_deadline:
+                        raise Unavailable(f"request could not be migrated after a worker failure: {err.message}")
+                    MIGRATIONS.inc()
+                log.warning("attempt %d failed after %d tokens (%s); placing again", attempt, len(emitted), err.message)
+                self.workers.forget_soon()
+                await asyncio.sleep(min(0.05 * attempt, 0.5))  # back off while the registry drops the dead worker
+
+    async def _place(self, request, request_id: str, deadline: float) -> types_pb2.Plan:
+        sampling = request.sampling
+        meta = types_pb2.RequestMeta(
+            request_id=request_id, session_id=request.session_id, prompt_len=len(request.prompt_token_ids),
+            max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else 16,
+            slo=request.slo, priority=request.priority, arrival_unix_ms=time.time_ns() // 1_000_000,
+        )
+        t = time.monotonic()
+        plan = await self.placer.place(meta, _remaining(deadline))
+        PLACE_SECONDS.observe(time.monotonic() - t)
+        if not plan.stages:
+            raise Unavailable("the scheduler returned an empty plan")
+        return plan
+
+    async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, following: types_pb2.Stage,
+                       deadline: float) -> None:
+        """Reserve KV on the next stage's worker; stage pushes there, `following` reads it."""
+        transfer_id = f"{request_id}:{stage.stage_index}"
+        stub = await self.workers.stub(following.worker_id)
+        try:
+            reply = await stub.PrepareKv(worker_pb2.PrepareKvRequest(
+                request_id=request_id, transfer_id=transfer_id, num_tokens=stage.end), timeout=_remaining(deadline))
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        if not reply.ok:  # no room there now: the next stage recomputes this range instead
+            log.info("no KV reservation on %s (%s); the next stage recomputes", following.worker_id, reply.error)
+            return
+        stage.kv_sink.CopyFrom(types_pb2.KvSink(worker_id=following.worker_id, transfer_id=transfer_id,
+                                                chunk_tokens=self.config.kv_chunk_tokens, block_ids=reply.block_ids))
+        following.kv_sources.append(types_pb2.KvSource(worker_id=stage.worker_id, start=0, end=stage.end,
+                                                       transfer_id=transfer_id))
+
+    async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int]):
+        stages = list(plan.stages)
+        for index, stage in enumerate(stages):
+            stage.stage_index = index
+            stage.prompt_token_ids[:] = request.prompt_token_ids
+            stage.generated_token_ids[:] = emitted
+            stage.sampling.CopyFrom(request.sampling)
+            if index + 1 < len(stages):
+                await self._wire_kv(request_id, stage, stages[index + 1], deadline)
+            stub = await self.workers.stub(stage.worker_id)
+            call = stub.Execute(stage, timeout=_remaining(deadline), metadata=outgoing_metadata(request_id))
+            self._calls[request_id] = call
+            try:
+                async for chunk in call:
+                    emitted.extend(chunk.token_ids)
+                    if chunk.finish_reason == "stage_end":
+                        if chunk.token_ids:  # the first stage's last token(s): still part of the output
+                            chunk.finish_reason = ""
+                            yield chunk
+                        break  # the next stage continues the stream
+                    yield chunk
+                    if chunk.finish_reason:
+                        if index + 1 < len(stages):  # finished early (EOS/stop): later stages never run
+                            await self._cancel_on(stages[index + 1].worker_id, request_id)
+                        return
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED and request_id not in self._calls:
+                    return
+                raise from_rpc_error(err) from None
+            finally:
+                self._calls.pop(request_id, None)
+                call.cancel()  # no-op when finished; frees the worker's blocks when the caller left
+
+    async def _cancel_on(self, worker_id: str, request_id: str) -> None:
+        try:
+            stub = await self.workers.stub(worker_id)
+            await stub.Cancel(types_pb2.CancelRequest(request_id=request_id, reason="finished early"), timeout=2.0)
+        except (grpc.aio.AioRpcError, SplitserveError) as err:
+            log.warning("cancelling %s on %s failed: %s", request_id, worker_id, err)
+
+    async def _report(self, request, request_id: str, outcome: str, plan: types_pb2.Plan, output_tokens: int,
+                      started: float) -> None:
+        try:
+            await self.placer.report_completion(scheduler_pb2.CompletionReport(
+                request_id=request_id, session_id=request.session_id, finish_reason=outcome,
+                prompt_tokens=len(request.prompt_token_ids), output_tokens=output_tokens,
+                e2e_ms=(time.monotonic() - started) * 1000, worker_ids=[s.worker_id for s in plan.stages],
+            ))
+        except Exception as err:  # feedback must never fail a request
+            log.warning("completion report for %s failed: %s", request_id, err)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for in-flight requests and background reports; then flush the records."""
+        while self._calls:
+            await asyncio.sleep(0.05)  # polling in-flight requests, bounded by the drain timeout
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.records.flush()
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed before it finished")
+    return left
+
+
+def _stage_dicts(plan: types_pb2.Plan | None) -> list[dict]:
+    if plan is None:
+        return []
+    return [{"worker_id": s.worker_id, "start": s.start, "end": s.end, "emit": s.emit} for s in plan.stages]
