@@ -8,8 +8,9 @@ simulate` of the same cluster shape, same workload, same seed (so the same arriv
 offsets). p50 TTFT and p50 ITL must agree within 15%, and `bench compare` must read both.
 
 The simulator's fixed control-plane delays (`--dispatch-ms`, `--stream-ms`) are
-calibrated first from this cluster at rest: one request alone, whose TTFT minus the
-model's prefill time is what the gateway/coordinator/scheduler hops cost here. The
+calibrated first from this cluster at rest: lone requests (median of 8 after 2 warm-ups),
+whose TTFT minus the model's prefill time is what the gateway/coordinator/scheduler hops
+cost on this machine (10-25 ms here; without it the simulator's p50 TTFT is ~12% low). The
 loaded run's queueing and batching are then the simulator's own prediction.
 """
 
@@ -65,13 +66,14 @@ def _idle_overhead_ms(cluster) -> float:
     prompt_len = 320
     extra = []
     with Client(cluster.gateway_grpc, timeout_s=30) as client:
-        for i in range(5):
+        for i in range(10):  # the first two warm the channels between the services up: not counted
             prompt = [(i * 53 + j * 7) % 300 + 3 for j in range(prompt_len)]  # distinct: no prefix hit
             first = None
             started = time.perf_counter()
             for _chunk in client.stream(prompt, max_tokens=2, temperature=0.0, ignore_eos=True):
                 first = time.perf_counter() - started if first is None else first
-            extra.append(first - PERF.prefill_time(0, prompt_len))
+            if i >= 2:
+                extra.append(first - PERF.prefill_time(0, prompt_len))
     return max(0.0, statistics.median(extra) * 1000)
 
 
