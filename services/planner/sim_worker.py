@@ -4,7 +4,8 @@ Only the forward pass is replaced: a step lasts what `PerfModel.step_time` predi
 the entries the real scheduler chose, and every sampled token is the fake id 1 with EOS
 ignored, so a sequence ends at max_tokens or at its stage's end (`stop_at`) exactly
 where `Engine.step` ends it. Admission, chunked prefill, preemption, prefix caching and
-block accounting are the engine's own code (architecture principle 1).
+block accounting are the engine's own code (architecture principle 1); the block manager
+is the engine's with an incremental, equivalent `commit_computed` (`sim_blocks`).
 
 KV of a stage that a later stage continues is pushed in chunks of `kv_chunk_tokens`
 while the stage computes, as `workers.kv_stages` does: a chunk leaves once the stage's
@@ -35,7 +36,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from splitserve.perf_model import PerfModel
-from workers.engine.block_manager import BlockManager
+from services.planner.sim_blocks import make_block_manager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -94,7 +95,7 @@ class SimWorker:
         self.perf_model = perf_model
         self.role = role
         self.draining = False
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_manager = make_block_manager(num_kv_blocks, block_size, enable_prefix_caching)
         policy = make_batch_policy(batch_policy, **(batch_policy_options or {}))
         self.scheduler = Scheduler(self.block_manager, policy, max_num_batched_tokens, max_num_seqs, clock)
         # Pushed chunks are whole blocks, as workers.kv_stages rounds them.
