@@ -3,10 +3,15 @@
 This process and a child it starts each own a paged KV cache (bf16, block-major) and both
 transports, registered in Redis under a private prefix. For every size, randomly chosen
 blocks move parent -> child (push) and child -> parent (pull) through (a) NixlTransport
-(UCX) and (b) GrpcTransport; (c) is a torch copy of the same number of bytes inside one
-process. Reported: median bandwidth over the repeats, NIXL push as % of memcpy, the time
-until the receiver's on_chunk fired (NIXL: notification + crc32 of the written blocks),
-and the longest event-loop stall seen while transfers ran.
+(UCX) and (b) GrpcTransport. Two in-process baselines: (c) `memcpy`, a torch copy of
+the same number of contiguous bytes (torch may split it over all its threads), and (d)
+`gather`, a single-threaded copy of the very same randomly chosen blocks between two
+caches in this process, i.e. the transfer without the process boundary. Both are
+measured right before and after each size's transfers, so they see the same foreign
+load. Reported: median bandwidth over the repeats, NIXL push as % of each baseline,
+the time until the receiver's on_chunk fired (NIXL: notification + crc32 of the
+written blocks), the longest event-loop stall seen while transfers ran, and the
+foreign load (CPU used by other processes during the run, in cores).
 
     .venv/bin/python benchmarks/kv_transfer.py --sizes-mib 1,4,16,64,256 --out bench-results/kv_transfer.json
 """
@@ -113,6 +118,9 @@ async def serve_peer(args: argparse.Namespace) -> None:
     worker = Worker(args.worker_id, KvMemory(random_cache(args.num_blocks, seed=2)), args.redis_url,
                     args.prefix, on_chunk)
     await worker.start()
+    # As PrepareKv does for a real stage: announce the pushes, so the receiver polls for
+    # their notifications at its fast rate rather than its idle one.
+    worker.nixl.expect_incoming("benchmark", 3600.0)
     protocol.write(json.dumps({"event": "ready"}) + "\n")
     await asyncio.to_thread(sys.stdin.read)  # EOF: the parent is done
     await worker.stop()
@@ -189,16 +197,70 @@ def memcpy_seconds(num_bytes: int, repeats: int) -> list[float]:
     return samples
 
 
+def gather_seconds(memory: KvMemory, src: tuple[int, ...], dst: tuple[int, ...], repeats: int) -> list[float]:
+    """One thread copying the same block pairs between two caches of this process (plain memcpy per block)."""
+    import numpy as np
+
+    source = memory.tensor.view(-1).view(torch.uint8).view(memory.num_blocks, memory.block_bytes).numpy()
+    target = np.empty_like(source)
+    target[:] = 0  # first touch
+    samples = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        for s, d in zip(src, dst):
+            target[d] = source[s]
+        samples.append(time.perf_counter() - started)
+    return samples[1:]
+
+
+class ForeignLoad:
+    """CPU used by every other process on the machine while the block runs, in cores."""
+
+    def __init__(self, own_pids: Callable[[], list[int]]):
+        self._own_pids = own_pids
+
+    @staticmethod
+    def _busy_ticks() -> int:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+    @staticmethod
+    def _process_ticks(pid: int) -> int:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0
+        return int(stat[11]) + int(stat[12])  # utime + stime
+
+    def __enter__(self) -> ForeignLoad:
+        self._pids = self._own_pids()
+        self._started = time.monotonic()
+        self._busy = self._busy_ticks()
+        self._own = sum(self._process_ticks(pid) for pid in self._pids)
+        self._loadavg = os.getloadavg()[0]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        ticks_per_s = os.sysconf("SC_CLK_TCK")
+        elapsed = time.monotonic() - self._started
+        busy = self._busy_ticks() - self._busy
+        own = sum(self._process_ticks(pid) for pid in self._pids) - self._own
+        self.cores = max(0.0, (busy - own) / ticks_per_s / elapsed)
+        self.loadavg = (self._loadavg, os.getloadavg()[0])
+
+
 async def measure_size(parent: Worker, child_id: str, events: ChildEvents, size_mib: int, repeats: int,
                        rng: random.Random) -> dict[str, Any]:
     num_bytes = size_mib * MIB
     count = num_bytes // parent.memory.block_bytes
     tokens = count * parent.memory.block_size
     result: dict[str, Any] = {"size_mib": size_mib, "blocks": count}
+    src = tuple(rng.sample(range(parent.memory.num_blocks), count))
+    dst = tuple(rng.sample(range(parent.memory.num_blocks), count))
+    memcpy = await asyncio.to_thread(memcpy_seconds, num_bytes, repeats)
+    gather = await asyncio.to_thread(gather_seconds, parent.memory, src, dst, repeats)
     for name in ("nixl", "grpc"):
         transport = getattr(parent, name)
-        src = tuple(rng.sample(range(parent.memory.num_blocks), count))
-        dst = tuple(rng.sample(range(parent.memory.num_blocks), count))
         checksum = await asyncio.to_thread(parent.memory.checksum, list(src))
         delivered: list[float] = []
         with LoopStallMeter() as stall:  # only the transport's own work is on the clock
@@ -224,10 +286,15 @@ async def measure_size(parent: Worker, child_id: str, events: ChildEvents, size_
             result[f"{name}_delivered_s"] = statistics.median(delivered)
             result[f"{name}_pull_s"] = statistics.median(await timed(repeats, pull))
         result[f"{name}_max_loop_stall_ms"] = stall.max_stall_s * 1e3
-    result["memcpy_s"] = statistics.median(await asyncio.to_thread(memcpy_seconds, num_bytes, repeats))
+    memcpy += await asyncio.to_thread(memcpy_seconds, num_bytes, repeats)
+    gather += await asyncio.to_thread(gather_seconds, parent.memory, src, dst, repeats)
+    result["memcpy_s"] = statistics.median(memcpy)
+    result["gather_s"] = statistics.median(gather)
     for key in [k for k in result if k.endswith("_s")]:
         result[key.removesuffix("_s") + "_gbps"] = num_bytes / result[key] / 1e9
-    result["nixl_push_pct_of_memcpy"] = 100 * result["nixl_push_gbps"] / result["memcpy_gbps"]
+    for baseline in ("memcpy", "gather"):
+        for op in ("push", "pull"):
+            result[f"nixl_{op}_pct_of_{baseline}"] = 100 * result[f"nixl_{op}_gbps"] / result[f"{baseline}_gbps"]
     return result
 
 
@@ -236,9 +303,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
     columns = [("MiB", "size_mib", "{}"), ("NIXL push", "nixl_push_gbps", "{:.2f}"),
                ("NIXL delivered", "nixl_delivered_gbps", "{:.2f}"), ("NIXL pull", "nixl_pull_gbps", "{:.2f}"),
                ("gRPC push", "grpc_push_gbps", "{:.2f}"), ("gRPC pull", "grpc_pull_gbps", "{:.2f}"),
-               ("memcpy", "memcpy_gbps", "{:.2f}"), ("NIXL push % memcpy", "nixl_push_pct_of_memcpy", "{:.0f}%"),
+               ("memcpy", "memcpy_gbps", "{:.2f}"), ("gather", "gather_gbps", "{:.2f}"),
+               ("NIXL push % memcpy", "nixl_push_pct_of_memcpy", "{:.0f}%"),
+               ("NIXL push % gather", "nixl_push_pct_of_gather", "{:.0f}%"),
+               ("NIXL pull % gather", "nixl_pull_pct_of_gather", "{:.0f}%"),
                ("NIXL loop stall ms", "nixl_max_loop_stall_ms", "{:.1f}"),
-               ("gRPC loop stall ms", "grpc_max_loop_stall_ms", "{:.1f}")]
+               ("gRPC loop stall ms", "grpc_max_loop_stall_ms", "{:.1f}"),
+               ("foreign load (cores)", "foreign_load_cores", "{:.2f}")]
     for title, _, _ in columns:
         table.add_column(title, justify="right")
     for row in results:
@@ -268,7 +339,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = []
         for size in sizes:
             console.log(f"{size} MiB ...")
-            results.append(await measure_size(parent, child_id, events, size, args.repeats, rng))
+            with ForeignLoad(lambda: [os.getpid(), child.pid]) as load:
+                results.append(await measure_size(parent, child_id, events, size, args.repeats, rng))
+            results[-1]["foreign_load_cores"] = load.cores
+            results[-1]["loadavg_1m"] = load.loadavg
     finally:
         child.stdin.close()
         try:
@@ -282,7 +356,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     "torch_threads": torch.get_num_threads()},
         "config": {"sizes_mib": sizes, "repeats": args.repeats, "block_bytes": block_bytes,
                    "block_shape": list(BLOCK_SHAPE), "dtype": "bfloat16", "blocks": "random, non-contiguous",
-                   "ucx_tls": os.environ.get("UCX_TLS", "default")},
+                   "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}},
         "results": results,
     }
 

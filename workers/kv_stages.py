@@ -51,6 +51,7 @@ class _OutgoingPush:
     chunk_tokens: int
     stop_at: int
     pushed_upto: int = 0
+    computed_at: float | None = None  # when the step that reached stop_at was reported
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     failed: bool = False
@@ -78,6 +79,9 @@ class KvStageManager:
             log.warning("KV chunk [%d, %d) of %s failed its checksum", chunk.token_start, chunk.token_end,
                         chunk.transfer_id)
         self.tracker.on_chunk(chunk.transfer_id, chunk.token_start, chunk.token_end, checksum_ok)
+        entry = self.tracker.get(chunk.transfer_id)
+        if entry is not None and entry.done.is_set() and self.transport is not None:
+            self.transport.incoming_done(chunk.transfer_id)  # all in (or failed): stop polling fast
 
     # ---- receiving ----------------------------------------------------------------
     async def prepare(self, request_id: str, transfer_id: str, num_tokens: int) -> list[int]:
@@ -88,6 +92,9 @@ class KvStageManager:
         blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens))
         self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic())
         self.tracker.expect(transfer_id, request_id, num_tokens, blocks)
+        if self.transport is not None:
+            # The sender starts pushing as soon as it computes: have the transport watch for it.
+            self.transport.expect_incoming(transfer_id, self.reservation_ttl_s + self.transfer_timeout_s)
         return blocks
 
     async def acquire_prefix(self, transfer_id: str, num_tokens: int) -> list[int] | None:
@@ -99,6 +106,8 @@ class KvStageManager:
         ok = await self.tracker.wait(transfer_id, self.transfer_timeout_s)
         self._reservations.pop(transfer_id, None)
         self.tracker.forget(transfer_id)
+        if self.transport is not None:
+            self.transport.incoming_done(transfer_id)
         if ok and reservation.num_tokens >= num_tokens:
             KV_OUTCOMES.labels("used").inc()
             return reservation.block_ids
@@ -150,6 +159,8 @@ class KvStageManager:
         reservation = self._reservations.pop(transfer_id, None)
         if reservation is not None:
             self.tracker.forget(transfer_id)
+            if self.transport is not None:
+                self.transport.incoming_done(transfer_id)
             await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
 
     # ---- sending ---------------------------------------------------------------------
@@ -168,6 +179,14 @@ class KvStageManager:
         while computed - push.pushed_upto >= push.chunk_tokens and push.pushed_upto + push.chunk_tokens < push.stop_at:
             push.queue.put_nowait((push.pushed_upto, push.pushed_upto + push.chunk_tokens, block_table))
             push.pushed_upto += push.chunk_tokens
+        # The step that reached stop_at wrote the stage's last KV: push the rest now, from
+        # the step's own report, rather than after the stage-end event and another round
+        # trip to the engine thread (finish_push) — that wait was exposed transfer time.
+        if computed >= push.stop_at and push.computed_at is None:
+            push.computed_at = time.perf_counter()
+        if computed >= push.stop_at > push.pushed_upto and self.fault_injection != "truncate":
+            push.queue.put_nowait((push.pushed_upto, push.stop_at, block_table))
+            push.pushed_upto = push.stop_at
 
     async def finish_push(self, engine_id: str, completed: bool) -> bool:
         """After the stage ended: push the rest, wait for every chunk, free the KV. True if all went."""
@@ -180,7 +199,9 @@ class KvStageManager:
             if self.fault_injection != "truncate":  # testing: the last chunk never arrives
                 push.queue.put_nowait((push.pushed_upto, push.stop_at, table))
         push.queue.put_nowait(None)
-        ended = time.perf_counter()
+        # Exposed time runs from the end of the stage's computation: the step report, if
+        # it came (it queued the last chunk), else now.
+        ended = push.computed_at or time.perf_counter()
         log.debug("stage %s ended; %d chunk(s) still queued", engine_id, push.queue.qsize() - 1)
         await push.task
         if completed and not push.failed:
@@ -201,9 +222,9 @@ class KvStageManager:
             src, dst = table[first:last], push.dst_blocks[first:last]
             transfer = BlockTransfer(push.transfer_id, self.worker_id, push.dst_worker, tuple(src), tuple(dst),
                                      start, end, request_id=push.engine_id.split("/", 1)[0])
-            checksum = self.memory.checksum(src)
+            checksum = None  # the transport checksums what it sends, off the event loop
             if self.fault_injection == "corrupt":  # testing: the receiver must detect it
-                checksum ^= 0xFFFFFFFF
+                checksum = await asyncio.to_thread(self.memory.checksum, src) ^ 0xFFFFFFFF
             started = time.perf_counter()
             try:
                 await self.transport.push(transfer, checksum, self.transfer_timeout_s)

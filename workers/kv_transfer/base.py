@@ -106,6 +106,26 @@ def block_runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     return runs
 
 
+def block_pair_runs(src_blocks: list[int] | tuple[int, ...],
+                    dst_blocks: list[int] | tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both sides are consecutive, in the given order.
+
+    A run is one contiguous byte range on each side, so it can be one transfer
+    descriptor instead of `count`: the engine hands out fresh blocks mostly in order.
+    """
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_blocks, dst_blocks):
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n:
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
 @dataclass(frozen=True)
 class BlockTransfer:
     """Copy `src_blocks` on the source worker to `dst_blocks` on the destination, pairwise."""
@@ -152,11 +172,13 @@ class KvTransport(Protocol):
     async def start(self) -> None:
         """Register local memory and publish whatever peers need to reach it."""
 
-    async def push(self, transfer: BlockTransfer, checksum: int, timeout_s: float) -> None:
+    async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
         """Write local src_blocks into the peer's dst_blocks, then notify the peer.
 
-        `checksum` is `memory.checksum(src_blocks)`. The peer's `on_chunk(chunk, checksum_ok)`
-        runs once the bytes are in place. Raises KvTransferError on failure or timeout.
+        `checksum` is `memory.checksum(src_blocks)`, or None to let the transport compute
+        whatever integrity check it uses itself (off the event loop). The peer's
+        `on_chunk(chunk, checksum_ok)` runs once the bytes are in place. Raises
+        KvTransferError on failure or timeout.
         """
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
@@ -165,5 +187,13 @@ class KvTransport(Protocol):
         The gRPC transport checks every streamed chunk against the source's crc32 and raises
         KvTransferError on a mismatch; NIXL relies on the transport's own integrity.
         """
+
+    def expect_incoming(self, transfer_id: str, timeout_s: float) -> None:
+        """A push into this worker was announced (PrepareKv) and may arrive within timeout_s.
+
+        A hint: NIXL polls for notifications fast only while one is expected."""
+
+    def incoming_done(self, transfer_id: str) -> None:
+        """The announced push arrived, failed or was given up."""
 
     async def close(self) -> None: ...

@@ -90,7 +90,7 @@ class EmulatedTransport(GrpcTransport):
             raise KvTransferError(f"{what} timed out (the model's transfer time is {delay * 1e3:.1f} ms)")
         await asyncio.sleep(delay)
 
-    async def push(self, transfer: BlockTransfer, checksum: int, timeout_s: float) -> None:
+    async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
         """Sleep the transfer time, then tell the peer the blocks are in place (one KvChunk)."""
         if transfer.src_worker != self.worker_id:
             raise ValueError(f"push of {transfer.transfer_id} from {transfer.src_worker} on worker {self.worker_id}")
@@ -98,6 +98,8 @@ class EmulatedTransport(GrpcTransport):
         what = f"emulated push of {transfer.transfer_id} to {transfer.dst_worker}"
         await self._wait_transfer(transfer, deadline, what)
         stub = await self._stub(transfer.dst_worker, deadline)
+        if checksum is None:
+            checksum = EMPTY_CRC  # what a payload of no bytes has
         chunk = self._chunk(transfer, transfer.token_start, transfer.token_end, b"", checksum,
                             len(transfer.dst_blocks), last=True, block_ids=transfer.dst_blocks)
         try:

@@ -56,6 +56,12 @@ class GrpcTransport:
     async def start(self) -> None:
         """Nothing to publish: peers reach this worker at its registered gRPC address."""
 
+    def expect_incoming(self, transfer_id: str, timeout_s: float) -> None:
+        """Nothing to do: pushed chunks arrive as PushKv calls."""
+
+    def incoming_done(self, transfer_id: str) -> None:
+        """Nothing to do."""
+
     def blocks_per_chunk(self, chunk_tokens: int = 0) -> int:
         """Whole blocks per KvChunk: within max_chunk_bytes (and chunk_tokens, if given), at least one."""
         blocks = max(1, self.max_chunk_bytes // self.memory.block_bytes)
@@ -65,7 +71,7 @@ class GrpcTransport:
 
     # ---- sending side ----------------------------------------------------------------
 
-    async def push(self, transfer: BlockTransfer, checksum: int, timeout_s: float) -> None:
+    async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
         """Stream local src_blocks into the peer's dst_blocks; returns when the peer wrote them all.
 
         `checksum` is not sent: every chunk carries the crc32 of its own payload instead.

@@ -7,12 +7,16 @@ load that once, prepare a descriptor list with one entry per block, and then tra
 any block list by index. A push carries a JSON notification; the receiver's poller
 checks crc32 of the written blocks against the sender's checksum and calls `on_chunk`.
 
-Every NIXL call runs on one dedicated thread: with UCX's CMA transport (process to
-process on one host) `transfer()` copies the bytes before it returns (~45 ms for 256 MiB
-here, GIL released), and the agent is not thread-safe in its default sync mode, so the
-event loop never calls NIXL itself. A push that timed out may still land and notify
-later (a copy in progress cannot always be cancelled): the receiver's on_chunk is the
-truth about what arrived. A peer restarted under the same worker id is reloaded.
+Every NIXL call runs on one dedicated thread (`NixlThread`): with UCX's CMA transport
+(process to process on one host) `transfer()` copies the bytes before it returns (GIL
+released), and the agent is not thread-safe in its default sync mode, so the event loop
+never calls NIXL itself. A transfer is one call on that thread (post, then progress it
+to completion), and the same thread polls for notifications between calls: every 1 ms
+while a push into this worker is announced (`expect_incoming`, from PrepareKv) or
+notifications keep arriving, backing off to 50 ms when idle. A push that timed out may
+still land and notify later (a copy in progress cannot always be cancelled): the
+receiver's on_chunk is the truth about what arrived. A peer restarted under the same
+worker id is reloaded.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import json
 import logging
 import os
 import struct
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,6 +35,8 @@ import numpy as np
 
 from splitserve.state import StateStore
 from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvMemory, KvTransferError
+from workers.kv_transfer.nixl_thread import NixlThread
+from workers.kv_transfer.poll_schedule import PollSchedule
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +129,20 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, worker_id: str, memory: KvMemory, store: StateStore, on_chunk: ChunkCallback,
-                 poll_interval_s: float = 0.001, backends: tuple[str, ...] = ("UCX",),
+                 poll_fast_s: float = 0.001, poll_idle_s: float = 0.05, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = False):
         self.worker_id = worker_id
         self.memory = memory
         self.store = store
         self.on_chunk = on_chunk
-        self.poll_interval_s = poll_interval_s
         self.backends = list(backends)
         # NIXL's Python wrapper runs its progress thread with zero delay: it spins a whole
-        # core even when idle. The notification poller's get_new_notifs and the
-        # check_xfer_state polls progress UCX instead.
+        # core even when idle. The notification polls and the transfer's own state checks
+        # progress UCX instead.
         self.progress_thread = progress_thread
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{worker_id}")
+        self._schedule = PollSchedule(fast_s=poll_fast_s, idle_s=poll_idle_s)
+        self._thread = NixlThread(f"nixl-{worker_id}", self._poll_once, self._schedule)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._agent: Any = None
         self._registration: Any = None
         self._local_dlist: Any = None
@@ -143,12 +150,11 @@ class NixlTransport:
         self._dev_id = (memory.tensor.device.index or 0) if memory.tensor.is_cuda else 0
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._to_release: list[Any] = []  # transfer handles, released by the poller
-        self._poller: asyncio.Task | None = None
+        self._busy_handles: list[Any] = []  # handles NIXL would not release yet; NIXL thread only
         self._deliveries: set[asyncio.Task] = set()
 
     async def _nixl(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self._thread.submit(fn, *args))
 
     async def start(self) -> None:
         """Create the agent, register the KV cache and publish how to reach it."""
@@ -160,7 +166,16 @@ class NixlTransport:
         )
         metadata = await self._nixl(self._agent.get_agent_metadata)
         await self.store.put_nixl_metadata(self.worker_id, pack_published_metadata(header, metadata))
-        self._poller = asyncio.create_task(self._poll_notifications(), name=f"nixl-notifs-{self.worker_id}")
+        self._loop = asyncio.get_running_loop()
+        self._thread.start_polling()
+
+    def expect_incoming(self, transfer_id: str, timeout_s: float) -> None:
+        """A push into this worker is announced (PrepareKv): poll for its notifications fast."""
+        self._thread.call_soon(self._schedule.expect, transfer_id, timeout_s)
+
+    def incoming_done(self, transfer_id: str) -> None:
+        """The announced push arrived or was given up: polling may slow down again."""
+        self._thread.call_soon(self._schedule.done, transfer_id)
 
     def _create_agent(self) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -175,13 +190,22 @@ class NixlTransport:
         self._local_dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
         return agent
 
-    async def push(self, transfer: BlockTransfer, checksum: int, timeout_s: float) -> None:
-        """WRITE local src_blocks into the peer's dst_blocks; the peer is notified when they land."""
+    async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
+        """WRITE local src_blocks into the peer's dst_blocks; the peer is notified when they land.
+
+        With checksum None, the crc32 of the source blocks is computed on the NIXL thread
+        right before the post: no extra thread hop, and never on the event loop.
+        """
         if transfer.src_worker != self.worker_id:
             raise ValueError(f"push of {transfer.transfer_id} from {transfer.src_worker} on worker {self.worker_id}")
         _check_blocks(transfer.src_blocks, self.memory.num_blocks, "local source")
+        if checksum is None:
+            def notif() -> bytes:
+                return encode_write_notification(transfer, self.memory.checksum(list(transfer.src_blocks)))
+        else:
+            notif = encode_write_notification(transfer, checksum)
         await self._with_peer("WRITE", transfer.dst_worker, transfer.src_blocks, transfer.dst_blocks,
-                              encode_write_notification(transfer, checksum), timeout_s, transfer.transfer_id)
+                              notif, timeout_s, transfer.transfer_id)
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
         """READ the peer's src_blocks into local dst_blocks; returns crc32 of what arrived."""
@@ -193,7 +217,7 @@ class NixlTransport:
         return await asyncio.to_thread(self.memory.checksum, list(transfer.dst_blocks))
 
     async def _with_peer(self, op: str, peer_id: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
-                         notif: bytes, timeout_s: float, transfer_id: str) -> None:
+                         notif: bytes | Callable[[], bytes], timeout_s: float, transfer_id: str) -> None:
         """One transfer with a peer, tried again once if it failed because the peer restarted."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         for attempt in (1, 2):
@@ -218,39 +242,64 @@ class NixlTransport:
             return False
 
     async def _transfer(self, op: str, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
-                        notif: bytes, deadline: float, transfer_id: str) -> None:
+                        notif: bytes | Callable[[], bytes], deadline: float, transfer_id: str) -> None:
         what = f"NIXL {op} of {transfer_id} with {peer.worker_id}"
-        handle = None
         try:
-            handle = await self._call_before(deadline, what, self._agent.make_prepped_xfer, op, self._local_dlist,
-                                             list(local_blocks), peer.blocks_dlist, list(remote_blocks), notif)
-            # transfer() may do the whole copy before it returns (CMA); the deadline bounds
-            # it like the polls that follow.
-            state = await self._call_before(deadline, what, self._agent.transfer, handle)
-            while state == "PROC":
-                await asyncio.sleep(self.poll_interval_s)
-                state = await self._call_before(deadline, what, self._agent.check_xfer_state, handle)
-            if state != "DONE":
-                raise RuntimeError(f"transfer state {state}")
+            # One hop to the NIXL thread for the whole transfer: each hop costs a thread
+            # wake-up (and a GIL hand-over when the engine computes), which was most of
+            # the per-post fixed cost.
+            await self._call_before(deadline, what, self._post_and_wait, op, peer, local_blocks, remote_blocks,
+                                    notif, deadline)
         except KvTransferError:
             raise  # timed out: the peer may only be slow, keep it loaded
         except Exception as exc:  # NIXL's own errors (e.g. nixlRemoteDisconnectError) and ERR
             await self._forget_peer(peer.worker_id)
             raise KvTransferError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _post_and_wait(self, op: str, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
+                       notif: bytes | Callable[[], bytes], deadline: float) -> None:
+        """On the NIXL thread: post the transfer and progress it until DONE, ERR or the deadline."""
+        if time.monotonic() >= deadline:
+            raise _TimedOut
+        if callable(notif):
+            notif = notif()
+        handle = self._agent.make_prepped_xfer(op, self._local_dlist, list(local_blocks), peer.blocks_dlist,
+                                               list(remote_blocks), notif)
+        try:
+            # With CMA the copy happens inside transfer(); what may remain is the flush and
+            # (for a WRITE) sending the notification, which check_xfer_state drives.
+            state = self._agent.transfer(handle)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise _TimedOut
+                time.sleep(pause)  # sleep(0) first: yield the GIL, then back off to 1 ms
+                pause = min(0.001, pause * 2 or 0.00002)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"transfer state {state}")
         finally:
-            if handle is not None:
-                # Released by the poller; a transfer still in flight is cancelled when NIXL can.
-                self._to_release.append(handle)
+            # A transfer still in flight is cancelled when NIXL can; otherwise its handle is
+            # released by a later poll.
+            self._release_or_keep(handle)
+
+    def _release_or_keep(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception:
+            self._busy_handles.append(handle)
 
     async def _call_before(self, deadline: float, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn on the NIXL thread; KvTransferError if it has not returned by the deadline."""
         loop = asyncio.get_running_loop()
-        remaining = deadline - loop.time()
+        remaining = deadline - loop.time()  # loop.time() is time.monotonic(), as on the NIXL thread
         if remaining <= 0:
             raise KvTransferError(f"{what} timed out")
-        future = loop.run_in_executor(self._executor, fn, *args)
+        future = self._thread.submit(fn, *args)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), remaining)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), remaining)
+        except _TimedOut:
+            raise KvTransferError(f"{what} timed out") from None
         except (TimeoutError, asyncio.CancelledError) as exc:
             # The call still runs on the NIXL thread; a handle it creates must not leak.
             future.add_done_callback(self._abandon_result)
@@ -258,13 +307,10 @@ class NixlTransport:
                 raise
             raise KvTransferError(f"{what} timed out") from None
 
-    def _abandon_result(self, future: asyncio.Future) -> None:
+    def _abandon_result(self, future: Any) -> None:
+        # Runs on the NIXL thread when the abandoned call finishes.
         if not future.cancelled() and future.exception() is None and hasattr(future.result(), "release"):
-            self._to_release.append(future.result())
-
-    async def _release_handles(self) -> None:
-        handles, self._to_release = self._to_release, []
-        self._to_release.extend(await self._nixl(_release_all, handles))
+            self._release_or_keep(future.result())
 
     async def _peer(self, worker_id: str, deadline: float) -> _Peer:
         peer = self._peers.get(worker_id)
@@ -326,21 +372,26 @@ class NixlTransport:
         except Exception as exc:
             log.debug("unloading NIXL peer %s: %s", worker_id, exc)
 
-    async def _poll_notifications(self) -> None:
-        while True:
-            try:
-                notifs = await self._nixl(self._agent.get_new_notifs)
-                if self._to_release:
-                    await self._release_handles()
-            except Exception:
-                log.exception("polling NIXL notifications failed")
-                notifs = {}
-            for sender, messages in notifs.items():
-                for message in messages:
-                    task = asyncio.create_task(self._deliver(sender, message))
-                    self._deliveries.add(task)
-                    task.add_done_callback(self._deliveries.discard)
-            await asyncio.sleep(self.poll_interval_s)
+    def _poll_once(self) -> bool:
+        """On the NIXL thread: fetch notifications (this also progresses UCX) and hand them to the loop."""
+        if self._agent is None:
+            return False  # closing
+        if self._busy_handles:
+            handles, self._busy_handles = self._busy_handles, []
+            for handle in handles:
+                self._release_or_keep(handle)
+        notifs = self._agent.get_new_notifs()
+        if not notifs:
+            return False
+        self._loop.call_soon_threadsafe(self._dispatch, notifs)
+        return True
+
+    def _dispatch(self, notifs: dict[str, list[bytes]]) -> None:
+        for sender, messages in notifs.items():
+            for message in messages:
+                task = asyncio.create_task(self._deliver(sender, message))
+                self._deliveries.add(task)
+                task.add_done_callback(self._deliveries.discard)
 
     async def _deliver(self, sender: str, message: bytes) -> None:
         try:
@@ -362,23 +413,18 @@ class NixlTransport:
 
     async def close(self) -> None:
         """Stop polling, unload peers, deregister the KV cache and destroy the agent."""
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
         for task in list(self._deliveries):
             task.cancel()
         await asyncio.gather(*self._deliveries, return_exceptions=True)
         if self._agent is not None:
             for worker_id in list(self._peers):
                 await self._forget_peer(worker_id)
-            await self._release_handles()
-            for handle in self._to_release:
-                log.warning("NIXL transfer handle %r still busy at close", handle)
             await self._nixl(self._destroy_agent)
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._thread.stop)
 
     def _destroy_agent(self) -> None:
+        for handle in self._busy_handles:
+            log.warning("NIXL transfer handle %r still busy at close", handle)
         try:
             self._local_dlist.release()
             self._agent.deregister_memory(self._registration)
@@ -387,15 +433,8 @@ class NixlTransport:
         self._agent = None
 
 
-def _release_all(handles: list[Any]) -> list[Any]:
-    """Release NIXL handles; returns those NIXL refused (transfers it could not cancel yet)."""
-    busy = []
-    for handle in handles:
-        try:
-            handle.release()
-        except Exception:
-            busy.append(handle)
-    return busy
+class _TimedOut(Exception):
+    """A transfer on the NIXL thread reached its deadline."""
 
 
 def _check_blocks(blocks: tuple[int, ...], num_blocks: int, what: str) -> None:
