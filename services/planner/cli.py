@@ -68,7 +68,15 @@ class ClusterOptions:
 
 def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: int = 0) -> Simulator:
     """The Simulator for `cluster`: a preset's (or a fitted model's) times, the preset's KV memory."""
-    if cluster.perf_model is not None:
+    if cluster.perf_model is not None and str(cluster.perf_model).startswith("redis:"):
+        import os
+
+        from splitserve.profile_cli import load_perf_model  # what `splitserve profile` stored for a worker
+
+        perf_model = load_perf_model(str(cluster.perf_model),
+                                     os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                                     os.environ.get("SPLITSERVE_REDIS_PREFIX", "ss:"))
+    elif cluster.perf_model is not None:
         perf_model = PerfModel.load(cluster.perf_model)
     else:
         perf_model = preset(cluster.gpu, cluster.model_preset, cluster.tp, dtype=cluster.dtype, link=cluster.link)
@@ -232,8 +240,10 @@ def simulate(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp8 (linear layers)."),
     link: str = typer.Option("rdma-400g", "--link", help="KV transfer link: rdma-400g | rdma-200g | nvlink | pcie | "
                              "tcp-10g."),
-    perf_model: Optional[Path] = typer.Option(None, "--perf-model", help="Fitted perf model JSON (`splitserve "
-                                              "profile`) instead of the preset's times; memory stays the preset's."),
+    perf_model: Optional[Path] = typer.Option(None, "--perf-model", help="Fitted perf model (`splitserve "
+                                              "profile`): a JSON file, or redis:WORKER_ID (SPLITSERVE_REDIS_URL, "
+                                              "SPLITSERVE_REDIS_PREFIX), instead of the preset's times; memory stays "
+                                              "the preset's."),
     policy: str = typer.Option("least_loaded", "--policy", help="Placement policy (round_robin | least_loaded | "
                                "pd_disaggregated | split | any registered)."),
     policy_param: Optional[List[str]] = typer.Option(None, "--policy-param", help="Placement policy parameter "

@@ -184,7 +184,7 @@ def test_profile_rejects_a_bad_grid_and_skips_shapes_that_do_not_fit(real_worker
 
 # ---- an emulated worker: the fit recovers the preset it emulates --------------------------------
 
-def test_profile_of_an_emulated_worker_recovers_its_preset(tmp_path):
+def test_profile_of_an_emulated_worker_recovers_its_preset(tmp_path, monkeypatch):
     prefix = f"ss:prof-{uuid.uuid4().hex[:8]}:"
     proc, address = _start_worker(["--backend", "emulated", "--gpu", "H100", "--model-preset", "llama-3-8b",
                                    "--worker-id", "prof-emu"], tmp_path / "worker.log", prefix)
@@ -204,6 +204,13 @@ def test_profile_of_an_emulated_worker_recovers_its_preset(tmp_path):
     for b, c in [(1, 512), (8, 1024), (32, 3000), (100, 1000)]:
         assert fitted.decode_time(b, c) == pytest.approx(truth.decode_time(b, c), rel=0.12), (b, c)
     assert _redis_doc(prefix, "prof-emu") == doc
+    # The simulator takes the stored model straight from Redis.
+    from services.planner.cli import ClusterOptions, build_simulator
+
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", REDIS)
+    monkeypatch.setenv("SPLITSERVE_REDIS_PREFIX", prefix)
+    sim = build_simulator(ClusterOptions(workers=2, perf_model="redis:prof-emu"))
+    assert sim.config.perf_model == fitted
 
 
 def test_a_fitted_model_drives_the_emulated_runner_and_the_simulator(tmp_path):
