@@ -199,10 +199,14 @@ def test_profile_of_an_emulated_worker_recovers_its_preset(tmp_path, monkeypatch
     assert doc["profile"]["device"] == "emulated:H100-SXM5-80GBx1/Llama-3-8B"
     assert doc["profile"]["measured_kinds"] == ["decode", "prefill"]
     assert fitted.transfer == truth.transfer and fitted.kv_bytes_per_token == truth.kv_bytes_per_token
+    # The emulated worker sleeps wall-clock time: on a shared box its wake-ups run a few ms late.
+    def close(got: float, want: float) -> bool:
+        return abs(got - want) <= 0.12 * want + 0.002
+
     for h, n in [(0, 128), (0, 1024), (1000, 1000), (4000, 3000)]:
-        assert fitted.prefill_time(h, n) == pytest.approx(truth.prefill_time(h, n), rel=0.12), (h, n)
+        assert close(fitted.prefill_time(h, n), truth.prefill_time(h, n)), (h, n)
     for b, c in [(1, 512), (8, 1024), (32, 3000), (100, 1000)]:
-        assert fitted.decode_time(b, c) == pytest.approx(truth.decode_time(b, c), rel=0.12), (b, c)
+        assert close(fitted.decode_time(b, c), truth.decode_time(b, c)), (b, c)
     assert _redis_doc(prefix, "prof-emu") == doc
     # The simulator takes the stored model straight from Redis.
     from services.planner.cli import ClusterOptions, build_simulator
