@@ -158,10 +158,24 @@ def main() -> None:
     ap.add_argument("--rate-tol", type=float, default=0.04, help="capacity bracket width, relative to the start")
     ap.add_argument("--max-probes", type=int, default=9, help="most runs per capacity search")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", default="", help="comma list of workload names to run (default: all), "
+                    "e.g. 'P219/D1467,Azure code'")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "baselines_sim.json")
     args = ap.parse_args()
 
-    rows = [row for workload in workloads() for row in evaluate(workload, args)]
+    chosen = [w for w in workloads() if not args.workloads or w.name in args.workloads.split(",")]
+    if not chosen:
+        ap.error(f"--workloads: none of {args.workloads!r} is one of {[w.name for w in workloads()]}")
+    rows: list[dict[str, Any]] = []
+    for workload in chosen:
+        rows += evaluate(workload, args)
+        _write(args, rows)  # after every workload: a long run killed midway keeps what it measured
+    results = _write(args, rows)
+    _report(results)
+    console.print(f"wrote {args.out}")
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version()},
@@ -169,12 +183,12 @@ def main() -> None:
                     "batch_policy": "fcfs", "max_num_batched_tokens": 2048, "max_num_seqs": 256,
                     "pd_disaggregated_roles": list(POLICIES["pd_disaggregated"]["roles"])},
         "target_attainment": TARGET_ATTAINMENT, "arrival_window_s": args.window_s,
-        "min_requests": args.min_requests, "rows": rows,
+        "min_requests": args.min_requests, "max_probes": args.max_probes, "rate_tol": args.rate_tol,
+        "rows": rows,
     }
-    _report(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=lambda v: None) + "\n")
-    console.print(f"wrote {args.out}")
+    return results
 
 
 def _report(results: dict[str, Any]) -> None:
