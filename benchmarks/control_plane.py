@@ -564,8 +564,17 @@ def start_ready_cluster(spec: ClusterSpec) -> Cluster:
     return cluster
 
 
-def cluster_spec(model_dir: Path, workers: int, worker_args: dict, log_dir: Path, redis_url: str) -> ClusterSpec:
+# name -> (coordinator, placement): "process" is the four-service deployment (gateway,
+# coordinator, scheduler, workers); "embedded" runs the coordinator in the gateway process
+# and places requests inside it (no Coordinator.Submit or GlobalScheduler.Place hop).
+TOPOLOGIES = {"process": ("process", "scheduler"), "embedded": ("embedded", "local")}
+
+
+def cluster_spec(model_dir: Path, workers: int, worker_args: dict, log_dir: Path, redis_url: str,
+                 topology: str = "process") -> ClusterSpec:
+    coordinator, placement = TOPOLOGIES[topology]
     return ClusterSpec(model=str(model_dir), workers=workers, policy="least_loaded", http_port=free_port(),
+                       coordinator=coordinator, placement=placement,
                        grpc_port=free_port(), redis_url=redis_url,
                        redis_prefix=f"ss:bench-cp-{uuid.uuid4().hex[:8]}:", log_dir=log_dir,
                        worker_args=dict(worker_args), scheduler_args=dict(SERVICE_ARGS.get("scheduler", {})),
@@ -610,6 +619,8 @@ def main() -> None:
     ap.add_argument("--profile-rate", type=int, default=200)
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="where py-spy's raw stacks go (default: a fresh temporary directory)")
+    ap.add_argument("--topologies", default="process,embedded",
+                    help="comma-separated: process (4 services) | embedded (coordinator + placement in the gateway)")
     ap.add_argument("--redis-url", default=os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "control_plane.json")
     args = ap.parse_args()
@@ -675,10 +686,17 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, default=str))
         return
-    if not args.skip_latency:
-        results["latency"] = latency_phase(args, model_dir, engine_config, worker_args, prompt_lens, log_dir)
-    if not args.skip_throughput or args.profile:
-        results["throughput"] = throughput_phase(args, model_dir, worker_args, log_dir)
+    results["topologies"] = {}
+    for topology in args.topologies.split(","):
+        console.print(f"[bold]topology {topology}[/bold]: coordinator {TOPOLOGIES[topology][0]}, "
+                      f"placement {TOPOLOGIES[topology][1]}")
+        part: dict = {}
+        if not args.skip_latency:
+            part["latency"] = latency_phase(args, model_dir, engine_config, worker_args, prompt_lens, log_dir,
+                                            topology)
+        if not args.skip_throughput or args.profile:
+            part["throughput"] = throughput_phase(args, model_dir, worker_args, log_dir, topology)
+        results["topologies"][topology] = part
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["logs"] = str(log_dir)
     report(results)
@@ -736,7 +754,7 @@ def engine_thread_check(engine: Engine, prompt_lens: list[int], max_tokens: int,
 
 
 def latency_phase(args, model_dir: Path, engine_config, worker_args: dict, prompt_lens: list[int],
-                  log_dir: Path) -> dict:
+                  log_dir: Path, topology: str = "process") -> dict:
     console.print(f"[bold]latency[/bold]: building the direct engine ({engine_config.model})")
     engine = Engine(engine_config)
     run_direct(engine, make_requests(8, prompt_lens, seed=10_000), args.max_tokens)  # warm-up
@@ -747,19 +765,21 @@ def latency_phase(args, model_dir: Path, engine_config, worker_args: dict, promp
                   "ITL p50 " + " / ".join(f"{thread_check[k]['itl_ms']['p50']:.2f}" for k in
                                           ("main_thread", "plain_thread", "engine_loop", "main_thread_again"))
                   + f" ms (other processes {meter.foreign:.2f} cores)")
-    cluster = start_ready_cluster(cluster_spec(model_dir, 1, worker_args, log_dir, args.redis_url))
+    cluster = start_ready_cluster(cluster_spec(model_dir, 1, worker_args, log_dir, args.redis_url, topology))
+    with_coordinator = cluster.coordinator_address != "embedded"  # else there is no Coordinator service to call
     per_repeat = []
     profile = None
     try:
         worker_id = "worker-0"
         client = Client(cluster.gateway_grpc, timeout_s=120.0, max_retries=0)
-        coord_channel = grpc.insecure_channel(cluster.coordinator_address)
+        coord_channel = grpc.insecure_channel(cluster.coordinator_address if with_coordinator else "127.0.0.1:1")
         worker_channel = grpc.insecure_channel(cluster.worker_addresses[0])
         coord = coordinator_pb2_grpc.CoordinatorStub(coord_channel)
         worker = worker_pb2_grpc.WorkerStub(worker_channel)
         warm = make_requests(8, prompt_lens, seed=20_000)
         run_gateway(client, warm, args.max_tokens)
-        run_coordinator(coord, warm, args.max_tokens)
+        if with_coordinator:
+            run_coordinator(coord, warm, args.max_tokens)
         run_worker(worker, worker_id, warm, args.max_tokens)
         pids = process_pids(cluster)
         with CpuMeter(pids) as meter:
@@ -780,8 +800,9 @@ def latency_phase(args, model_dir: Path, engine_config, worker_args: dict, promp
                 for i in range(args.requests):
                     paths["direct"] += run_direct(engine, prompts[i:i + 1], args.max_tokens)
                     paths["gateway"] += run_gateway(client, prompts[i:i + 1], args.max_tokens)
-                    paths["direct_o"] += run_direct(engine, others[i:i + 1], args.max_tokens)
-                    paths["coordinator"] += run_coordinator(coord, others[i:i + 1], args.max_tokens)
+                    if with_coordinator:
+                        paths["direct_o"] += run_direct(engine, others[i:i + 1], args.max_tokens)
+                        paths["coordinator"] += run_coordinator(coord, others[i:i + 1], args.max_tokens)
                     paths["direct_o2"] += run_direct(engine, others2[i:i + 1], args.max_tokens)
                     paths["worker"] += run_worker(worker, worker_id, others2[i:i + 1], args.max_tokens)
             direct, gw, co, wk = paths["direct"], paths["gateway"], paths["coordinator"], paths["worker"]
@@ -790,13 +811,13 @@ def latency_phase(args, model_dir: Path, engine_config, worker_args: dict, promp
             rep = {
                 "repeat": r, "token_mismatches_gateway_vs_direct": mismatch,
                 "foreign_cpu_cores": meter.foreign, "loadavg": os.getloadavg()[0],
-                "direct": latency_stats(direct), "gateway": latency_stats(gw),
-                "coordinator": latency_stats(co), "worker": latency_stats(wk),
-                "direct_coordinator_prompts": latency_stats(direct_o),
+                "direct": latency_stats(direct), "gateway": latency_stats(gw), "worker": latency_stats(wk),
                 "direct_worker_prompts": latency_stats(direct_o2),
-                "added_gateway": added(direct, gw), "added_coordinator": added(direct_o, co),
-                "added_worker": added(direct_o2, wk),
+                "added_gateway": added(direct, gw), "added_worker": added(direct_o2, wk),
             }
+            if with_coordinator:
+                rep.update(coordinator=latency_stats(co), direct_coordinator_prompts=latency_stats(direct_o),
+                           added_coordinator=added(direct_o, co))
             per_repeat.append(rep)
             a = rep["added_gateway"]
             console.print(f"  repeat {r}: added TTFT p50/p99 "
@@ -845,20 +866,23 @@ def _cpu_per_request(meter: CpuMeter, res: dict) -> dict:
 def _median_of(reps: list[dict]) -> dict:
     keys = reps[0]["added_gateway"].keys()
     out = {path: {k: med([rep[path][k] for rep in reps]) for k in keys}
-           for path in ("added_gateway", "added_coordinator", "added_worker")}
+           for path in ("added_gateway", "added_coordinator", "added_worker") if path in reps[0]}
     for path in ("direct", "gateway", "coordinator", "worker"):
+        if path not in reps[0]:
+            continue
         out[path] = {metric: {k: med([rep[path][metric][k] for rep in reps]) for k in reps[0][path][metric]}
                      for metric in reps[0][path]}
     return out
 
 
-def throughput_phase(args, model_dir: Path, worker_args: dict, log_dir: Path) -> dict:
+def throughput_phase(args, model_dir: Path, worker_args: dict, log_dir: Path, topology: str = "process") -> dict:
     out: dict = {"runs": [], "median": {}}
     workers_list = [int(x) for x in args.tput_workers.split(",")] if not args.skip_throughput else [1]
     conc_list = [int(x) for x in args.tput_concurrency.split(",")]
     for n_workers in workers_list:
         console.print(f"[bold]throughput[/bold]: {n_workers} worker(s)")
-        cluster = start_ready_cluster(cluster_spec(model_dir, n_workers, worker_args, log_dir, args.redis_url))
+        cluster = start_ready_cluster(cluster_spec(model_dir, n_workers, worker_args, log_dir, args.redis_url,
+                                                   topology))
         try:
             pids = process_pids(cluster)
             if not args.skip_throughput:
@@ -913,6 +937,8 @@ def _report_latency(med_: dict, n: int, label: str) -> None:
     for col in ("path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "worker→client p50/p99 ms"):
         t.add_column(col, justify="right")
     for path in ("direct", "worker", "coordinator", "gateway"):
+        if path not in med_:
+            continue
         s = med_[path]
         transit = s.get("transit_ms")
         t.add_row(path, f"{s['ttft_ms']['p50']:.2f}", f"{s['ttft_ms']['p99']:.2f}", f"{s['itl_ms']['p50']:.3f}",
@@ -925,6 +951,8 @@ def _report_latency(med_: dict, n: int, label: str) -> None:
         t.add_column(col, justify="right")
     for path, key in (("worker gRPC only", "added_worker"), ("coordinator (+sched, Redis)", "added_coordinator"),
                       ("gateway (full path)", "added_gateway")):
+        if key not in med_:
+            continue
         a = med_[key]
         t.add_row(path, *(f"{a[k]:.3f}" for k in ("ttft_paired_p50_ms", "ttft_paired_p99_ms", "ttft_dist_p50_ms",
                                                    "ttft_dist_p99_ms", "itl_dist_p50_ms", "itl_dist_p99_ms",
@@ -944,6 +972,12 @@ def report(results: dict) -> None:
     console.print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
                   f"grpcio {m['grpcio']}, load avg {m['loadavg_start'][0]:.2f} → {m['loadavg_end'][0]:.2f}")
     console.print(f"command: {results['command']}")
+    for topology, part in results.get("topologies", {}).items():
+        console.print(f"[bold]== topology {topology} ==[/bold]")
+        _report_topology(part)
+
+
+def _report_topology(results: dict) -> None:
     lat = results.get("latency")
     if lat:
         console.print("other processes' CPU per latency repeat (cores): "
@@ -958,7 +992,6 @@ def report(results: dict) -> None:
                 _report_latency(lat[key], len(lat["per_repeat"]) if key == "median" else len(lat["quiet_repeats"]),
                                 "all repeats" if key == "median" else
                                 f"quiet repeats only (other processes < {QUIET_FOREIGN_CORES} cores)")
-    tp = results.get("throughput")
     tp = results.get("throughput")
     if tp and tp["median"]:
         t = Table(title="Gateway throughput, max_tokens=1 (median of repeats)")

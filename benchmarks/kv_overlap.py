@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 import uuid
@@ -68,7 +67,11 @@ def measure(model_dir: Path, transport: str, chunk_tokens: int, prompt_len: int,
         with grpc.insecure_channel(cluster.scheduler_address) as channel:
             scheduler_pb2_grpc.GlobalSchedulerStub(channel).SetPolicy(scheduler_pb2.SetPolicyRequest(
                 policy="split", params={"split_ratio": repr((prompt_len - 0.5) / total)}), timeout=5)
-        prompt = [(i * 7919) % 250 + 1 for i in range(prompt_len)]
+
+        def prompt(seed: int) -> list[int]:
+            # A different prompt every request: a repeated one would be a prefix-cache hit on
+            # alpha, whose whole KV is then "computed" in its first step and pushed after it.
+            return [(i * 7919 + seed * 104729) % 250 + 1 for i in range(prompt_len)]
 
         def totals() -> tuple[float, float, float]:
             exposed = pushed = stages = 0.0
@@ -81,11 +84,11 @@ def measure(model_dir: Path, transport: str, chunk_tokens: int, prompt_len: int,
 
         with Client(cluster.gateway_grpc, timeout_s=600) as client:
             # Warm-up: the first transfer to a peer sets up its connection (tens of ms).
-            client.generate(prompt[:64], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            client.generate(prompt(requests)[:64], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             before = totals()
             started = time.perf_counter()
-            for _ in range(requests):
-                client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for seed in range(requests):
+                client.generate(prompt(seed), max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             wall = time.perf_counter() - started
         after = totals()
         exposed, pushed, stages = (a - b for a, b in zip(after, before))

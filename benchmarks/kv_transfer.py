@@ -1,17 +1,20 @@
 """KV transfer bandwidth between two worker processes: NIXL vs gRPC vs an in-process memcpy.
 
-This process and a child it starts each own a paged KV cache (bf16, block-major) and both
-transports, registered in Redis under a private prefix. For every size, randomly chosen
-blocks move parent -> child (push) and child -> parent (pull) through (a) NixlTransport
-(UCX) and (b) GrpcTransport. Two in-process baselines: (c) `memcpy`, a torch copy of
-the same number of contiguous bytes (torch may split it over all its threads), and (d)
-`gather`, a single-threaded copy of the very same randomly chosen blocks between two
-caches in this process, i.e. the transfer without the process boundary. Both are
-measured right before and after each size's transfers, so they see the same foreign
-load. Reported: median bandwidth over the repeats, NIXL push as % of each baseline,
-the time until the receiver's on_chunk fired (NIXL: notification + crc32 of the
-written blocks), the longest event-loop stall seen while transfers ran, and the
-foreign load (CPU used by other processes during the run, in cores).
+This process and a child it starts each own a paged KV cache (bf16, block-major, on huge
+pages as a worker's) and the transports, registered in Redis under a private prefix. For
+every size, randomly chosen blocks move parent -> child (push) and child -> parent (pull)
+through (a) NixlTransport with one lane (the worker default), (a2) NixlTransport with two
+lanes (the transfer split over two agents on two threads), and (b) GrpcTransport; every
+push computes its sender digest on the clock, as a real push does. In-process baselines:
+(c) `memcpy`, a plain memcpy (libc memmove, one thread) of the same number of contiguous
+bytes — the issue's baseline — also on huge pages (`memcpy_hp`); (d) `torch_copy`, the
+same copy by torch's copy_, which splits it over all its threads; and (e) `gather`, a
+single-threaded copy of the very same randomly chosen blocks between two caches in this
+process. All are measured right before and after each size's transfers, so they see the
+same foreign load. Reported: median bandwidth over the repeats, NIXL push as % of each
+baseline, the time until the receiver had every part in place (NIXL: notification +
+digest of the written blocks), the longest event-loop stall seen while transfers ran,
+and the foreign load (CPU used by other processes during the run, in cores).
 
     .venv/bin/python benchmarks/kv_transfer.py --sizes-mib 1,4,16,64,256 --out bench-results/kv_transfer.json
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import os
 import platform
@@ -43,6 +47,7 @@ from rich.table import Table  # noqa: E402
 
 from splitserve.proto import worker_pb2_grpc  # noqa: E402
 from splitserve.state import StateStore, WorkerInfo  # noqa: E402
+from workers.engine.host_memory import zeros_on_huge_pages  # noqa: E402
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError  # noqa: E402
 from workers.kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcTransport  # noqa: E402
 from workers.kv_transfer.nixl_transport import NixlTransport  # noqa: E402
@@ -58,8 +63,10 @@ def random_cache(num_blocks: int, seed: int) -> torch.Tensor:
     """Random bytes shaped as a bf16 KV cache (the transports move bytes, values do not matter)."""
     numel = num_blocks * torch.Size(BLOCK_SHAPE).numel()
     generator = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (numel * 2,), dtype=torch.uint8, generator=generator)
-    return raw.view(torch.bfloat16).view(num_blocks, *BLOCK_SHAPE)
+    # Allocated as the worker allocates its CPU KV cache (model_runner.py): on huge pages.
+    cache = zeros_on_huge_pages((numel * 2,), torch.uint8)
+    cache.copy_(torch.randint(0, 256, (numel * 2,), dtype=torch.uint8, generator=generator))
+    return cache.view(torch.bfloat16).view(num_blocks, *BLOCK_SHAPE)
 
 
 class KvServicer(worker_pb2_grpc.WorkerServicer):
@@ -80,12 +87,17 @@ class Worker:
     """One side of the benchmark: cache, store, both transports and a gRPC server."""
 
     def __init__(self, worker_id: str, memory: KvMemory, redis_url: str, prefix: str,
-                 on_chunk: Callable[[BlockTransfer, bool], None]):
+                 on_chunk: Callable[[BlockTransfer, bool], None], serve_lanes: int = 0):
         self.worker_id = worker_id
         self.memory = memory
         self.store = StateStore(redis_url, prefix=prefix)
         self.grpc = GrpcTransport(worker_id, memory, self.store, on_chunk)
-        self.nixl = NixlTransport(worker_id, memory, self.store, on_chunk)
+        if serve_lanes:  # the child: one transport with every lane a parent transport may use
+            self.nixl = NixlTransport(worker_id, memory, self.store, on_chunk, lanes=serve_lanes)
+            self.nixl2 = None
+        else:  # the parent: one lane (the worker default), and two lanes as a second worker id
+            self.nixl = NixlTransport(worker_id, memory, self.store, on_chunk)
+            self.nixl2 = NixlTransport(f"{worker_id}-2lanes", memory, self.store, on_chunk, lanes=2)
         self.server = grpc.aio.server(options=KV_GRPC_OPTIONS)
         worker_pb2_grpc.add_WorkerServicer_to_server(KvServicer(self.grpc), self.server)
 
@@ -94,10 +106,14 @@ class Worker:
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         await self.nixl.start()
+        if self.nixl2 is not None:
+            await self.nixl2.start()
         await self.store.register_worker(WorkerInfo(self.worker_id, f"127.0.0.1:{port}"), ttl_s=3600)
 
     async def stop(self) -> None:
         await self.nixl.close()
+        if self.nixl2 is not None:
+            await self.nixl2.close()
         await self.grpc.close()
         await self.server.stop(grace=None)
         await self.store.deregister_worker(self.worker_id)
@@ -113,10 +129,10 @@ async def serve_peer(args: argparse.Namespace) -> None:
 
     def on_chunk(chunk: BlockTransfer, ok: bool) -> None:
         protocol.write(json.dumps({"event": "chunk", "transfer_id": chunk.transfer_id,
-                                   "token_end": chunk.token_end, "ok": ok}) + "\n")
+                                   "token_start": chunk.token_start, "token_end": chunk.token_end, "ok": ok}) + "\n")
 
     worker = Worker(args.worker_id, KvMemory(random_cache(args.num_blocks, seed=2)), args.redis_url,
-                    args.prefix, on_chunk)
+                    args.prefix, on_chunk, serve_lanes=2)
     await worker.start()
     # As PrepareKv does for a real stage: announce the pushes, so the receiver polls for
     # their notifications at its fast rate rather than its idle one.
@@ -131,6 +147,7 @@ class ChildEvents:
 
     def __init__(self, proc: subprocess.Popen):
         self._events: dict[str, dict[str, Any]] = {}
+        self._arrived: dict[str, tuple[int, bool]] = {}  # transfer id -> (tokens in place, all intact)
         self._changed = threading.Condition()
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
@@ -138,8 +155,14 @@ class ChildEvents:
         for line in proc.stdout:
             event = json.loads(line)
             with self._changed:
-                # gRPC reports every chunk; the key names the one ending at token_end.
-                key = f"{event['transfer_id']}@{event['token_end']}" if "transfer_id" in event else event["event"]
+                key = event["event"]
+                if "transfer_id" in event:
+                    # Chunks (gRPC) and lane parts (NIXL) land in any order; the key names how
+                    # many tokens of the transfer are in place so far: "<id>@<tokens>".
+                    tokens, ok = self._arrived.get(event["transfer_id"], (0, True))
+                    tokens, ok = tokens + event["token_end"] - event["token_start"], ok and event["ok"]
+                    self._arrived[event["transfer_id"]] = (tokens, ok)
+                    key, event = f"{event['transfer_id']}@{tokens}", {**event, "ok": ok}
                 self._events[key] = event
                 self._changed.notify_all()
 
@@ -185,14 +208,27 @@ async def timed(repeats: int, run: Callable[[int], Awaitable[float | None]]) -> 
     return samples
 
 
-def memcpy_seconds(num_bytes: int, repeats: int) -> list[float]:
+def memcpy_seconds(num_bytes: int, repeats: int, kind: str = "libc", huge_pages: bool = False) -> list[float]:
+    """One in-process copy of num_bytes contiguous bytes, timed `repeats` times.
+
+    kind "libc": a plain memcpy (ctypes.memmove, one thread) — the issue's baseline;
+    kind "torch": torch's copy_, which splits one copy over all its threads.
+    """
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    if huge_pages:  # the same memory kind as the KV caches the transports move
+        src = zeros_on_huge_pages((num_bytes,), torch.uint8).copy_(src)
+    dst = zeros_on_huge_pages((num_bytes,), torch.uint8) if huge_pages else torch.empty_like(src)
     dst.copy_(src)  # first touch of dst's pages
+    if kind == "libc":
+        def copy() -> None:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), num_bytes)
+    else:
+        def copy() -> None:
+            dst.copy_(src)
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()
-        dst.copy_(src)
+        copy()
         samples.append(time.perf_counter() - started)
     return samples
 
@@ -257,19 +293,20 @@ async def measure_size(parent: Worker, child_id: str, events: ChildEvents, size_
     result: dict[str, Any] = {"size_mib": size_mib, "blocks": count}
     src = tuple(rng.sample(range(parent.memory.num_blocks), count))
     dst = tuple(rng.sample(range(parent.memory.num_blocks), count))
-    memcpy = await asyncio.to_thread(memcpy_seconds, num_bytes, repeats)
+    baselines = {"memcpy": ("libc", False), "memcpy_hp": ("libc", True), "torch_copy": ("torch", False)}
+    copies = {name: await asyncio.to_thread(memcpy_seconds, num_bytes, repeats, *how)
+              for name, how in baselines.items()}
     gather = await asyncio.to_thread(gather_seconds, parent.memory, src, dst, repeats)
-    for name in ("nixl", "grpc"):
+    for name in ("nixl", "nixl2", "grpc"):
         transport = getattr(parent, name)
-        checksum = await asyncio.to_thread(parent.memory.checksum, list(src))
         delivered: list[float] = []
         with LoopStallMeter() as stall:  # only the transport's own work is on the clock
 
             async def push(i: int) -> float:
                 tid = f"{name}-{size_mib}-{i}-{uuid.uuid4().hex[:6]}"
-                transfer = BlockTransfer(tid, parent.worker_id, child_id, src, dst, 0, tokens)
+                transfer = BlockTransfer(tid, transport.worker_id, child_id, src, dst, 0, tokens)
                 started = time.perf_counter()
-                await transport.push(transfer, checksum, TIMEOUT_S)
+                await transport.push(transfer, None, TIMEOUT_S)  # the sender's digest is on the clock
                 pushed = time.perf_counter() - started
                 event = await asyncio.to_thread(events.wait, f"{tid}@{tokens}", TIMEOUT_S)
                 if not event["ok"]:
@@ -279,22 +316,25 @@ async def measure_size(parent: Worker, child_id: str, events: ChildEvents, size_
                 return pushed
 
             async def pull(i: int) -> None:
-                transfer = BlockTransfer(f"{name}-pull-{i}", child_id, parent.worker_id, dst, src, 0, tokens)
+                transfer = BlockTransfer(f"{name}-pull-{i}", child_id, transport.worker_id, dst, src, 0, tokens)
                 await transport.pull(transfer, TIMEOUT_S)
 
             result[f"{name}_push_s"] = statistics.median(await timed(repeats, push))
             result[f"{name}_delivered_s"] = statistics.median(delivered)
             result[f"{name}_pull_s"] = statistics.median(await timed(repeats, pull))
         result[f"{name}_max_loop_stall_ms"] = stall.max_stall_s * 1e3
-    memcpy += await asyncio.to_thread(memcpy_seconds, num_bytes, repeats)
+    for name, how in baselines.items():
+        copies[name] += await asyncio.to_thread(memcpy_seconds, num_bytes, repeats, *how)
+        result[f"{name}_s"] = statistics.median(copies[name])
     gather += await asyncio.to_thread(gather_seconds, parent.memory, src, dst, repeats)
-    result["memcpy_s"] = statistics.median(memcpy)
     result["gather_s"] = statistics.median(gather)
     for key in [k for k in result if k.endswith("_s")]:
         result[key.removesuffix("_s") + "_gbps"] = num_bytes / result[key] / 1e9
-    for baseline in ("memcpy", "gather"):
-        for op in ("push", "pull"):
-            result[f"nixl_{op}_pct_of_{baseline}"] = 100 * result[f"nixl_{op}_gbps"] / result[f"{baseline}_gbps"]
+    for baseline in ("memcpy", "memcpy_hp", "torch_copy", "gather"):
+        for name in ("nixl", "nixl2"):
+            for op in ("push", "pull"):
+                ratio = result[f"{name}_{op}_gbps"] / result[f"{baseline}_gbps"]
+                result[f"{name}_{op}_pct_of_{baseline}"] = 100 * ratio
     return result
 
 
@@ -302,9 +342,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
     table = Table(title="KV transfer between two processes (GB/s, median)")
     columns = [("MiB", "size_mib", "{}"), ("NIXL push", "nixl_push_gbps", "{:.2f}"),
                ("NIXL delivered", "nixl_delivered_gbps", "{:.2f}"), ("NIXL pull", "nixl_pull_gbps", "{:.2f}"),
+               ("NIXL 2 lanes push", "nixl2_push_gbps", "{:.2f}"), ("NIXL 2 lanes pull", "nixl2_pull_gbps", "{:.2f}"),
                ("gRPC push", "grpc_push_gbps", "{:.2f}"), ("gRPC pull", "grpc_pull_gbps", "{:.2f}"),
-               ("memcpy", "memcpy_gbps", "{:.2f}"), ("gather", "gather_gbps", "{:.2f}"),
+               ("memcpy", "memcpy_gbps", "{:.2f}"), ("memcpy huge pages", "memcpy_hp_gbps", "{:.2f}"),
+               ("torch copy", "torch_copy_gbps", "{:.2f}"), ("gather", "gather_gbps", "{:.2f}"),
                ("NIXL push % memcpy", "nixl_push_pct_of_memcpy", "{:.0f}%"),
+               ("NIXL push % memcpy huge pages", "nixl_push_pct_of_memcpy_hp", "{:.0f}%"),
+               ("NIXL push % torch copy", "nixl_push_pct_of_torch_copy", "{:.0f}%"),
+               ("NIXL 2 lanes push % memcpy", "nixl2_push_pct_of_memcpy", "{:.0f}%"),
                ("NIXL push % gather", "nixl_push_pct_of_gather", "{:.0f}%"),
                ("NIXL pull % gather", "nixl_pull_pct_of_gather", "{:.0f}%"),
                ("NIXL loop stall ms", "nixl_max_loop_stall_ms", "{:.1f}"),

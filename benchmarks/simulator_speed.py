@@ -6,9 +6,12 @@ preset workers (TP1, 25,720 KV blocks of 16 tokens each). Each row is one full
 simulation; wall time covers building the cluster (every worker's real BlockManager),
 the event loop and the per-request results. The default configuration is the
 simulator's default: prefix caching on, fast-forwarded decode runs; the other rows show
-what each costs, and with --stepping what fast-forward saves.
+what each costs, and with --stepping what fast-forward saves. On a shared machine,
+--repeat N runs each row N times and reports the median wall time (all N are kept in
+the JSON); --only picks rows by label.
 
     .venv/bin/python benchmarks/simulator_speed.py --out bench-results/simulator_speed.json
+    .venv/bin/python benchmarks/simulator_speed.py --only "64 workers, least_loaded" --repeat 3
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,18 +59,21 @@ def configurations(workers: list[int], stepping: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def run_row(row: dict[str, Any], items: list, arrival: Any) -> dict[str, Any]:
-    started = time.perf_counter()
-    sim = Simulator.from_preset(row["workers"], "H100", "Llama-3-8B", **row["options"])
-    outcome = sim.run(items, arrival)
-    wall = time.perf_counter() - started
+def run_row(row: dict[str, Any], items: list, arrival: Any, repeat: int = 1) -> dict[str, Any]:
+    walls = []
+    for _ in range(repeat):  # every repetition simulates exactly the same thing; only wall times differ
+        started = time.perf_counter()
+        sim = Simulator.from_preset(row["workers"], "H100", "Llama-3-8B", **row["options"])
+        outcome = sim.run(items, arrival)
+        walls.append(time.perf_counter() - started)
+    wall = statistics.median(walls)
     summary = summarize(outcome.results, SLO)
     s = outcome.stats
     return {
         "label": row["label"], "workers": row["workers"],
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in row["options"].items()},
-        "requests": len(outcome.results), "wall_s": wall, "event_loop_wall_s": s.wall_s,
-        "setup_and_results_wall_s": wall - s.wall_s, "requests_per_wall_s": len(outcome.results) / wall,
+        "requests": len(outcome.results), "wall_s": wall, "wall_s_runs": walls, "event_loop_wall_s": s.wall_s,
+        "setup_and_results_wall_s": walls[-1] - s.wall_s, "requests_per_wall_s": len(outcome.results) / wall,
         "virtual_s": s.virtual_s, "virtual_per_wall": s.virtual_s / wall, "engine_steps": s.steps,
         "events": s.events, "kv_transfers": s.kv_transfers, "preemptions": s.preemptions,
         "worker_busy_fraction": s.worker_busy_fraction, "n_ok": summary.n_ok,
@@ -80,6 +87,9 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--workers", default="8,64,256", help="worker counts of the default configuration")
     ap.add_argument("--stepping", action="store_true", help="also run without fast-forward (slow)")
+    ap.add_argument("--only", action="append", default=[], metavar="LABEL",
+                    help="run only the configuration with this label (repeatable; default: all)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; wall s is their median")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "simulator_speed.json")
     args = ap.parse_args()
 
@@ -95,8 +105,15 @@ def main() -> None:
         "preset": "H100 x Llama-3-8B, TP1, bf16, rdma-400g", "slo": {"ttft_s": SLO.ttft_s, "itl_s": SLO.itl_s},
         "runs": [],
     }
-    for row in configurations([int(w) for w in args.workers.split(",")], args.stepping):
-        result = run_row(row, items, arrival)
+    rows_to_run = configurations([int(w) for w in args.workers.split(",")], args.stepping)
+    if args.only:
+        unknown = set(args.only) - {row["label"] for row in rows_to_run}
+        if unknown:
+            ap.error(f"--only: no configuration labelled {sorted(unknown)} "
+                     f"(have: {[row['label'] for row in rows_to_run]})")
+        rows_to_run = [row for row in rows_to_run if row["label"] in args.only]
+    for row in rows_to_run:
+        result = run_row(row, items, arrival, max(1, args.repeat))
         console.print(f"{result['label']}: {result['wall_s']:.1f} s wall, "
                       f"{result['requests_per_wall_s']:,.0f} requests/s")
         results["runs"].append(result)

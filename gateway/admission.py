@@ -73,7 +73,9 @@ class Admission:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
+            # asyncio.timeout, not wait_for(shield(...)): no extra task per queued request.
+            async with asyncio.timeout(self.queue_timeout_s):
+                await waiter
         except (asyncio.TimeoutError, asyncio.CancelledError) as err:
             if waiter.done() and not waiter.cancelled():
                 # release() handed us the slot just as we gave up: keep it on timeout,

@@ -9,15 +9,23 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
 
 from loadgen.arrivals import ArrivalProcess
-from loadgen.bench_config import (DEFAULT_SHAPE, DEFAULT_VOCAB_SIZE, BenchOptions, Workload, arrival_at_rate,
-                                  build_workload, describe_arrival, resolve_arrival)
+from loadgen.bench_config import (
+    DEFAULT_SHAPE,
+    DEFAULT_VOCAB_SIZE,
+    BenchOptions,
+    Workload,
+    arrival_at_rate,
+    build_workload,
+    describe_arrival,
+    resolve_arrival,
+)
 from loadgen.metrics import RequestResult, Slo, find_capacity, summarize
 from loadgen.report import LiveProgress, compare, machine_info, run_record, summary_table, write_csv, write_json
 from loadgen.runner import run_benchmark
@@ -107,23 +115,39 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         record = run_record(summary, config, results if opts.per_request else None)
         if out_dir:
             written = _write_run(out_dir, "bench", results, record, slo, plots=True)
-        _print_written(written)
+        print_written(written)
         return record
 
+    def at_rate(rate: float, arrival_now: ArrivalProcess) -> tuple[list[RequestResult], dict[str, Any], str]:
+        return _measure(opts, info, workload, vocab_size, arrival_now, f"rate {rate:g}/s"), {}, ""
+
+    return run_rates(opts, config, slo, arrival, at_rate, written)
+
+
+# One run at (rate, its arrival process): its results, extra fields for its JSON record, a note for its console line.
+RateRun = Callable[[float, ArrivalProcess], "tuple[list[RequestResult], dict[str, Any], str]"]
+
+
+def run_rates(opts: BenchOptions, config: dict[str, Any], slo: Slo, arrival: ArrivalProcess, run_at: RateRun,
+              written: list[Path]) -> dict[str, Any]:
+    """A rate sweep or a capacity search (DynaServe's serving capacity) over `run_at`; returns the JSON record.
+
+    Shared by `splitserve bench` (real runs) and `splitserve simulate` (simulated ones), so
+    both write the same points, files and plots.
+    """
     points: list[dict[str, Any]] = []
 
     def measure(rate: float) -> float:
-        results = _measure(opts, info, workload, vocab_size, arrival_at_rate(arrival, rate),
-                           f"rate {rate:g}/s")
+        results, extra, note = run_at(rate, arrival_at_rate(arrival, rate))
         summary = summarize(results, slo)
         points.append({"rate": rate, "attainment": summary.slo_attainment,
-                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "summary": summary.to_dict()})
+                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "summary": summary.to_dict(), **extra})
         console.print(f"rate {rate:g}/s: attainment {summary.slo_attainment:.1%}, "
-                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed")
-        if out_dir:
+                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed{note}")
+        if opts.out_dir:
             run_config = {**config, "arrival": describe_arrival(arrival_at_rate(arrival, rate)), "rate": rate}
-            record = run_record(summary, run_config, results if opts.per_request else None)
-            written.extend(_write_run(out_dir, f"rate-{rate:g}", results, record, slo, plots=False))
+            record = run_record(summary, run_config, results if opts.per_request else None, **extra)
+            written.extend(_write_run(opts.out_dir, f"rate-{rate:g}", results, record, slo, plots=False))
         return summary.slo_attainment
 
     extra: dict[str, Any] = {}
@@ -137,18 +161,18 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         for rate in sorted(opts.sweep_rates):
             measure(rate)
     record = {"config": config, "machine": machine_info(), "points": points, **extra}
-    if out_dir:
+    if opts.out_dir:
         from loadgen.plots import plot_attainment_vs_rate
 
         stem = "capacity" if opts.find_capacity else "sweep"
-        written.append(write_json(out_dir / f"{stem}.json", record))
-        written.append(plot_attainment_vs_rate(points, out_dir / "attainment_vs_rate.png",
+        written.append(write_json(opts.out_dir / f"{stem}.json", record))
+        written.append(plot_attainment_vs_rate(points, opts.out_dir / "attainment_vs_rate.png",
                                                opts.target_attainment if opts.find_capacity else None))
-    _print_written(written)
+    print_written(written)
     return record
 
 
-def _print_written(paths: list[Path]) -> None:
+def print_written(paths: list[Path]) -> None:
     for path in paths:
         console.print(f"wrote {path}")
 

@@ -78,6 +78,8 @@ class WorkerConfig(CommonConfig):
     heartbeat_ttl_s: float = opt(3.0, "How long the registry keeps a worker without a heartbeat.")
     latency_window_s: float = opt(10.0, "Window of the TTFT/ITL samples published to Redis.")
     kv_transport: str = opt("auto", "KV transfer between workers: auto (NIXL when importable) | nixl | grpc.")
+    kv_transfer_lanes: int = opt(1, "NIXL agents per worker, each on its own thread; a large transfer is split across "
+                                 "the lanes two workers share (CPU: one core's copy each; GPU: one per NIC).")
     kv_transfer_timeout_s: float = opt(10.0, "Longest wait for a stage's incoming KV before recomputing it from tokens.")
     kv_reservation_ttl_s: float = opt(60.0, "Reserved KV blocks no stage claimed are freed after this.")
     kv_fault_injection: str = opt("", "Testing only: corrupt | truncate the KV this worker pushes.")

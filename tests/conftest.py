@@ -13,7 +13,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+# The real traces (../shared/traces beside the checkout); SPLITSERVE_TRACES_DIR points
+# elsewhere. Tests that read them are skipped, saying so, where they are absent.
+TRACES_DIR = Path(os.environ.get("SPLITSERVE_TRACES_DIR") or REPO_ROOT.parent / "shared" / "traces")
+needs_traces = pytest.mark.skipif(not TRACES_DIR.is_dir(), reason=f"no traces at {TRACES_DIR} (set SPLITSERVE_TRACES_DIR)")
+
+def prefix_sharing_workload() -> list:
+    """Simulator items: 120 requests sharing prefix blocks (as Mooncake's hash ids do) and 8 sessions."""
+    import numpy as np
+
+    from loadgen.sessions import Round, Session
+    from services.planner.sim_workload import SimRequestSpec
+
+    rng = np.random.default_rng(11)
+    shared = list(range(40))
+    items: list = []
+    for i in range(120):
+        k = int(rng.integers(0, 30))
+        prefix = shared[:k] + [1000 + i * 50 + j for j in range(int(rng.integers(0, 6)))]
+        items.append(SimRequestSpec(f"r{i}", int(rng.integers(16, 16 * (len(prefix) + 2))),
+                                    int(rng.integers(1, 120)), tuple(prefix), 16))
+    items += [Session(f"s{i}", [Round(200 + 40 * i, 30, 0.0), Round(120, 20, 0.01), Round(80, 40, 0.02)])
+              for i in range(8)]
+    return items
+
 
 # A larger init range than real checkpoints so greedy outputs vary rather than repeat.
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")

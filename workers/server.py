@@ -335,7 +335,8 @@ class WorkerServer:
             try:
                 from workers.kv_transfer.nixl_transport import NixlTransport
 
-                transport = NixlTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
+                transport = NixlTransport(self.worker_id, memory, self.store, self.kv.on_chunk,
+                                          lanes=cfg.kv_transfer_lanes)
             except ImportError as err:
                 if cfg.kv_transport == "nixl":
                     raise ValueError(f"kv_transport=nixl but nixl is not importable: {err}") from None

@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 
 from services.global_scheduler import metrics as scheduler_metrics
-from services.global_scheduler.policy import CompletionListener, NoWorkerAvailable, PlacementPolicy, make_policy
+from services.global_scheduler.policy import NoWorkerAvailable, PlacementPolicy, learns_from_completions, make_policy
 from services.global_scheduler.server import (
     completion_from_proto,
     placement_request_from_meta,
@@ -85,22 +85,19 @@ class LocalPlacer:
 
     async def place(self, meta: types_pb2.RequestMeta, timeout_s: float) -> types_pb2.Plan:
         request = placement_request_from_meta(meta)
-        view = await self.views.current(min(timeout_s, self.view_timeout_s))
         started = time.perf_counter()
         try:
-            # No await between reading the view and noting the placement (same as the service).
-            placement = self.policy.place(request, view, time.time())
+            placement = await self.views.place(self.policy, request, time.time, min(timeout_s, self.view_timeout_s))
         except NoWorkerAvailable:
             scheduler_metrics.NO_WORKER.labels(self.policy.name).inc()
             raise
         scheduler_metrics.PLACE_SECONDS.labels(self.policy.name).observe(time.perf_counter() - started)
-        self.views.note_placed(placement.worker_ids)
         plan = placement_to_plan(meta.request_id, placement)
-        plan.report_completion = isinstance(self.policy, CompletionListener)
+        plan.report_completion = learns_from_completions(self.policy)
         return plan
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None:
-        if isinstance(self.policy, CompletionListener):
+        if learns_from_completions(self.policy):
             try:
                 self.policy.on_completion(completion_from_proto(report))
             except Exception:  # feedback is advisory

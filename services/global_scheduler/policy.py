@@ -191,6 +191,16 @@ class CompletionListener(Protocol):
         ...
 
 
+def learns_from_completions(policy: object) -> bool:
+    """Whether `policy` implements CompletionListener.
+
+    The same test isinstance(policy, CompletionListener) makes, without its cost: on a
+    runtime_checkable Protocol that walks the protocol's attributes every call, which
+    showed up at ~4% of a gateway's CPU when done per request.
+    """
+    return callable(getattr(policy, "on_completion", None))
+
+
 # name -> "module:attribute" of a factory; imported on first use so this module does not
 # import every policy (and so policy modules can import this one without a cycle).
 _BUILTIN_POLICIES: dict[str, str] = {

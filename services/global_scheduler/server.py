@@ -18,13 +18,13 @@ import grpc
 from services.global_scheduler import metrics
 from services.global_scheduler.policy import (
     ClusterView,
-    CompletionListener,
     CompletionReport,
     NoWorkerAvailable,
     Placement,
     PlacementPolicy,
     PlacementRequest,
     known_policies,
+    learns_from_completions,
     make_policy,
 )
 from services.global_scheduler.view import ClusterViewSource
@@ -120,13 +120,9 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         policy = self.policy
         try:
             placement_request = placement_request_from_meta(request)
-            view = await self.views.current(self.view_timeout_s)
             started = time.perf_counter()
-            # No await between reading the view and noting the placement: concurrent
-            # Place calls each see the placements made before them.
-            placement = policy.place(placement_request, view, self.clock())
+            placement = await self.views.place(policy, placement_request, self.clock, self.view_timeout_s)
             metrics.PLACE_SECONDS.labels(policy.name).observe(time.perf_counter() - started)
-            self.views.note_placed(placement.worker_ids)
         except NoWorkerAvailable as err:
             metrics.NO_WORKER.labels(policy.name).inc()
             await abort(context, err)
@@ -137,7 +133,7 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         log.debug("placed %s on %s (%s: %s)", request.request_id, placement.worker_ids,
                   placement.policy, placement.reason, extra={"request_id": request.request_id})
         plan = placement_to_plan(request.request_id, placement)
-        plan.report_completion = isinstance(policy, CompletionListener)
+        plan.report_completion = learns_from_completions(policy)
         return plan
 
     async def ReportCompletion(self, request: scheduler_pb2.CompletionReport,
@@ -146,7 +142,7 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             await abort(context, InvalidArgument("request_id must not be empty", param="request_id"))
         metrics.COMPLETIONS.labels(metrics.finish_reason_label(request.finish_reason)).inc()
         policy = self.policy
-        if isinstance(policy, CompletionListener):
+        if learns_from_completions(policy):
             try:
                 policy.on_completion(completion_from_proto(request))
             except Exception:  # feedback is advisory: a policy bug must not fail the caller

@@ -11,7 +11,14 @@ import logging
 import time
 from typing import Callable, Iterable, Mapping
 
-from services.global_scheduler.policy import ClusterView, WorkerView
+from services.global_scheduler.policy import (
+    ClusterView,
+    NoWorkerAvailable,
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    WorkerView,
+)
 from splitserve.errors import Unavailable
 from splitserve.state import StateStore, WorkerInfo, WorkerLoadSnapshot
 
@@ -103,6 +110,7 @@ class ClusterViewSource:
         self._refreshed_monotonic: float | None = None
         self._view: ClusterView | None = None  # cache, rebuilt after a refresh or placement
         self._loaded = asyncio.Event()
+        self._refreshing: asyncio.Future[None] | None = None  # one Redis read shared by concurrent callers
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -126,7 +134,17 @@ class ClusterViewSource:
             self._task = None
 
     async def refresh(self) -> None:
-        """Re-read the worker registry and load snapshots from Redis."""
+        """Re-read the worker registry and load snapshots from Redis (concurrent calls share one read)."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._read())
+        refreshing = self._refreshing
+        try:
+            await asyncio.shield(refreshing)
+        finally:
+            if self._refreshing is refreshing and refreshing.done():
+                self._refreshing = None
+
+    async def _read(self) -> None:
         workers = await self.store.list_workers()
         loads = await self.store.get_loads()
         self._workers, self._loads = workers, loads
@@ -150,6 +168,24 @@ class ClusterViewSource:
         if self._view is None:
             self._view = build_cluster_view(self._workers, self._loads, self._taken_at, self.inflight.counts())
         return self._view
+
+    async def place(self, policy: PlacementPolicy, request: PlacementRequest, now: Callable[[], float],
+                    timeout_s: float = 2.0) -> Placement:
+        """`policy.place` on the current view and note the placement; NoWorkerAvailable if none fits.
+
+        When no worker fits, Redis is read once more and the policy asked again: a worker
+        that registered since the last background refresh (right after start-up, or a
+        scale-up) is used at once instead of failing the request. There is no await
+        between reading a view and noting the placement, so concurrent callers each see
+        the placements made before them.
+        """
+        try:
+            placement = policy.place(request, await self.current(timeout_s), now())
+        except NoWorkerAvailable:
+            await self.refresh()
+            placement = policy.place(request, await self.current(timeout_s), now())
+        self.note_placed(placement.worker_ids)
+        return placement
 
     def note_placed(self, worker_ids: Iterable[str]) -> None:
         """Record a placement so the next view shows it before the workers' loads do."""

@@ -17,10 +17,10 @@ from typing import Any, List, Optional
 import typer
 from rich.console import Console
 
-from loadgen.bench_config import BenchOptions, arrival_at_rate, describe_arrival
-from loadgen.cli import _floats, _slo, _write_run
-from loadgen.metrics import RequestResult, find_capacity, summarize
-from loadgen.report import machine_info, run_record, summary_table, write_json
+from loadgen.bench_config import BenchOptions, describe_arrival
+from loadgen.cli import _floats, _slo, _write_run, print_written, run_rates
+from loadgen.metrics import RequestResult, summarize
+from loadgen.report import run_record, summary_table
 from services.planner.sim_config import NetworkLatency
 from services.planner.sim_workload import SimWorkload, build_sim_workload
 from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
@@ -132,53 +132,14 @@ def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any
                             simulation=asdict(outcome.stats))
         if opts.out_dir:
             written = _write_run(opts.out_dir, "simulate", outcome.results, record, slo, plots=True)
-        _print_written(written)
+        print_written(written)
         return record
 
-    points: list[dict[str, Any]] = []
+    def at_rate(rate: float, arrival_now: Any) -> tuple[list[RequestResult], dict[str, Any], str]:
+        outcome = _simulate(sim, opts, workload, arrival_now)
+        return outcome.results, {"simulation": asdict(outcome.stats)}, f" ({outcome.stats.wall_s:.2f} s wall)"
 
-    def measure(rate: float) -> float:
-        outcome = _simulate(sim, opts, workload, arrival_at_rate(arrival, rate))
-        results: list[RequestResult] = outcome.results
-        summary = summarize(results, slo)
-        points.append({"rate": rate, "attainment": summary.slo_attainment,
-                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "summary": summary.to_dict(),
-                       "simulation": asdict(outcome.stats)})
-        console.print(f"rate {rate:g}/s: attainment {summary.slo_attainment:.1%}, "
-                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed "
-                      f"({outcome.stats.wall_s:.2f} s wall)")
-        if opts.out_dir:
-            run_config = {**config, "arrival": describe_arrival(arrival_at_rate(arrival, rate)), "rate": rate}
-            record = run_record(summary, run_config, results if opts.per_request else None,
-                                simulation=asdict(outcome.stats))
-            written.extend(_write_run(opts.out_dir, f"rate-{rate:g}", results, record, slo, plots=False))
-        return summary.slo_attainment
-
-    extra: dict[str, Any] = {}
-    if opts.find_capacity:
-        capacity = find_capacity(measure, opts.target_attainment, opts.rate_lo, opts.rate_hi, opts.rate_tol,
-                                 opts.max_probes)
-        extra["capacity"] = capacity.to_dict()
-        console.print(f"[bold]capacity[/]: {capacity.rate:g} req/s meets {opts.target_attainment:.0%} attainment "
-                      f"(first failing rate {capacity.fail_rate:g}, converged={capacity.converged})")
-    else:
-        for rate in sorted(opts.sweep_rates):
-            measure(rate)
-    record = {"config": config, "machine": machine_info(), "points": points, **extra}
-    if opts.out_dir:
-        from loadgen.plots import plot_attainment_vs_rate
-
-        stem = "capacity" if opts.find_capacity else "sweep"
-        written.append(write_json(opts.out_dir / f"{stem}.json", record))
-        written.append(plot_attainment_vs_rate(points, opts.out_dir / "attainment_vs_rate.png",
-                                               opts.target_attainment if opts.find_capacity else None))
-    _print_written(written)
-    return record
-
-
-def _print_written(paths: list[Path]) -> None:
-    for path in paths:
-        console.print(f"wrote {path}")
+    return run_rates(opts, config, slo, arrival, at_rate, written)
 
 
 def _key_values(items: list[str] | None, name: str) -> dict[str, str]:

@@ -19,13 +19,14 @@ back to the engine's method (slower, never different) until this is checked agai
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence
 
 __all__ = ["IncrementalCommitBlockManager", "UPSTREAM_DIGEST", "make_block_manager", "upstream_digest"]
 
-UPSTREAM_DIGEST = "63b278741117"  # of BlockManager.commit_computed as of this file (see upstream_digest)
+UPSTREAM_DIGEST = "538eda3c1ec8"  # of BlockManager.commit_computed as of this file (see upstream_digest)
 
 
 def upstream_digest() -> str:
@@ -43,27 +44,29 @@ class IncrementalCommitBlockManager(BlockManager):
         if not self.enable_prefix_caching:
             return
         hashes = self.update_block_hashes(seq)
-        bs = self.block_size
         table = seq.block_table
-        full = min(seq.num_computed_tokens // bs, len(table))
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
         state = getattr(seq, "_sim_commit", None)
         if state is None or state[0] is not table or state[1] > full:
             walked, pending = 0, []  # a new table (admit, adopt, free): walk from the start
         else:
             walked, pending = state[1], state[2]
-        blocks, index = self.blocks, self._hash_to_block
+            if walked == full and not pending:
+                return  # nothing new (most decode steps)
+        blocks, index, block_tokens = self.blocks, self._hash_to_block, seq.block_tokens
         still: list[int] = []
-        for i in (*pending, *range(walked, full)):
-            block = blocks[table[i]]
+        # In the engine's order: the pending blocks (all below `walked`), then the new ones.
+        for i, block_id, h in chain(((i, table[i], hashes[i]) for i in pending),
+                                    zip(range(walked, full), table[walked:full], hashes[walked:full])):
+            block = blocks[block_id]
             if block.block_hash is not None:
                 continue
-            h = hashes[i]
             if h in index:
                 still.append(i)  # another block holds this hash: recheck next time, as the engine does
                 continue
             block.block_hash = h
-            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            index[h] = block.block_id
+            block.token_ids = block_tokens[i]
+            index[h] = block_id
         seq._sim_commit = (table, max(walked, full), still)
 
 

@@ -105,7 +105,8 @@ class Peer:
         worker_pb2_grpc.add_WorkerServicer_to_server(KvServicer(grpc_transport), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
-        nixl_transport = NixlTransport(self.args.worker_id, self.memory, self.store, self.on_chunk("nixl"))
+        nixl_transport = NixlTransport(self.args.worker_id, self.memory, self.store, self.on_chunk("nixl"),
+                                       lanes=self.args.lanes, min_lane_bytes=self.args.min_lane_bytes)
         self.transports = {"grpc": grpc_transport, "nixl": nixl_transport}
         for transport in self.transports.values():
             await transport.start()
@@ -161,6 +162,8 @@ async def main() -> None:
     parser.add_argument("--prefix", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--lanes", type=int, default=1, help="NIXL lanes")
+    parser.add_argument("--min-lane-bytes", type=int, default=4 << 20, help="smallest part a NIXL lane moves")
     peer = Peer(parser.parse_args())
     await peer.start()
     try:

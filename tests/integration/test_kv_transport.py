@@ -48,19 +48,21 @@ NUM_BLOCKS, BLOCK_SIZE = KV_SHAPE[0], KV_SHAPE[3]
 DTYPES = ("float32", "bfloat16")
 TRANSPORTS = ("nixl", "grpc")
 STEP_TIMEOUT_S = 15.0
+MIN_LANE_BYTES = 2 * 4096  # two float32 test blocks: small transfers split too
 
 
 class PeerProcess:
     """A kv_peer.py child: send it commands, wait for its replies and events."""
 
-    def __init__(self, worker_id: str, prefix: str, seed: int, dtype: str, log_path: Path):
+    def __init__(self, worker_id: str, prefix: str, seed: int, dtype: str, log_path: Path, lanes: int = 1):
         self.worker_id = worker_id
         self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NIXL_LOG_LEVEL": "WARN"}
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("kv_peer.py")), "--worker-id", worker_id,
-             "--redis-url", REDIS_URL, "--prefix", prefix, "--seed", str(seed), "--dtype", dtype],
+             "--redis-url", REDIS_URL, "--prefix", prefix, "--seed", str(seed), "--dtype", dtype,
+             "--lanes", str(lanes), "--min-lane-bytes", str(MIN_LANE_BYTES)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=REPO_ROOT,
         )
         self._messages: list[dict[str, Any]] = []
@@ -106,13 +108,21 @@ class PeerProcess:
 
     async def chunks_of(self, transfer_id: str, token_start: int, token_end: int) -> TransferTracker:
         """Feed the child's chunk events for a transfer into a tracker until it settles."""
+        tracker, _ = await self.chunk_events(transfer_id, token_start, token_end)
+        return tracker
+
+    async def chunk_events(self, transfer_id: str, token_start: int, token_end: int
+                           ) -> tuple[TransferTracker, list[dict[str, Any]]]:
+        """The tracker of chunks_of and the chunk events that settled it."""
         tracker = TransferTracker()
         tracker.expect(transfer_id, "", token_end - token_start, (), token_start=token_start)
+        events = []
         while not (tracker.is_complete(transfer_id) or tracker.failed(transfer_id)):
             event = await asyncio.to_thread(
                 self.wait_for, lambda m: m.get("event") == "chunk" and m["transfer_id"] == transfer_id)
             tracker.on_chunk(transfer_id, event["token_start"], event["token_end"], event["ok"])
-        return tracker
+            events.append(event)
+        return tracker, events
 
     def log_tail(self) -> str:
         return self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
@@ -150,6 +160,8 @@ def peers(prefix, tmp_path_factory) -> Any:
     logs = tmp_path_factory.mktemp("kv-peers")
     children = {dtype: PeerProcess(f"peer-{dtype}", prefix, seed=7, dtype=dtype, log_path=logs / f"{dtype}.log")
                 for dtype in DTYPES}
+    children["lanes"] = PeerProcess("peer-lanes", prefix, seed=9, dtype="float32", log_path=logs / "lanes.log",
+                                    lanes=2)
     try:
         for child in children.values():
             child.wait_for(lambda m: m.get("event") == "ready", timeout_s=60)
@@ -170,7 +182,7 @@ class Parent:
 
 
 @contextlib.asynccontextmanager
-async def parent_worker(prefix: str, dtype: str) -> AsyncIterator[Parent]:
+async def parent_worker(prefix: str, dtype: str, lanes: int = 1) -> AsyncIterator[Parent]:
     worker_id = f"parent-{uuid.uuid4().hex[:8]}"  # fresh per test: NIXL agents cannot be reloaded by name
     memory = KvMemory(random_kv_cache(1000, getattr(torch, dtype)))
     tracker = TransferTracker()
@@ -186,7 +198,7 @@ async def parent_worker(prefix: str, dtype: str) -> AsyncIterator[Parent]:
     worker_pb2_grpc.add_WorkerServicer_to_server(KvServicer(grpc_transport), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    nixl_transport = NixlTransport(worker_id, memory, store, on_chunk)
+    nixl_transport = NixlTransport(worker_id, memory, store, on_chunk, lanes=lanes, min_lane_bytes=MIN_LANE_BYTES)
     await nixl_transport.start()
     await store.register_worker(WorkerInfo(worker_id, f"127.0.0.1:{port}"), ttl_s=300)
     try:
@@ -246,6 +258,36 @@ def test_round_trip_is_bit_exact_both_ways(peers, prefix, transport_name, dtype)
             assert "error" not in reply, reply["error"]
             assert await parent.tracker.wait(incoming.transfer_id, STEP_TIMEOUT_S)
             assert parent.memory.read(parent_dst) == await peer.read(child_src)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("parent_lanes, child", [(2, "lanes"), (2, "float32"), (1, "lanes")])
+def test_nixl_lanes_split_large_transfers_and_stay_bit_exact(peers, prefix, parent_lanes, child):
+    """Lanes split a transfer across the lanes both sides have; fewer on either side means fewer parts."""
+
+    async def scenario() -> None:
+        peer = peers[child]
+        shared = min(parent_lanes, 2 if child == "lanes" else 1)
+        rng = random.Random(f"lanes-{parent_lanes}-{child}")
+        async with parent_worker(prefix, "float32", lanes=parent_lanes) as parent:
+            transport = parent.transports["nixl"]
+            src, dst = rng.sample(range(NUM_BLOCKS), 9), rng.sample(range(NUM_BLOCKS), 9)
+            tokens = (5, 5 + 9 * BLOCK_SIZE - 12)  # a partial first and last block
+            push = BlockTransfer(f"lanes-push-{uuid.uuid4().hex[:6]}", parent.worker_id, peer.worker_id,
+                                 tuple(src), tuple(dst), *tokens, request_id="r")
+            await transport.push(push, None, timeout_s=STEP_TIMEOUT_S)  # None: the transport digests each part
+            arrived, events = await peer.chunk_events(push.transfer_id, *tokens)
+            assert arrived.is_complete(push.transfer_id)
+            assert len(events) == shared and all(e["ok"] for e in events)
+            assert sorted(b for e in events for b in e["dst_blocks"]) == sorted(dst)
+            assert await peer.read(dst) == parent.memory.read(src)
+
+            back = rng.sample([b for b in range(NUM_BLOCKS) if b not in src], 9)
+            pull = BlockTransfer(f"lanes-pull-{uuid.uuid4().hex[:6]}", peer.worker_id, parent.worker_id,
+                                 tuple(dst), tuple(back), *tokens)
+            assert await transport.pull(pull, timeout_s=STEP_TIMEOUT_S) == parent.memory.checksum(src)
+            assert parent.memory.read(back) == parent.memory.read(src)
 
     asyncio.run(scenario())
 

@@ -223,6 +223,40 @@ def test_no_eligible_worker_is_unavailable(prefix):
     asyncio.run(scenario())
 
 
+def test_worker_registered_since_the_last_refresh_is_placed_at_once(prefix):
+    """No eligible worker in the view: Place re-reads Redis once before answering UNAVAILABLE."""
+
+    async def scenario() -> None:
+        # A background refresh that never comes during the test: only the re-read can see w-a.
+        async with running_cluster(prefix, view_refresh_s=60.0) as cluster:
+            await cluster.add_worker("w-a")
+            assert await cluster.placed_worker() == "w-a"
+            assert await cluster.worker_ids_in_state() == ["w-a"]
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_refreshes_share_one_redis_read(prefix):
+    async def scenario() -> None:
+        async with StateStore(REDIS_URL, prefix) as store:
+            views = ClusterViewSource(store, refresh_s=60.0)
+            reads = 0
+            original = store.list_workers
+
+            async def counted_list_workers():
+                nonlocal reads
+                reads += 1
+                return await original()
+
+            store.list_workers = counted_list_workers  # type: ignore[method-assign]
+            await asyncio.gather(*(views.refresh() for _ in range(8)))
+            assert reads == 1
+            await views.refresh()
+            assert reads == 2
+
+    asyncio.run(scenario())
+
+
 def test_health_reports_serving(prefix):
     async def scenario() -> None:
         async with running_cluster(prefix) as cluster:

@@ -1,9 +1,9 @@
 """Arrival processes: rates, variability, determinism, trace replay and spec parsing."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TRACES_DIR, needs_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +19,6 @@ from loadgen.arrivals import (
     trace,
 )
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 N = 200_000
 
 
@@ -138,8 +137,9 @@ def test_parse_arrival_errors_name_the_field(spec, field):
         parse_arrival(spec)
 
 
+@needs_traces
 def test_parse_arrival_trace_reads_timestamps():
-    process = parse_arrival(f"trace:path={TRACES / 'mooncake_synthetic_trace.jsonl'},time_scale=2")
+    process = parse_arrival(f"trace:path={TRACES_DIR / 'mooncake_synthetic_trace.jsonl'},time_scale=2")
     assert isinstance(process, TraceArrivals)
     assert len(process.timestamps) == 3993
     offsets = process.offsets(3, None)

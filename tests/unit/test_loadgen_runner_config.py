@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import TRACES_DIR
 
 from loadgen import arrivals
 from loadgen.bench_config import BenchOptions, arrival_at_rate, build_workload, describe_arrival, resolve_arrival
 from loadgen.plan import BenchRequest, SessionPlan
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
+AZURE = TRACES_DIR / "AzureLLMInferenceTrace_conv.csv"
+MOONCAKE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
 
 needs_traces = pytest.mark.skipif(not AZURE.exists() or not MOONCAKE.exists(), reason="shared traces not present")
 

@@ -4,10 +4,10 @@ import json
 import math
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TRACES_DIR, needs_traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,8 @@ from loadgen.traces import (
     scale_lengths,
 )
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = TRACES_DIR
+pytestmark = needs_traces  # every test here reads the real files
 AZURE_CODE = TRACES / "AzureLLMInferenceTrace_code.csv"
 AZURE_CONV = TRACES / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE_CONV = TRACES / "mooncake_conversation_trace.jsonl"

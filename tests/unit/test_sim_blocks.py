@@ -6,12 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import prefix_sharing_workload
 
 from loadgen import arrivals
-from loadgen.sessions import Round, Session
 from services.planner import sim_worker
-from services.planner.sim_blocks import IncrementalCommitBlockManager, UPSTREAM_DIGEST, upstream_digest
-from services.planner.sim_workload import SimRequestSpec
+from services.planner.sim_blocks import UPSTREAM_DIGEST, IncrementalCommitBlockManager, upstream_digest
 from services.planner.simulator import Simulator
 from splitserve.perf_model import preset
 from workers.engine.block_manager import BlockManager
@@ -22,27 +21,13 @@ def test_written_against_the_engines_current_commit_computed():
     assert upstream_digest() == UPSTREAM_DIGEST
 
 
-def _items() -> list:
-    rng = np.random.default_rng(11)
-    shared = list(range(40))  # prompts sharing prefix blocks, as Mooncake's hash ids do
-    items: list = []
-    for i in range(120):
-        k = int(rng.integers(0, 30))
-        prefix = shared[:k] + [1000 + i * 50 + j for j in range(int(rng.integers(0, 6)))]
-        items.append(SimRequestSpec(f"r{i}", int(rng.integers(16, 16 * (len(prefix) + 2))),
-                                    int(rng.integers(1, 120)), tuple(prefix), 16))
-    items += [Session(f"s{i}", [Round(200 + 40 * i, 30, 0.0), Round(120, 20, 0.01), Round(80, 40, 0.02)])
-              for i in range(8)]
-    return items
-
-
 @pytest.mark.parametrize("policy,roles", [("least_loaded", None), ("pd_disaggregated", ("prefill", "decode", "decode"))])
 def test_same_results_and_cache_state_as_the_engines_block_manager(monkeypatch, policy, roles):
     def run(cls):
         monkeypatch.setattr(sim_worker, "make_block_manager", lambda *a: cls(*a))
         sim = Simulator(3, preset("H100", "llama-3-8b"), num_kv_blocks=80, placement_policy=policy, roles=roles,
                         max_num_batched_tokens=512)
-        outcome = sim.run(_items(), arrivals.poisson(200.0), seed=2)
+        outcome = sim.run(prefix_sharing_workload(), arrivals.poisson(200.0), seed=2)
         return [dataclasses.astuple(r) for r in outcome.results], dataclasses.asdict(outcome.stats)
 
     engine, incremental = run(BlockManager), run(IncrementalCommitBlockManager)

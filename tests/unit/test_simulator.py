@@ -264,3 +264,22 @@ def test_simulate_cli_writes_a_bench_compatible_report(tmp_path):
     assert {row["metric"] for row in rows} >= {"goodput tokens /s", "TTFT p99 s"}
     bad = CliRunner().invoke(simulate_app, ["--policy", "nope", "-n", "2"])
     assert bad.exit_code == 2 and "unknown placement policy" in bad.output
+
+
+def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
+    """The shared rate driver (loadgen.cli.run_rates): per-rate records, sweep/capacity JSON, the plot."""
+    sweep = CliRunner().invoke(simulate_app, ["--workers", "2", "--shape", "P256/D16", "-n", "30",
+                                              "--sweep-rates", "5,40", "--slo-ttft-ms", "200",
+                                              "--out-dir", str(tmp_path / "sweep")])
+    assert sweep.exit_code == 0, sweep.output
+    record = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [p["rate"] for p in record["points"]] == [5.0, 40.0]
+    assert all("simulation" in p and p["summary"]["n_ok"] == 30 for p in record["points"])
+    assert (tmp_path / "sweep" / "rate-5.json").exists() and (tmp_path / "sweep" / "attainment_vs_rate.png").exists()
+
+    search = CliRunner().invoke(simulate_app, ["--workers", "1", "--shape", "P2048/D32", "-n", "40",
+                                               "--find-capacity", "--rate-lo", "1", "--rate-hi", "400",
+                                               "--slo-ttft-ms", "300", "--out-dir", str(tmp_path / "cap")])
+    assert search.exit_code == 0, search.output
+    capacity = json.loads((tmp_path / "cap" / "capacity.json").read_text())["capacity"]
+    assert 1.0 <= capacity["rate"] < 400.0 and "capacity" in search.output

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 
 from workers.engine.sequence import Sequence
 
 _ROOT_HASH = 0x5EED
+_is_not_none = partial(is_not, None)
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -15,7 +19,7 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -30,6 +34,11 @@ class BlockManager:
     Free blocks live in two pools: never-hashed ones (`_free_plain`) and cached ones
     whose KV is still valid (`_free_cached`, LRU order), reused only when no plain block
     is left, so a prefix freed recently can still be hit.
+
+    A 12k-token prompt is ~750 blocks, so each operation takes a whole range of blocks
+    in one loop (no method call per block) and builds token tuples and hashes in bulk:
+    at that size per-block interpreter overhead, not the bookkeeping, is the cost (the
+    simulator runs this code for millions of blocks).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -60,12 +69,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> list[int]:
-        """Extend `seq.block_hashes` to cover every full block of its tokens."""
-        hashes = seq.block_hashes
-        bs = self.block_size
-        for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        """Extend `seq.block_hashes` (and `seq.block_tokens`) to cover every full block of its tokens."""
+        hashes, block_tokens, bs = seq.block_hashes, seq.block_tokens, self.block_size
+        start, end = len(hashes) * bs, len(seq.token_ids) // bs * bs
+        if end <= start:
+            return hashes
+        # zip() over bs references to one iterator yields consecutive bs-token tuples.
+        new = list(zip(*[iter(seq.token_ids[start:end])] * bs))
+        h = hashes[-1] if hashes else _ROOT_HASH
+        hashes += [h := hash((h, tokens)) for tokens in new]  # = hash_block(h, tokens), chained
+        block_tokens += new
         return hashes
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
@@ -76,18 +89,16 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
         hashes = self.update_block_hashes(seq)
         end = seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at)
         max_blocks = (end - 1) // self.block_size
-        bs = self.block_size
-        for i, h in enumerate(hashes[:max_blocks]):
-            block_id = self._hash_to_block.get(h)
-            if block_id is None:
-                break
-            if self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
-                break  # hash collision
-            hits.append(block_id)
+        # The indexed blocks up to the first miss, then their contents checked at once:
+        # equal hashes of unequal blocks (a collision) cut the prefix where they differ.
+        hits = list(takewhile(_is_not_none, map(self._hash_to_block.get, hashes[:max_blocks])))
+        stored = [self.blocks[b].token_ids for b in hits]
+        wanted = seq.block_tokens[: len(hits)]
+        if stored != wanted:
+            del hits[next(i for i, (a, b) in enumerate(zip(stored, wanted)) if a != b) :]
         return hits
 
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -102,7 +113,8 @@ class BlockManager:
         """Free blocks consumed by admitting `seq` with these prefix hits and new tokens."""
         cached_tokens = len(prefix_hits) * self.block_size
         new_blocks = self.blocks_for_tokens(cached_tokens + num_new_tokens) - len(prefix_hits)
-        reclaimed = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)
+        blocks = self.blocks
+        reclaimed = [blocks[b].ref_count for b in prefix_hits].count(0)
         return new_blocks + reclaimed
 
     # ---- mutations -----------------------------------------------------------
@@ -111,8 +123,12 @@ class BlockManager:
         assert not seq.block_table, "admit() is for sequences holding no blocks"
         if self.admission_cost(seq, prefix_hits, num_new_tokens) > self.num_free_blocks:
             raise MemoryError("not enough free KV blocks to admit sequence")
+        blocks, free_cached = self.blocks, self._free_cached
         for block_id in prefix_hits:
-            self._take_cached(block_id)
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                del free_cached[block_id]  # back in use: out of the LRU
+            block.ref_count += 1
         seq.block_table = list(prefix_hits)
         seq.num_computed_tokens = len(prefix_hits) * self.block_size
         self.prefix_queries_tokens += seq.num_tokens
@@ -124,21 +140,13 @@ class BlockManager:
         need = self.blocks_to_grow(seq, num_new_tokens)
         if need > self.num_free_blocks:
             raise MemoryError("not enough free KV blocks to grow sequence")
-        for _ in range(need):
-            block_id = self._pop_free()
-            self.blocks[block_id].ref_count = 1
-            seq.block_table.append(block_id)
+        seq.block_table += self._allocate(need)
 
     def reserve(self, num_blocks: int) -> list[int]:
         """Take blocks for KV arriving from another worker; they belong to no sequence yet."""
         if num_blocks > self.num_free_blocks:
             raise MemoryError(f"need {num_blocks} free KV blocks, have {self.num_free_blocks}")
-        taken = []
-        for _ in range(num_blocks):
-            block_id = self._pop_free()
-            self.blocks[block_id].ref_count = 1
-            taken.append(block_id)
-        return taken
+        return self._allocate(num_blocks)
 
     def release_reserved(self, block_ids: list[int]) -> None:
         """Return reserved blocks that no sequence adopted."""
@@ -164,31 +172,30 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.update_block_hashes(seq)
-        bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        for i in range(full):
-            block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
-                continue
-            h = hashes[i]
-            if h in self._hash_to_block:
-                continue  # another sequence computed the same prefix first
-            block.block_hash = h
-            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            self._hash_to_block[h] = block.block_id
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        blocks, index = self.blocks, self._hash_to_block
+        for block_id, h, tokens in zip(seq.block_table[:full], hashes, seq.block_tokens):
+            block = blocks[block_id]
+            # Skip blocks indexed already, and hashes another sequence computed first.
+            if block.block_hash is None and h not in index:
+                block.block_hash = h
+                block.token_ids = tokens
+                index[h] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
+        blocks, free_cached, free_plain = self.blocks, self._free_cached, self._free_plain
         # Tail blocks go to the LRU first so that a prefix's head outlives its tail.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 if block.block_hash is not None:
-                    self._free_cached[block_id] = None
+                    free_cached[block_id] = None
                 else:
-                    self._free_plain.append(block_id)
+                    free_plain.append(block_id)
+            else:  # the check costs nothing on the common path (last reference dropped)
+                assert block.ref_count > 0, f"block {block_id} freed twice"
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -203,18 +210,31 @@ class BlockManager:
                 self._uncache(block.block_id)
 
     # ---- internals -----------------------------------------------------------
-    def _pop_free(self) -> int:
-        if self._free_plain:
-            return self._free_plain.popleft()
-        block_id, _ = self._free_cached.popitem(last=False)  # least recently freed
-        self._uncache(block_id)
-        return block_id
+    def _allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks (the caller checked there are), each with one reference.
 
-    def _take_cached(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self._free_cached[block_id]
-        block.ref_count += 1
+        Plain blocks first, in FIFO order; then cached ones, least recently freed first,
+        each evicted from the prefix cache as it is taken.
+        """
+        plain, blocks = self._free_plain, self.blocks
+        if n < len(plain):
+            taken = [plain.popleft() for _ in range(n)]
+        else:
+            taken = list(plain)
+            plain.clear()
+        if len(taken) < n:
+            free_cached, index = self._free_cached, self._hash_to_block
+            evicted = list(islice(free_cached, n - len(taken)))  # the LRU's head
+            for block_id in evicted:
+                del free_cached[block_id]
+                block = blocks[block_id]
+                del index[block.block_hash]  # a block's hash is set only while it is the indexed holder
+                block.block_hash = None
+                block.token_ids = ()
+            taken += evicted
+        for block_id in taken:
+            blocks[block_id].ref_count = 1
+        return taken
 
     def _uncache(self, block_id: int) -> None:
         block = self.blocks[block_id]

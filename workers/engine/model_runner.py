@@ -15,6 +15,7 @@ from workers.engine.attention import (
     PrefillChunk,
 )
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
+from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
 from workers.engine.scheduler import ScheduledEntry
 from workers.engine.sequence import Sequence
@@ -53,10 +54,11 @@ class ModelRunner:
         # Block-major layout [blocks, layers, k/v, block_size, kv_heads, head_dim]: one
         # block's KV for every layer is contiguous, so moving a block list between
         # workers is one region per block.
-        self.kv_cache = torch.zeros(
-            self.num_blocks, spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        shape = (self.num_blocks, spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)  # faster KV transfers between processes
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.layer_caches = [self.kv_cache[:, layer].unbind(1) for layer in range(spec.num_layers)]
 
     # ---- capacity ----------------------------------------------------------------

@@ -37,8 +37,11 @@ class Sequence:
     stop_at: int | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching).
+    # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching),
+    # and those blocks' token tuples: hashed once, then shared with the blocks that index
+    # them. Both are extended together, by `BlockManager.update_block_hashes` only.
     block_hashes: list[int] = field(default_factory=list)
+    block_tokens: list[tuple[int, ...]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

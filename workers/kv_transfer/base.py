@@ -6,20 +6,35 @@ A worker's KV cache is one tensor [blocks, layers, 2, block_size, kv_heads, head
 
 The receiving side learns that a chunk landed through a `ChunkCallback(chunk, checksum_ok)`
 that its transport calls on the event loop once the bytes are in place. The transport
-does the integrity check itself (gRPC: crc32 of each received payload; NIXL: crc32 of
-the written destination blocks against the sender's checksum in the notification), so
+does the integrity check itself (gRPC: the digest of each received payload; NIXL: the
+digest of the written destination blocks against the sender's in the notification), so
 the receiver never touches checksums.
+
+The digest is xxh3_64 (`kv_digest`): ~27 GB/s on one core here against ~2.4 GB/s for
+zlib.crc32, which made the integrity check, not the copy, most of a NIXL transfer's time.
 """
 
 from __future__ import annotations
 
 import warnings
-import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+
+import xxhash
 
 if TYPE_CHECKING:  # imported on use: the emulated backend's memory (emulated_transport.py) needs neither
     import torch
+
+
+def kv_digest(buffers: Iterable) -> int:
+    """xxh3_64 of the concatenated buffers (any bytes-like objects), as an unsigned 64-bit int."""
+    hasher = xxhash.xxh3_64()
+    for buffer in buffers:
+        hasher.update(buffer)
+    return hasher.intdigest()
+
+
+EMPTY_DIGEST = kv_digest(())  # the digest of no bytes
 
 
 class KvTransferError(RuntimeError):
@@ -86,13 +101,11 @@ class KvMemory:
         self._bytes.index_copy_(0, idx, staged.to(self._bytes.device))
 
     def checksum(self, block_ids: list[int]) -> int:
-        """zlib.crc32 of the blocks' bytes, in order."""
+        """kv_digest of the blocks' bytes, in order."""
         if self._host is None:
-            return zlib.crc32(self.read(block_ids))
-        crc = 0
-        for a, b in block_runs(block_ids):  # straight from the cache, no copy
-            crc = zlib.crc32(self._host[a:b].reshape(-1), crc)
-        return crc
+            return kv_digest((self.read(block_ids),))
+        # straight from the cache, no copy
+        return kv_digest(self._host[a:b].reshape(-1) for a, b in block_runs(block_ids))
 
 
 def block_runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
@@ -164,6 +177,27 @@ def chunk_token_range(transfer: BlockTransfer, first_block: int, num_blocks: int
     return start, max(start, end)
 
 
+def split_transfer(transfer: BlockTransfer, parts: int, block_size: int) -> list[BlockTransfer]:
+    """The transfer as `parts` (or fewer) consecutive runs of whole blocks, each with its token range.
+
+    Each part keeps the transfer id: a receiver's tracker puts the token ranges back
+    together in whatever order they land.
+    """
+    count = len(transfer.dst_blocks)
+    parts = max(1, min(parts, count))
+    if parts == 1:
+        return [transfer]
+    out = []
+    for k in range(parts):
+        first, last = k * count // parts, (k + 1) * count // parts
+        start, end = chunk_token_range(transfer, first, last - first, block_size)
+        out.append(BlockTransfer(
+            transfer.transfer_id, transfer.src_worker, transfer.dst_worker,
+            transfer.src_blocks[first:last] if transfer.src_blocks else (), transfer.dst_blocks[first:last],
+            start, end, transfer.request_id))
+    return out
+
+
 class KvTransport(Protocol):
     """Moves blocks between two workers' KvMemory; one instance per worker."""
 
@@ -182,9 +216,9 @@ class KvTransport(Protocol):
         """
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
-        """Read the peer's src_blocks into local dst_blocks; returns crc32 of the received bytes.
+        """Read the peer's src_blocks into local dst_blocks; returns kv_digest of the received bytes.
 
-        The gRPC transport checks every streamed chunk against the source's crc32 and raises
+        The gRPC transport checks every streamed chunk against the source's digest and raises
         KvTransferError on a mismatch; NIXL relies on the transport's own integrity.
         """
 

@@ -7,7 +7,7 @@ the performance model's `kv_transfer_time(tokens)` (on the event loop, overlappi
 engine's compute as NIXL does), then sends one payload-free KvChunk over the peer's
 Worker.PushKv, so the receiver's reservation, tracker and stage logic run exactly as for
 real bytes. Receiving needs no override: the inherited `handle_push` checks an empty
-payload against blocks of zero bytes and crc32(b"") == 0. A corrupted checksum (fault
+payload against blocks of zero bytes and the digest of no bytes. A corrupted checksum (fault
 injection) is forwarded, so the receiver still detects it and recomputes. An emulated
 and a real worker cannot exchange KV: the dtype "emulated" is rejected, and the receiver
 recomputes from tokens. Links are not contended: concurrent pushes overlap freely.
@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import zlib
 from dataclasses import dataclass
 
 import grpc
 
 from splitserve.perf_model import PerfModel
 from splitserve.state import StateStore
-from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvTransferError
+from workers.kv_transfer.base import EMPTY_DIGEST, BlockTransfer, ChunkCallback, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
-
-EMPTY_CRC = zlib.crc32(b"")  # 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,7 @@ class EmulatedKvMemory:
             raise KvTransferError(f"{len(payload)} payload bytes for emulated blocks, which hold none")
 
     def checksum(self, block_ids: list[int]) -> int:
-        return EMPTY_CRC
+        return EMPTY_DIGEST
 
 
 class EmulatedTransport(GrpcTransport):
@@ -99,7 +96,7 @@ class EmulatedTransport(GrpcTransport):
         await self._wait_transfer(transfer, deadline, what)
         stub = await self._stub(transfer.dst_worker, deadline)
         if checksum is None:
-            checksum = EMPTY_CRC  # what a payload of no bytes has
+            checksum = EMPTY_DIGEST  # what a payload of no bytes has
         chunk = self._chunk(transfer, transfer.token_start, transfer.token_end, b"", checksum,
                             len(transfer.dst_blocks), last=True, block_ids=transfer.dst_blocks)
         try:

@@ -1,7 +1,7 @@
 """KV blocks between workers as streamed bytes over gRPC (Worker.PushKv / Worker.PullKv).
 
 The fallback when NIXL is absent or disabled. A transfer is cut into KvChunk messages of
-whole blocks (at most 1 MiB each unless one block is larger), each with its own crc32,
+whole blocks (at most 1 MiB each unless one block is larger), each with its own digest (xxh3_64),
 so a receiver writes and reports every chunk as it arrives. Peers are found by their
 gRPC address in the worker registry. The Worker servicer delegates its PushKv and
 PullKv handlers to `handle_push` / `handle_pull`, mapping KvTransferError from
@@ -13,15 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import zlib
 from collections.abc import AsyncIterator
 from typing import Callable
 
 import grpc
+import xxhash
 
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.state import StateStore
-from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvMemory, KvTransferError, chunk_token_range
+from workers.kv_transfer.base import (
+    BlockTransfer,
+    ChunkCallback,
+    KvMemory,
+    KvTransferError,
+    chunk_token_range,
+    kv_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +81,7 @@ class GrpcTransport:
     async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
         """Stream local src_blocks into the peer's dst_blocks; returns when the peer wrote them all.
 
-        `checksum` is not sent: every chunk carries the crc32 of its own payload instead.
+        `checksum` is not sent: every chunk carries the digest of its own payload instead.
         """
         if transfer.src_worker != self.worker_id:
             raise ValueError(f"push of {transfer.transfer_id} from {transfer.src_worker} on worker {self.worker_id}")
@@ -94,21 +101,21 @@ class GrpcTransport:
         total = len(transfer.src_blocks)
         for first in range(0, total, per_chunk):
             src = list(transfer.src_blocks[first : first + per_chunk])
-            payload, crc = await asyncio.to_thread(self._read_with_crc, src)
+            payload, digest = await asyncio.to_thread(self._read_with_digest, src)
             start, end = chunk_token_range(transfer, first, len(src), self.memory.block_size)
-            yield self._chunk(transfer, start, end, payload, crc, len(src), last=first + per_chunk >= total,
+            yield self._chunk(transfer, start, end, payload, digest, len(src), last=first + per_chunk >= total,
                               block_ids=transfer.dst_blocks[first : first + per_chunk])
 
-    def _read_with_crc(self, blocks: list[int]) -> tuple[bytes, int]:
+    def _read_with_digest(self, blocks: list[int]) -> tuple[bytes, int]:
         payload = self.memory.read(blocks)
-        return payload, zlib.crc32(payload)
+        return payload, kv_digest((payload,))
 
-    def _chunk(self, transfer: BlockTransfer, start: int, end: int, payload: bytes, crc: int, num_blocks: int,
+    def _chunk(self, transfer: BlockTransfer, start: int, end: int, payload: bytes, digest: int, num_blocks: int,
                last: bool, block_ids: tuple[int, ...]) -> worker_pb2.KvChunk:
         chunk = worker_pb2.KvChunk(
             transfer_id=transfer.transfer_id, request_id=transfer.request_id, start=start, end=end,
             payload=payload, dtype=self.memory.dtype_name,
-            shape=[num_blocks, *self.memory.tensor.shape[1:]], checksum=crc, last=last,
+            shape=[num_blocks, *self.memory.tensor.shape[1:]], checksum=digest, last=last,
             block_ids=block_ids, src_worker=self.worker_id,
         )
         if self.outgoing_chunk_hook is not None:
@@ -151,7 +158,7 @@ class GrpcTransport:
         return piece, None if intact else f"checksum mismatch in tokens [{chunk.start}, {chunk.end})"
 
     def _verify_and_write(self, chunk: worker_pb2.KvChunk, dst_blocks: tuple[int, ...]) -> bool:
-        if zlib.crc32(chunk.payload) != chunk.checksum:
+        if kv_digest((chunk.payload,)) != chunk.checksum:
             return False  # a corrupt payload never reaches the cache
         self.memory.write(list(dst_blocks), chunk.payload)
         return True
@@ -178,13 +185,13 @@ class GrpcTransport:
         per_chunk = self.blocks_per_chunk(request.chunk_tokens)
         for first in range(0, len(blocks), per_chunk):
             src = list(blocks[first : first + per_chunk])
-            payload, crc = await asyncio.to_thread(self._read_with_crc, src)
+            payload, digest = await asyncio.to_thread(self._read_with_digest, src)
             start, end = chunk_token_range(as_transfer, first, len(src), self.memory.block_size)
-            yield self._chunk(as_transfer, start, end, payload, crc, len(src),
+            yield self._chunk(as_transfer, start, end, payload, digest, len(src),
                               last=first + per_chunk >= len(blocks), block_ids=tuple(src))
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
-        """Stream the peer's src_blocks into local dst_blocks; returns crc32 of all received bytes."""
+        """Stream the peer's src_blocks into local dst_blocks; returns kv_digest of all received bytes."""
         if transfer.dst_worker != self.worker_id:
             raise ValueError(f"pull of {transfer.transfer_id} into {transfer.dst_worker} on worker {self.worker_id}")
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -197,7 +204,7 @@ class GrpcTransport:
             chunk_tokens=self.blocks_per_chunk() * self.memory.block_size,
         )
         call = stub.PullKv(request, timeout=self._remaining(deadline, what))
-        done, crc = 0, 0
+        done, received = 0, xxhash.xxh3_64()
         try:
             async for chunk in call:
                 count = len(chunk.block_ids)
@@ -207,7 +214,7 @@ class GrpcTransport:
                 _, error = await self._accept(chunk, transfer.dst_blocks[done : done + count])
                 if error is not None:
                     raise KvTransferError(f"{what}: {error}")
-                crc = zlib.crc32(chunk.payload, crc)
+                received.update(chunk.payload)
                 done += count
                 if chunk.last:
                     break
@@ -218,7 +225,7 @@ class GrpcTransport:
             call.cancel()  # no-op once finished; stops the stream after an early exit
         if done != len(transfer.src_blocks):
             raise KvTransferError(f"{what}: stream ended after {done} of {len(transfer.src_blocks)} blocks")
-        return crc
+        return received.intdigest()
 
     # ---- peers -----------------------------------------------------------------------
 

@@ -1,136 +1,95 @@
 """KV blocks between workers with NIXL over UCX: one-sided WRITE (push) and READ (pull).
 
-Each worker runs one NIXL agent named after its worker id, registers its whole KV cache
-once and publishes, through `StateStore.put_nixl_metadata`, a small header (base
-address, block size, block count, memory type) followed by the agent metadata. Peers
-load that once, prepare a descriptor list with one entry per block, and then transfer
-any block list by index. A push carries a JSON notification; the receiver's poller
-checks crc32 of the written blocks against the sender's checksum and calls `on_chunk`.
+Each worker runs one NIXL agent per *lane* (lane 0 is named after the worker id),
+registers its whole KV cache with each once and publishes, through
+`StateStore.put_nixl_metadata`, a header and every lane's agent metadata
+(`nixl_wire.py`). Peers load that once, prepare a descriptor list with one entry per block
+per lane, and then transfer any block list by index. A push carries a JSON notification
+(with the WRITE, or for a large part sent after it, once its digest computed beside the
+copy is ready); the receiver's poller checks the digest (xxh3_64) of the written blocks
+against the sender's and calls `on_chunk`.
 
-Every NIXL call runs on one dedicated thread (`NixlThread`): with UCX's CMA transport
-(process to process on one host) `transfer()` copies the bytes before it returns (GIL
-released), and the agent is not thread-safe in its default sync mode, so the event loop
-never calls NIXL itself. A transfer is one call on that thread (post, then progress it
-to completion), and the same thread polls for notifications between calls: every 1 ms
-while a push into this worker is announced (`expect_incoming`, from PrepareKv) or
-notifications keep arriving, backing off to 50 ms when idle. A push that timed out may
-still land and notify later (a copy in progress cannot always be cancelled): the
-receiver's on_chunk is the truth about what arrived. A peer restarted under the same
-worker id is reloaded.
+Lanes: a large transfer is split into consecutive block runs, one per lane the two
+workers share, posted at once. With UCX's CMA transport (process to process on one host)
+a post is one core's copy, so lanes copy on several cores; across hosts they would map to
+NICs. Raw NIXL on an idle 2-core VM went 9–12 → 12–18 GB/s with two lanes, but through this
+transport (digests, receiver polls on the same two cores) only +0–15%: the default is one
+lane. Each part carries its own token range and digest; the receiver's tracker puts the
+parts back together.
+
+Every NIXL call of a lane runs on that lane's thread (`NixlThread`): with CMA `transfer()`
+copies the bytes before it returns (GIL released), and an agent is not thread-safe in its
+default sync mode, so the event loop never calls NIXL itself. A transfer is one call on
+that thread (post, then progress it to completion), and the same thread polls for
+notifications between calls: every 1 ms while a push into this worker is announced
+(`expect_incoming`, from PrepareKv) or notifications keep arriving, backing off to 50 ms
+when idle. A push that timed out may still land and notify later (a copy in progress
+cannot always be cancelled): the receiver's on_chunk is the truth about what arrived. A
+peer restarted under the same worker id is reloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import struct
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from splitserve.state import StateStore
-from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvMemory, KvTransferError
+from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvMemory, KvTransferError, split_transfer
 from workers.kv_transfer.nixl_thread import NixlThread
+from workers.kv_transfer.nixl_wire import (
+    NixlMemoryHeader,
+    block_descs,
+    decode_write_notification,
+    encode_write_notification,
+    lane_agent_name,
+    pack_published_metadata,
+    unpack_published_metadata,
+)
 from workers.kv_transfer.poll_schedule import PollSchedule
 
 log = logging.getLogger(__name__)
 
-_HEADER_MAGIC = b"SSNX1"
-_NOTIF_VERSION = 1
+_SPIN_S = 0.002  # how long a posted transfer is polled without sleeping
 
 
-@dataclass(frozen=True)
-class NixlMemoryHeader:
-    """What a peer must know about a worker's registered KV cache to address its blocks."""
+@dataclass
+class _Lane:
+    """One NIXL agent and the thread that makes every call to it."""
 
-    agent: str
-    base_addr: int
-    block_bytes: int
-    num_blocks: int
-    mem_type: str  # "DRAM" | "VRAM"
-    dev_id: int
-    incarnation: str  # changes on every start, so a restarted peer is recognisable
-
-
-def pack_published_metadata(header: NixlMemoryHeader, agent_metadata: bytes) -> bytes:
-    """Header and agent metadata as one Redis value: magic, header length, JSON, metadata."""
-    encoded = json.dumps(header.__dict__).encode()
-    return _HEADER_MAGIC + struct.pack("!I", len(encoded)) + encoded + agent_metadata
-
-
-def unpack_published_metadata(value: bytes) -> tuple[NixlMemoryHeader, bytes]:
-    """Inverse of pack_published_metadata; KvTransferError on anything else."""
-    if not value.startswith(_HEADER_MAGIC) or len(value) < len(_HEADER_MAGIC) + 4:
-        raise KvTransferError("published NIXL metadata has an unknown format")
-    offset = len(_HEADER_MAGIC)
-    (length,) = struct.unpack_from("!I", value, offset)
-    offset += 4
-    try:
-        header = NixlMemoryHeader(**json.loads(value[offset : offset + length]))
-    except (ValueError, TypeError) as exc:
-        raise KvTransferError(f"published NIXL header is malformed: {exc}") from None
-    return header, value[offset + length :]
-
-
-def encode_write_notification(transfer: BlockTransfer, checksum: int) -> bytes:
-    """The message a WRITE delivers to the destination agent once its bytes are in place."""
-    return json.dumps({
-        "v": _NOTIF_VERSION, "kind": "write", "transfer_id": transfer.transfer_id,
-        "request_id": transfer.request_id, "src_worker": transfer.src_worker,
-        "token_start": transfer.token_start, "token_end": transfer.token_end,
-        "src_blocks": list(transfer.src_blocks), "dst_blocks": list(transfer.dst_blocks),
-        "checksum": checksum,
-    }, separators=(",", ":")).encode()
-
-
-def decode_write_notification(message: bytes, dst_worker: str) -> tuple[BlockTransfer, int]:
-    """The transfer and sender checksum in a WRITE notification; ValueError if malformed."""
-    try:
-        fields = json.loads(message)
-        if fields.get("v") != _NOTIF_VERSION or fields.get("kind") != "write":
-            raise ValueError(f"unexpected notification {message[:80]!r}")
-        transfer = BlockTransfer(
-            transfer_id=fields["transfer_id"], src_worker=fields["src_worker"], dst_worker=dst_worker,
-            src_blocks=tuple(fields["src_blocks"]), dst_blocks=tuple(fields["dst_blocks"]),
-            token_start=fields["token_start"], token_end=fields["token_end"], request_id=fields["request_id"],
-        )
-        return transfer, int(fields["checksum"])
-    except (KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed notification: {exc}") from None
+    index: int
+    name: str
+    schedule: PollSchedule
+    thread: NixlThread | None = None
+    agent: Any = None
+    registration: Any = None
+    local_dlist: Any = None
+    busy_handles: list[Any] = field(default_factory=list)  # handles NIXL would not release yet
 
 
 @dataclass
 class _Peer:
-    """A loaded remote agent and the prepared descriptor list of all its blocks."""
+    """A peer's header and, per shared lane, its loaded agent name and prepared block descriptors."""
 
     worker_id: str
-    agent_name: bytes
     header: NixlMemoryHeader
-    blocks_dlist: Any  # nixl_prepped_dlist_handle
-
-
-def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, dev_id: int) -> np.ndarray:
-    """One (address, length, device) row per block: the layout is block-major."""
-    rows = np.empty((num_blocks, 3), dtype=np.uint64)
-    rows[:, 0] = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    rows[:, 1] = block_bytes
-    rows[:, 2] = dev_id
-    return rows
+    lanes: list[tuple[bytes, Any]]  # (remote agent name, nixl_prepped_dlist_handle), by lane index
 
 
 class NixlTransport:
-    """KvTransport over one NIXL agent (UCX backend) per worker; metadata exchanged in Redis."""
+    """KvTransport over NIXL agents (UCX backend), `lanes` per worker; metadata exchanged in Redis."""
 
     name = "nixl"
 
     def __init__(self, worker_id: str, memory: KvMemory, store: StateStore, on_chunk: ChunkCallback,
                  poll_fast_s: float = 0.001, poll_idle_s: float = 0.05, backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = False):
+                 progress_thread: bool = False, lanes: int = 1, min_lane_bytes: int = 4 << 20):
+        if lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {lanes}")
         self.worker_id = worker_id
         self.memory = memory
         self.store = store
@@ -140,97 +99,112 @@ class NixlTransport:
         # core even when idle. The notification polls and the transfer's own state checks
         # progress UCX instead.
         self.progress_thread = progress_thread
-        self._schedule = PollSchedule(fast_s=poll_fast_s, idle_s=poll_idle_s)
-        self._thread = NixlThread(f"nixl-{worker_id}", self._poll_once, self._schedule)
+        # Below this many bytes per lane a split costs more (one post each) than it saves.
+        self.min_lane_bytes = min_lane_bytes
+        self._lanes = []
+        for index in range(lanes):
+            lane = _Lane(index, lane_agent_name(worker_id, index), PollSchedule(fast_s=poll_fast_s, idle_s=poll_idle_s))
+            lane.thread = NixlThread(f"nixl-{lane.name}", lambda lane=lane: self._poll_once(lane), lane.schedule)
+            self._lanes.append(lane)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._agent: Any = None
-        self._registration: Any = None
-        self._local_dlist: Any = None
         self._mem_type = "VRAM" if memory.tensor.is_cuda else "DRAM"
         self._dev_id = (memory.tensor.device.index or 0) if memory.tensor.is_cuda else 0
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._busy_handles: list[Any] = []  # handles NIXL would not release yet; NIXL thread only
         self._deliveries: set[asyncio.Task] = set()
 
-    async def _nixl(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self._thread.submit(fn, *args))
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    async def _on(self, lane: _Lane, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(lane.thread.submit(fn, *args))
 
     async def start(self) -> None:
-        """Create the agent, register the KV cache and publish how to reach it."""
-        self._agent = await self._nixl(self._create_agent)
+        """Create the agents, register the KV cache with each and publish how to reach them."""
+        metadata = [await self._on(lane, self._create_agent, lane) for lane in self._lanes]
         header = NixlMemoryHeader(
             agent=self.worker_id, base_addr=self.memory.base_ptr, block_bytes=self.memory.block_bytes,
             num_blocks=self.memory.num_blocks, mem_type=self._mem_type, dev_id=self._dev_id,
-            incarnation=uuid.uuid4().hex,
+            incarnation=uuid.uuid4().hex, lanes=len(self._lanes),
         )
-        metadata = await self._nixl(self._agent.get_agent_metadata)
         await self.store.put_nixl_metadata(self.worker_id, pack_published_metadata(header, metadata))
         self._loop = asyncio.get_running_loop()
-        self._thread.start_polling()
+        for lane in self._lanes:
+            lane.thread.start_polling()
 
     def expect_incoming(self, transfer_id: str, timeout_s: float) -> None:
-        """A push into this worker is announced (PrepareKv): poll for its notifications fast."""
-        self._thread.call_soon(self._schedule.expect, transfer_id, timeout_s)
+        """A push into this worker is announced (PrepareKv): poll for its notifications fast, on every lane."""
+        for lane in self._lanes:
+            lane.thread.call_soon(lane.schedule.expect, transfer_id, timeout_s)
 
     def incoming_done(self, transfer_id: str) -> None:
         """The announced push arrived or was given up: polling may slow down again."""
-        self._thread.call_soon(self._schedule.done, transfer_id)
+        for lane in self._lanes:
+            lane.thread.call_soon(lane.schedule.done, transfer_id)
 
-    def _create_agent(self) -> Any:
+    def _create_agent(self, lane: _Lane) -> bytes:
+        """On the lane's thread: its agent, the KV cache registered, local descriptors; returns its metadata."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # NIXL's Python logger prints INFO lines to stdout, among the service's own logs.
             logging.getLogger("nixl").setLevel(logging.WARNING)
         config = nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self.backends)
-        agent = nixl_agent(self.worker_id, config)
-        self._registration = agent.register_memory(self.memory.tensor)
-        rows = _block_descs(self.memory.base_ptr, self.memory.block_bytes, self.memory.num_blocks, self._dev_id)
-        self._local_dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
-        return agent
+        lane.agent = nixl_agent(lane.name, config)
+        lane.registration = lane.agent.register_memory(self.memory.tensor)
+        rows = block_descs(self.memory.base_ptr, self.memory.block_bytes, self.memory.num_blocks, self._dev_id)
+        lane.local_dlist = lane.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
+        return lane.agent.get_agent_metadata()
 
     async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
-        """WRITE local src_blocks into the peer's dst_blocks; the peer is notified when they land.
+        """WRITE local src_blocks into the peer's dst_blocks; the peer is notified as each part lands.
 
-        With checksum None, the crc32 of the source blocks is computed on the NIXL thread
-        right before the post: no extra thread hop, and never on the event loop.
+        With checksum None, each part's digest is computed on its lane's thread right
+        before its post (never on the event loop), and large transfers use every shared
+        lane. A given checksum covers the whole transfer, which then goes as one part.
         """
         if transfer.src_worker != self.worker_id:
             raise ValueError(f"push of {transfer.transfer_id} from {transfer.src_worker} on worker {self.worker_id}")
         _check_blocks(transfer.src_blocks, self.memory.num_blocks, "local source")
-        if checksum is None:
-            def notif() -> bytes:
-                return encode_write_notification(transfer, self.memory.checksum(list(transfer.src_blocks)))
-        else:
-            notif = encode_write_notification(transfer, checksum)
-        await self._with_peer("WRITE", transfer.dst_worker, transfer.src_blocks, transfer.dst_blocks,
-                              notif, timeout_s, transfer.transfer_id)
+        await self._with_peer("WRITE", transfer, transfer.dst_worker, timeout_s, checksum, split=checksum is None)
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
-        """READ the peer's src_blocks into local dst_blocks; returns crc32 of what arrived."""
+        """READ the peer's src_blocks into local dst_blocks (over every shared lane); returns their kv_digest."""
         if transfer.dst_worker != self.worker_id:
             raise ValueError(f"pull of {transfer.transfer_id} into {transfer.dst_worker} on worker {self.worker_id}")
         _check_blocks(transfer.dst_blocks, self.memory.num_blocks, "local destination")
-        await self._with_peer("READ", transfer.src_worker, transfer.dst_blocks, transfer.src_blocks, b"",
-                              timeout_s, transfer.transfer_id)
+        await self._with_peer("READ", transfer, transfer.src_worker, timeout_s, None, split=True)
         return await asyncio.to_thread(self.memory.checksum, list(transfer.dst_blocks))
 
-    async def _with_peer(self, op: str, peer_id: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
-                         notif: bytes | Callable[[], bytes], timeout_s: float, transfer_id: str) -> None:
+    def _parts(self, transfer: BlockTransfer, shared_lanes: int) -> list[BlockTransfer]:
+        lanes = min(shared_lanes, len(transfer.dst_blocks) * self.memory.block_bytes // max(1, self.min_lane_bytes))
+        return split_transfer(transfer, lanes, self.memory.block_size)
+
+    async def _with_peer(self, op: str, transfer: BlockTransfer, peer_id: str, timeout_s: float,
+                         checksum: int | None, split: bool) -> None:
         """One transfer with a peer, tried again once if it failed because the peer restarted."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         for attempt in (1, 2):
             peer = await self._peer(peer_id, deadline)
+            remote_blocks = transfer.dst_blocks if op == "WRITE" else transfer.src_blocks
             _check_blocks(remote_blocks, peer.header.num_blocks, f"{peer_id}'s")
-            try:
-                return await self._transfer(op, peer, local_blocks, remote_blocks, notif, deadline, transfer_id)
-            except KvTransferError:
-                # A failed (not timed-out) transfer unloads the peer. A worker restarted
-                # under the same id republishes with a new incarnation: reload and go again.
-                if attempt == 2 or peer_id in self._peers or not await self._restarted(peer, deadline):
-                    raise
-                log.info("NIXL peer %s restarted; retrying %s", peer_id, transfer_id)
+            parts = self._parts(transfer, len(peer.lanes)) if split else [transfer]
+            results = await asyncio.gather(
+                *(self._transfer(op, peer, self._lanes[k], part, checksum, deadline) for k, part in enumerate(parts)),
+                return_exceptions=True)  # every part settles before we report: none is left running
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if not errors:
+                return
+            if any(isinstance(e, asyncio.CancelledError) for e in errors):
+                raise asyncio.CancelledError
+            if not all(isinstance(e, KvTransferError) for e in errors):
+                raise next(e for e in errors if not isinstance(e, KvTransferError))
+            # A failed (not timed-out) transfer unloads the peer. A worker restarted under
+            # the same id republishes with a new incarnation: reload and go again.
+            if attempt == 2 or peer_id in self._peers or not await self._restarted(peer, deadline):
+                raise errors[0]
+            log.info("NIXL peer %s restarted; retrying %s", peer_id, transfer.transfer_id)
 
     async def _restarted(self, peer: _Peer, deadline: float) -> bool:
         try:
@@ -241,76 +215,94 @@ class NixlTransport:
         except Exception:
             return False
 
-    async def _transfer(self, op: str, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
-                        notif: bytes | Callable[[], bytes], deadline: float, transfer_id: str) -> None:
-        what = f"NIXL {op} of {transfer_id} with {peer.worker_id}"
+    async def _transfer(self, op: str, peer: _Peer, lane: _Lane, part: BlockTransfer, checksum: int | None,
+                        deadline: float) -> None:
+        what = f"NIXL {op} of {part.transfer_id} [{part.token_start}, {part.token_end}) with {peer.worker_id}"
+        local, remote = (part.src_blocks, part.dst_blocks) if op == "WRITE" else (part.dst_blocks, part.src_blocks)
+        remote_name, remote_dlist = peer.lanes[lane.index]
+        digest_aside = op == "WRITE" and checksum is None and \
+            len(part.src_blocks) * self.memory.block_bytes >= self.min_lane_bytes
+        if op == "READ" or digest_aside:
+            notif: bytes | Callable[[], bytes] = b""
+        elif checksum is None:
+            def notif() -> bytes:
+                return encode_write_notification(part, self.memory.checksum(list(part.src_blocks)))
+        else:
+            notif = encode_write_notification(part, checksum)
         try:
-            # One hop to the NIXL thread for the whole transfer: each hop costs a thread
-            # wake-up (and a GIL hand-over when the engine computes), which was most of
-            # the per-post fixed cost.
-            await self._call_before(deadline, what, self._post_and_wait, op, peer, local_blocks, remote_blocks,
-                                    notif, deadline)
+            digest = None
+            if digest_aside:
+                # A large part: its digest (~27 GB/s) would add a third to a one-core copy
+                # (~10 GB/s) if it came first; compute it on another thread meanwhile and
+                # notify once both are done — the bytes are in place by then.
+                digest = asyncio.ensure_future(asyncio.to_thread(self.memory.checksum, list(part.src_blocks)))
+            # One hop to the lane's thread for the whole part: each hop costs a thread
+            # wake-up (and a GIL hand-over when the engine computes).
+            try:
+                await self._call_before(lane, deadline, what, self._post_and_wait, lane, op, remote_dlist,
+                                        local, remote, notif, deadline)
+            finally:
+                if digest is not None and not digest.done():
+                    await asyncio.wait([digest])  # never leave it reading blocks the caller may free
+            if digest is not None:
+                message = encode_write_notification(part, digest.result())
+                await self._call_before(lane, deadline, what, lambda: lane.agent.send_notif(remote_name, message))
         except KvTransferError:
             raise  # timed out: the peer may only be slow, keep it loaded
         except Exception as exc:  # NIXL's own errors (e.g. nixlRemoteDisconnectError) and ERR
             await self._forget_peer(peer.worker_id)
             raise KvTransferError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
-    def _post_and_wait(self, op: str, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...],
-                       notif: bytes | Callable[[], bytes], deadline: float) -> None:
-        """On the NIXL thread: post the transfer and progress it until DONE, ERR or the deadline."""
+    def _post_and_wait(self, lane: _Lane, op: str, remote_dlist: Any, local_blocks: tuple[int, ...],
+                       remote_blocks: tuple[int, ...], notif: bytes | Callable[[], bytes], deadline: float) -> None:
+        """On the lane's thread: post the transfer and progress it until DONE, ERR or the deadline."""
         if time.monotonic() >= deadline:
             raise _TimedOut
         if callable(notif):
             notif = notif()
-        handle = self._agent.make_prepped_xfer(op, self._local_dlist, list(local_blocks), peer.blocks_dlist,
-                                               list(remote_blocks), notif)
+        handle = lane.agent.make_prepped_xfer(op, lane.local_dlist, list(local_blocks), remote_dlist,
+                                              list(remote_blocks), notif)
         try:
             # With CMA the copy happens inside transfer(); what may remain is the flush and
             # (for a WRITE) sending the notification, which check_xfer_state drives.
-            state = self._agent.transfer(handle)
+            state = lane.agent.transfer(handle)
+            # Small transfers finish within a few hundred microseconds of the post: spin
+            # (yielding the GIL) that long, since sleeping even 20 us at a time doubled
+            # their latency, then back off to 1 ms naps for whatever is really slow.
+            spin_until = time.monotonic() + _SPIN_S
             pause = 0.0
             while state == "PROC":
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise _TimedOut
-                time.sleep(pause)  # sleep(0) first: yield the GIL, then back off to 1 ms
-                pause = min(0.001, pause * 2 or 0.00002)
-                state = self._agent.check_xfer_state(handle)
+                if now >= spin_until:
+                    pause = min(0.001, pause * 2 or 0.00005)
+                time.sleep(pause)
+                state = lane.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"transfer state {state}")
         finally:
             # A transfer still in flight is cancelled when NIXL can; otherwise its handle is
             # released by a later poll.
-            self._release_or_keep(handle)
+            _release_or_keep(lane, handle)
 
-    def _release_or_keep(self, handle: Any) -> None:
-        try:
-            handle.release()
-        except Exception:
-            self._busy_handles.append(handle)
-
-    async def _call_before(self, deadline: float, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn on the NIXL thread; KvTransferError if it has not returned by the deadline."""
+    async def _call_before(self, lane: _Lane, deadline: float, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn on the lane's thread; KvTransferError if it has not returned by the deadline."""
         loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()  # loop.time() is time.monotonic(), as on the NIXL thread
         if remaining <= 0:
             raise KvTransferError(f"{what} timed out")
-        future = self._thread.submit(fn, *args)
+        future = lane.thread.submit(fn, *args)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), remaining)
         except _TimedOut:
             raise KvTransferError(f"{what} timed out") from None
         except (TimeoutError, asyncio.CancelledError) as exc:
-            # The call still runs on the NIXL thread; a handle it creates must not leak.
-            future.add_done_callback(self._abandon_result)
+            # The call still runs on the lane's thread; a handle it creates must not leak.
+            future.add_done_callback(lambda done: _abandon_result(lane, done))
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise KvTransferError(f"{what} timed out") from None
-
-    def _abandon_result(self, future: Any) -> None:
-        # Runs on the NIXL thread when the abandoned call finishes.
-        if not future.cancelled() and future.exception() is None and hasattr(future.result(), "release"):
-            self._release_or_keep(future.result())
 
     async def _peer(self, worker_id: str, deadline: float) -> _Peer:
         peer = self._peers.get(worker_id)
@@ -337,25 +329,28 @@ class NixlTransport:
         if header.block_bytes != self.memory.block_bytes:
             raise KvTransferError(f"worker {worker_id} has {header.block_bytes}-byte KV blocks, "
                                   f"this worker {self.memory.block_bytes}: different model or layout")
+        shared = self._lanes[: len(agent_metadata)]  # lane k talks to the peer's lane k
         try:
-            return await self._call_before(deadline, f"loading NIXL agent {worker_id}", self._load_peer,
-                                           worker_id, header, agent_metadata)
+            lanes = await asyncio.gather(*(
+                self._call_before(lane, deadline, f"loading NIXL agent {worker_id} on lane {lane.index}",
+                                  self._load_peer_lane, lane, header, agent_metadata[lane.index])
+                for lane in shared))
         except KvTransferError:
             raise
         except Exception as exc:
             raise KvTransferError(f"cannot load NIXL agent of {worker_id}: {type(exc).__name__}: {exc}") from exc
+        return _Peer(worker_id, header, list(lanes))
 
-    def _load_peer(self, worker_id: str, header: NixlMemoryHeader, agent_metadata: bytes) -> _Peer:
+    def _load_peer_lane(self, lane: _Lane, header: NixlMemoryHeader, agent_metadata: bytes) -> tuple[bytes, Any]:
         try:
-            name = self._agent.add_remote_agent(agent_metadata)
+            name = lane.agent.add_remote_agent(agent_metadata)
         except Exception:
             # Metadata of an earlier incarnation under the same name is still loaded
             # (NIXL refuses to replace it): drop it and load the new one.
-            self._agent.remove_remote_agent(header.agent)
-            name = self._agent.add_remote_agent(agent_metadata)
-        rows = _block_descs(header.base_addr, header.block_bytes, header.num_blocks, header.dev_id)
-        dlist = self._agent.prep_xfer_dlist(name, rows, header.mem_type)
-        return _Peer(worker_id, name, header, dlist)
+            lane.agent.remove_remote_agent(lane_agent_name(header.agent, lane.index))
+            name = lane.agent.add_remote_agent(agent_metadata)
+        rows = block_descs(header.base_addr, header.block_bytes, header.num_blocks, header.dev_id)
+        return name, lane.agent.prep_xfer_dlist(name, rows, header.mem_type)
 
     async def _forget_peer(self, worker_id: str) -> None:
         """Drop a peer after a failed transfer, so the next one reloads its (maybe new) metadata."""
@@ -363,24 +358,25 @@ class NixlTransport:
         if peer is None:
             return
 
-        def unload() -> None:
-            peer.blocks_dlist.release()
-            self._agent.remove_remote_agent(peer.agent_name)
+        def unload(lane: _Lane, name: bytes, dlist: Any) -> None:
+            dlist.release()
+            lane.agent.remove_remote_agent(name)
 
-        try:
-            await self._nixl(unload)
-        except Exception as exc:
-            log.debug("unloading NIXL peer %s: %s", worker_id, exc)
+        for lane, (name, dlist) in zip(self._lanes, peer.lanes):
+            try:
+                await self._on(lane, unload, lane, name, dlist)
+            except Exception as exc:
+                log.debug("unloading NIXL peer %s on lane %d: %s", worker_id, lane.index, exc)
 
-    def _poll_once(self) -> bool:
-        """On the NIXL thread: fetch notifications (this also progresses UCX) and hand them to the loop."""
-        if self._agent is None:
+    def _poll_once(self, lane: _Lane) -> bool:
+        """On the lane's thread: fetch notifications (this also progresses UCX) and hand them to the loop."""
+        if lane.agent is None:
             return False  # closing
-        if self._busy_handles:
-            handles, self._busy_handles = self._busy_handles, []
+        if lane.busy_handles:
+            handles, lane.busy_handles = lane.busy_handles, []
             for handle in handles:
-                self._release_or_keep(handle)
-        notifs = self._agent.get_new_notifs()
+                _release_or_keep(lane, handle)
+        notifs = lane.agent.get_new_notifs()
         if not notifs:
             return False
         self._loop.call_soon_threadsafe(self._dispatch, notifs)
@@ -404,7 +400,7 @@ class NixlTransport:
         received = await asyncio.to_thread(self.memory.checksum, list(chunk.dst_blocks))
         ok = received == sent_checksum
         if not ok:
-            log.warning("KV transfer %s from %s: checksum %08x, sender said %08x", chunk.transfer_id,
+            log.warning("KV transfer %s from %s: checksum %016x, sender said %016x", chunk.transfer_id,
                         sender, received, sent_checksum)
         try:
             self.on_chunk(chunk, ok)
@@ -412,32 +408,50 @@ class NixlTransport:
             log.exception("on_chunk failed for transfer %s", chunk.transfer_id)
 
     async def close(self) -> None:
-        """Stop polling, unload peers, deregister the KV cache and destroy the agent."""
+        """Stop polling, unload peers, deregister the KV cache and destroy the agents."""
         for task in list(self._deliveries):
             task.cancel()
         await asyncio.gather(*self._deliveries, return_exceptions=True)
-        if self._agent is not None:
-            for worker_id in list(self._peers):
-                await self._forget_peer(worker_id)
-            await self._nixl(self._destroy_agent)
-        await asyncio.to_thread(self._thread.stop)
-
-    def _destroy_agent(self) -> None:
-        for handle in self._busy_handles:
-            log.warning("NIXL transfer handle %r still busy at close", handle)
-        try:
-            self._local_dlist.release()
-            self._agent.deregister_memory(self._registration)
-        except Exception as exc:
-            log.warning("deregistering NIXL memory: %s", exc)
-        self._agent = None
+        for worker_id in list(self._peers):
+            await self._forget_peer(worker_id)
+        for lane in self._lanes:
+            if lane.agent is not None:
+                await self._on(lane, _destroy_agent, lane)
+        for lane in self._lanes:
+            await asyncio.to_thread(lane.thread.stop)
 
 
 class _TimedOut(Exception):
-    """A transfer on the NIXL thread reached its deadline."""
+    """A transfer on a lane's thread reached its deadline."""
+
+
+def _release_or_keep(lane: _Lane, handle: Any) -> None:
+    """On the lane's thread: release a transfer handle, or keep it for a later poll if NIXL won't yet."""
+    try:
+        handle.release()
+    except Exception:
+        lane.busy_handles.append(handle)
+
+
+def _abandon_result(lane: _Lane, future: Any) -> None:
+    # Runs on the lane's thread when an abandoned call finishes.
+    if not future.cancelled() and future.exception() is None and hasattr(future.result(), "release"):
+        _release_or_keep(lane, future.result())
+
+
+def _destroy_agent(lane: _Lane) -> None:
+    for handle in lane.busy_handles:
+        log.warning("NIXL transfer handle %r still busy at close", handle)
+    try:
+        if lane.local_dlist is not None:
+            lane.local_dlist.release()
+        if lane.registration is not None:
+            lane.agent.deregister_memory(lane.registration)
+    except Exception as exc:
+        log.warning("deregistering NIXL memory: %s", exc)
+    lane.agent = None
 
 
 def _check_blocks(blocks: tuple[int, ...], num_blocks: int, what: str) -> None:
     if any(not 0 <= b < num_blocks for b in blocks):
         raise KvTransferError(f"{what} blocks {list(blocks)[:8]}... out of range [0, {num_blocks})")
-
