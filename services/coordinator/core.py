@@ -191,10 +191,13 @@ class Coordinator:
                             chunk.finish_reason = ""
                             yield chunk
                         break  # the next stage continues the stream
+                    if chunk.finish_reason and index + 1 < len(stages):
+                        # Finished early (EOS/stop/length): later stages never run. Free the next
+                        # worker's KV reservation from a task started before the last chunk goes
+                        # out, because a consumer may close the stream as soon as it has that chunk.
+                        self._spawn(self._cancel_on(stages[index + 1].worker_id, request_id))
                     yield chunk
                     if chunk.finish_reason:
-                        if index + 1 < len(stages):  # finished early (EOS/stop): later stages never run
-                            await self._cancel_on(stages[index + 1].worker_id, request_id)
                         return
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.CANCELLED and request_id not in self._calls:

@@ -90,6 +90,19 @@ def _stages_of(cluster, request_id: str, finished: bool = True, timeout_s: float
     return asyncio.run(read())
 
 
+def _assert_all_kv_freed(cluster, timeout_s: float = 10.0) -> None:
+    """Every worker's blocks are free again: no stage, kept KV or reservation outlives its request."""
+    for address in cluster.worker_addresses:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            deadline = time.monotonic() + timeout_s
+            load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            while load.free_blocks != load.total_blocks and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling the worker's load, bounded by the deadline
+                load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            assert load.free_blocks == load.total_blocks, f"{load.worker_id} still holds KV blocks"
+
+
 def _generate(cluster, case: dict, request_id: str):
     with Client(cluster.gateway_grpc, timeout_s=60) as client:
         return client.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=request_id, **case)
@@ -115,6 +128,9 @@ def test_split_at_any_token_equals_colocated(transport_cluster, reference, split
         assert stages[0]["worker_id"] != stages[1]["worker_id"]
         if split < L - 1:  # at L - 1 the first stage produces every token: nothing to hand over
             assert _kv_used(transport_cluster) == used_before + 1, "the second stage should use the pushed KV"
+        # At L - 1 the second stage never runs: its worker's reservation must still be freed
+        # although the client closes the stream at the last chunk.
+        _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
 
 
 def test_pd_disaggregated_equals_colocated(transport_cluster, reference):
@@ -216,9 +232,4 @@ def test_lazy_pull_of_kept_kv_equals_colocated(transport_cluster, reference):
         assert _metric(transport_cluster, "worker-1", "splitserve_worker_kv_incoming_total", outcome="pulled") >= 1
         # the kept KV is freed on cancel
         assert alpha.Cancel(types_pb2.CancelRequest(request_id="lazy"), timeout=5).cancelled
-        load = alpha.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-        deadline = time.monotonic() + 5
-        while load.free_blocks != load.total_blocks and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling the worker's load, bounded by the deadline
-            load = alpha.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-        assert load.free_blocks == load.total_blocks
+    _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
