@@ -46,11 +46,13 @@ class BenchOptions:
     slo_ttft_ms: float = 1000.0
     slo_itl_ms: float = 100.0
     slo_incremental_ttft_ms: float | None = None
+    slo_max_gap_ms: float | None = None
     send_slo: bool = True
     find_capacity: bool = False
     target_attainment: float = 0.9
     rate_lo: float = 0.5
     rate_hi: float = 8.0
+    rate_max: float | None = None
     rate_tol: float = 0.25
     max_probes: int = 8
     sweep_rates: list[float] = field(default_factory=list)

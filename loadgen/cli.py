@@ -38,9 +38,24 @@ bench_app = typer.Typer(help="Benchmark a splitserve gateway (gRPC) or any OpenA
 console = Console()
 
 
+# Options `splitserve bench` and `splitserve simulate` share word for word.
+SLO_MAX_GAP_OPTION = typer.Option(None, "--slo-max-gap-ms", help="Also miss a request when any one gap between "
+                                  "its tokens exceeds this (ms): exposes stalls, e.g. waiting for a decode slot, "
+                                  "that the per-request p99 hides. Off by default.")
+RATE_MAX_OPTION = typer.Option(None, "--rate-max", help="Capacity search: never probe above this rate; passing "
+                               "there ends the search (reported as capped).")
+
+
 def _slo(opts: BenchOptions) -> Slo:
+    """The SLO the options ask for, in seconds; bad values name their flag."""
+    for flag, value in (("--slo-ttft-ms", opts.slo_ttft_ms), ("--slo-itl-ms", opts.slo_itl_ms),
+                        ("--slo-incremental-ttft-ms", opts.slo_incremental_ttft_ms),
+                        ("--slo-max-gap-ms", opts.slo_max_gap_ms)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag}: must be > 0, got {value}")
     incremental = None if opts.slo_incremental_ttft_ms is None else opts.slo_incremental_ttft_ms / 1000
-    return Slo(opts.slo_ttft_ms / 1000, opts.slo_itl_ms / 1000, incremental)
+    max_gap = None if opts.slo_max_gap_ms is None else opts.slo_max_gap_ms / 1000
+    return Slo(opts.slo_ttft_ms / 1000, opts.slo_itl_ms / 1000, incremental, max_gap)
 
 
 def _new_target(opts: BenchOptions, model: str | None = None) -> Any:
@@ -153,10 +168,14 @@ def run_rates(opts: BenchOptions, config: dict[str, Any], slo: Slo, arrival: Arr
     extra: dict[str, Any] = {}
     if opts.find_capacity:
         capacity = find_capacity(measure, opts.target_attainment, opts.rate_lo, opts.rate_hi, opts.rate_tol,
-                                 opts.max_probes)
+                                 opts.max_probes, max_rate=opts.rate_max)
         extra["capacity"] = capacity.to_dict()
-        console.print(f"[bold]capacity[/]: {capacity.rate:g} req/s meets {opts.target_attainment:.0%} attainment "
-                      f"(first failing rate {capacity.fail_rate:g}, converged={capacity.converged})")
+        if capacity.capped:
+            console.print(f"[bold]capacity[/]: at least {capacity.rate:g} req/s: it still meets "
+                          f"{opts.target_attainment:.0%} attainment at --rate-max")
+        else:
+            console.print(f"[bold]capacity[/]: {capacity.rate:g} req/s meets {opts.target_attainment:.0%} attainment "
+                          f"(first failing rate {capacity.fail_rate:g}, converged={capacity.converged})")
     else:
         for rate in sorted(opts.sweep_rates):
             measure(rate)
@@ -224,6 +243,7 @@ def bench(
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="Per-request p99 inter-token latency SLO (ms)."),
     slo_incremental_ttft_ms: Optional[float] = typer.Option(None, "--slo-incremental-ttft-ms",
                                                             help="TTFT SLO of session rounds > 0 (ms)."),
+    slo_max_gap_ms: Optional[float] = SLO_MAX_GAP_OPTION,
     send_slo: bool = typer.Option(True, "--send-slo/--no-send-slo", help="Send the SLO with each request "
                                   "(splitserve's SLO-aware policies use it; other servers ignore it)."),
     find_capacity_: bool = typer.Option(False, "--find-capacity", help="Search the highest rate meeting "
@@ -231,6 +251,7 @@ def bench(
     target_attainment: float = typer.Option(0.9, "--target-attainment", help="SLO attainment to meet."),
     rate_lo: float = typer.Option(0.5, "--rate-lo", help="Capacity search: first (low) rate probed."),
     rate_hi: float = typer.Option(8.0, "--rate-hi", help="Capacity search: first high rate probed."),
+    rate_max: Optional[float] = RATE_MAX_OPTION,
     rate_tol: float = typer.Option(0.25, "--rate-tol", help="Capacity search: stop when the bracket is this narrow."),
     max_probes: int = typer.Option(8, "--max-probes", help="Capacity search: at most this many runs."),
     sweep_rates: Optional[str] = typer.Option(None, "--sweep-rates", help="Comma list of rates, one run each "
@@ -250,8 +271,9 @@ def bench(
         num_requests=num_requests, trace_time_scale=trace_time_scale, shapes=list(shape or []), sessions=sessions,
         num_sessions=num_sessions, tool_delay=tool_delay, arrival=arrival, concurrency=concurrency,
         max_concurrency=max_concurrency, duration_limit_s=duration_limit, slo_ttft_ms=slo_ttft_ms,
-        slo_itl_ms=slo_itl_ms, slo_incremental_ttft_ms=slo_incremental_ttft_ms, send_slo=send_slo,
-        find_capacity=find_capacity_, target_attainment=target_attainment, rate_lo=rate_lo, rate_hi=rate_hi,
+        slo_itl_ms=slo_itl_ms, slo_incremental_ttft_ms=slo_incremental_ttft_ms, slo_max_gap_ms=slo_max_gap_ms,
+        send_slo=send_slo, find_capacity=find_capacity_, target_attainment=target_attainment, rate_lo=rate_lo,
+        rate_hi=rate_hi, rate_max=rate_max,
         rate_tol=rate_tol, max_probes=max_probes, sweep_rates=_floats(sweep_rates, "--sweep-rates"),
         out_dir=out_dir, per_request=per_request, seed=seed, vocab_size=vocab_size, progress=progress)
     try:

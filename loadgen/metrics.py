@@ -18,6 +18,10 @@ Definitions (all times in seconds, on one clock shared by every field):
   not the max, which one preemption or GC pause decides, and not the mean TPOT, which
   hides stalls -- is what a user feels as steady streaming. Requests with < 2 tokens
   have no gaps and pass the TBT part.
+* With ``Slo.max_gap_s`` set, a request also misses when any single gap exceeds it: a
+  stall, such as waiting for a decode slot after a disaggregated prefill, which one
+  request's p99 over hundreds of gaps would not show. Such a wait is a second TTFT to the
+  user, so a natural limit is the TTFT limit.
 * goodput = output tokens per second of requests meeting the SLO; attainment = their
   fraction of *all* requests (a failed request is a miss).
 * Latency distributions cover successful requests only. Percentiles use numpy's
@@ -89,6 +93,12 @@ class RequestResult:
         return float(np.percentile(gaps, 99, method=PERCENTILE_METHOD)) if gaps.size else None
 
     @property
+    def max_gap_s(self) -> float | None:
+        """Longest gap between consecutive tokens, or None with < 2 tokens."""
+        gaps = self.itls_s
+        return float(gaps.max()) if gaps.size else None
+
+    @property
     def e2e_s(self) -> float:
         """End-to-end latency."""
         return self.end_s - self.arrival_s
@@ -101,6 +111,7 @@ class Slo:
     ttft_s: float
     itl_s: float
     incremental_ttft_s: float | None = None
+    max_gap_s: float | None = None  # longest single stall between tokens; None: not checked
 
     def ttft_limit(self, round_index: int) -> float:
         """The TTFT limit for a request of this session round."""
@@ -170,13 +181,18 @@ def _nan_to_none(value: Any) -> Any:
 
 
 def meets_slo(result: RequestResult, slo: Slo) -> bool:
-    """True when the request succeeded within its TTFT limit and its TBT p99 <= ``slo.itl_s``."""
+    """True when the request succeeded within its TTFT limit, its TBT p99 <= ``slo.itl_s``
+    and (if set) no gap > ``slo.max_gap_s``."""
     if not result.ok or result.ttft_s is None:
         return False
     if result.ttft_s > slo.ttft_limit(result.round_index):
         return False
-    tbt = result.tbt_p99_s
-    return tbt is None or tbt <= slo.itl_s
+    gaps = result.itls_s
+    if not gaps.size:
+        return True
+    if slo.max_gap_s is not None and gaps.max() > slo.max_gap_s:
+        return False
+    return float(np.percentile(gaps, 99, method=PERCENTILE_METHOD)) <= slo.itl_s
 
 
 def summarize(results: Sequence[RequestResult], slo: Slo) -> Summary:
@@ -238,13 +254,16 @@ class CapacityResult:
 
     ``rate`` is the highest probed rate that met the target (0.0 if none did);
     ``fail_rate`` the lowest probed rate that missed it (inf if none did);
-    ``converged`` is whether ``fail_rate - rate <= tol`` within the probe budget.
+    ``converged`` is whether ``fail_rate - rate <= tol`` within the probe budget;
+    ``capped`` is whether the search passed at its ``max_rate`` and stopped there, so the
+    capacity is at least ``rate``.
     """
 
     rate: float
     fail_rate: float
     converged: bool
     probes: list[Probe]
+    capped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view (an unbounded ``fail_rate`` becomes None)."""
@@ -253,6 +272,7 @@ class CapacityResult:
                 "rate": self.rate,
                 "fail_rate": self.fail_rate,
                 "converged": self.converged,
+                "capped": self.capped,
                 "probes": [asdict(p) for p in self.probes],
             }
         )
@@ -265,16 +285,20 @@ def find_capacity(
     hi: float,
     tol: float = 0.1,
     max_iters: int = 16,
+    max_rate: float | None = None,
 ) -> CapacityResult:
     """Highest rate with ``measure(rate) >= target``, assuming attainment falls as rate rises.
 
     Probes ``lo`` (halving until a rate passes), then ``hi`` (doubling until a rate
-    fails), then bisects the bracket until it is at most ``tol`` wide (absolute, in rate
-    units). ``max_iters`` caps the number of ``measure`` calls, each usually a whole
-    benchmark run.
+    fails, never beyond ``max_rate``), then bisects the bracket until it is at most ``tol``
+    wide (absolute, in rate units). ``max_iters`` caps the number of ``measure`` calls,
+    each usually a whole benchmark run; ``max_rate`` caps their cost, which grows with
+    the rate, when the system never fails (or its SLO cannot see it fail).
     """
     if not 0 < lo < hi or not math.isfinite(hi):
         raise ValueError(f"lo/hi: need 0 < lo < hi < inf, got lo={lo}, hi={hi}")
+    if max_rate is not None and not max_rate >= hi:
+        raise ValueError(f"max_rate: must be >= hi ({hi}), got {max_rate}")
     if not tol > 0:
         raise ValueError(f"tol: must be > 0, got {tol}")
     if max_iters < 1:
@@ -301,17 +325,22 @@ def find_capacity(
         rate /= 2
     # 2. Find a failing rate at or above hi.
     rate = hi
+    capped = False
     while good > 0 and math.isinf(bad) and len(probes) < max_iters:
         if passes(rate):
-            good, rate = rate, rate * 2
+            good = rate
+            if max_rate is not None and rate >= max_rate:
+                capped = True
+                break
+            rate = rate * 2 if max_rate is None else min(rate * 2, max_rate)
         else:
             bad = rate
     # 3. Bisect.
-    while good > 0 and bad - good > tol and len(probes) < max_iters:
+    while good > 0 and math.isfinite(bad) and bad - good > tol and len(probes) < max_iters:
         mid = (good + bad) / 2
         if passes(mid):
             good = mid
         else:
             bad = mid
     converged = bad - good <= tol
-    return CapacityResult(rate=good, fail_rate=bad, converged=converged, probes=probes)
+    return CapacityResult(rate=good, fail_rate=bad, converged=converged, probes=probes, capped=capped)

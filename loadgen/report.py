@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 CSV_FIELDS = ("request_id", "session_id", "round_index", "arrival_s", "first_token_s", "end_s", "ttft_s",
-              "tpot_s", "tbt_p99_s", "e2e_s", "prompt_len", "output_len", "ok", "meets_slo", "error")
+              "tpot_s", "tbt_p99_s", "max_gap_s", "e2e_s", "prompt_len", "output_len", "ok", "meets_slo", "error")
 
 
 class LiveProgress:
@@ -115,6 +115,7 @@ def summary_table(summary: Summary, title: str = "benchmark summary") -> Group:
         ("output tokens /s", f"{summary.output_token_throughput:,.1f}"),
         ("goodput tokens /s", f"{summary.goodput_tokens_per_s:,.1f}"),
         ("SLO TTFT / TBT p99 ms", f"{_ms(summary.slo.ttft_s)} / {_ms(summary.slo.itl_s)}"),
+        *((("SLO max gap ms", _ms(summary.slo.max_gap_s)),) if summary.slo.max_gap_s is not None else ()),
         ("SLO attainment", f"{attainment:.1%}" if math.isfinite(attainment) else "-"),
     ):
         totals.add_row(name, value)
@@ -134,6 +135,7 @@ def request_record(result: RequestResult, slo: Slo, token_times: bool = True) ->
         "request_id": result.request_id, "session_id": result.session_id, "round_index": result.round_index,
         "arrival_s": result.arrival_s, "first_token_s": result.first_token_s, "end_s": result.end_s,
         "ttft_s": result.ttft_s, "tpot_s": result.tpot_s, "tbt_p99_s": _finite(result.tbt_p99_s),
+        "max_gap_s": _finite(result.max_gap_s),
         "e2e_s": result.e2e_s, "prompt_len": result.prompt_len, "output_len": result.output_len,
         "ok": result.ok, "meets_slo": meets_slo(result, slo), "error": result.error,
     }

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from loadgen.bench_config import BenchOptions, describe_arrival
-from loadgen.cli import _floats, _slo, _write_run, print_written, run_rates
+from loadgen.cli import RATE_MAX_OPTION, SLO_MAX_GAP_OPTION, _floats, _slo, _write_run, print_written, run_rates
 from loadgen.metrics import RequestResult, summarize
 from loadgen.report import run_record, summary_table
 from services.planner.sim_config import NetworkLatency
@@ -180,12 +180,14 @@ def simulate(
     slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="Per-request p99 inter-token latency SLO (ms)."),
     slo_incremental_ttft_ms: Optional[float] = typer.Option(None, "--slo-incremental-ttft-ms",
                                                             help="TTFT SLO of session rounds > 0 (ms)."),
+    slo_max_gap_ms: Optional[float] = SLO_MAX_GAP_OPTION,
     send_slo: bool = typer.Option(True, "--send-slo/--no-send-slo", help="Give the SLO to the placement policy."),
     find_capacity_: bool = typer.Option(False, "--find-capacity", help="Search the highest rate meeting "
                                         "--target-attainment."),
     target_attainment: float = typer.Option(0.9, "--target-attainment", help="SLO attainment to meet."),
     rate_lo: float = typer.Option(0.5, "--rate-lo", help="Capacity search: first (low) rate probed."),
     rate_hi: float = typer.Option(8.0, "--rate-hi", help="Capacity search: first high rate probed."),
+    rate_max: Optional[float] = RATE_MAX_OPTION,
     rate_tol: float = typer.Option(0.25, "--rate-tol", help="Capacity search: stop when the bracket is this narrow."),
     max_probes: int = typer.Option(8, "--max-probes", help="Capacity search: at most this many runs."),
     sweep_rates: Optional[str] = typer.Option(None, "--sweep-rates", help="Comma list of rates, one run each."),
@@ -235,8 +237,9 @@ def simulate(
         trace_time_scale=trace_time_scale, shapes=list(shape or []), sessions=sessions, num_sessions=num_sessions,
         tool_delay=tool_delay, arrival=arrival, concurrency=concurrency, max_concurrency=max_concurrency,
         duration_limit_s=duration_limit, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
-        slo_incremental_ttft_ms=slo_incremental_ttft_ms, send_slo=send_slo, find_capacity=find_capacity_,
-        target_attainment=target_attainment, rate_lo=rate_lo, rate_hi=rate_hi, rate_tol=rate_tol,
+        slo_incremental_ttft_ms=slo_incremental_ttft_ms, slo_max_gap_ms=slo_max_gap_ms, send_slo=send_slo,
+        find_capacity=find_capacity_, target_attainment=target_attainment, rate_lo=rate_lo, rate_hi=rate_hi,
+        rate_max=rate_max, rate_tol=rate_tol,
         max_probes=max_probes, sweep_rates=_floats(sweep_rates, "--sweep-rates"), out_dir=out_dir,
         per_request=per_request, seed=seed, progress=False)
     cluster = ClusterOptions(

@@ -16,7 +16,7 @@ compute (unless the link is the bottleneck). The sender keeps the stage's blocks
 its last chunk has arrived.
 
 Fast-forward: most steps of a long simulation are runs of identical decode-only steps
-(every running sequence, one token, nothing waiting). For a batch policy whose choice in
+(every running sequence, one token, nothing waiting or no room to admit it). For a batch policy whose choice in
 that state is exactly that whatever the time (`STEADY_DECODE_POLICIES`), the scheduler
 decides the run's first and last step, and the steps between are applied in bulk with
 the effect `Scheduler.on_step_done` has on decode entries (computed counts, blocks,
@@ -39,7 +39,7 @@ from splitserve.perf_model import PerfModel
 from services.planner.sim_blocks import make_block_manager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
-from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
+from workers.engine.sequence import FinishReason, Sequence
 from workers.policies import make_batch_policy
 from workers.policies.base import ExecutedBatch
 
@@ -158,7 +158,6 @@ class SimWorker:
         stage.stop_at = stop_at or total
         if stage.reserved_blocks is not None:
             self.block_manager.adopt(seq, stage.reserved_blocks, prefix_len)
-            seq.status = SequenceStatus.RUNNING
             stage.reserved_blocks = None
         self.scheduler.add(seq)
         self.stages[stage.engine_id] = stage
@@ -192,7 +191,10 @@ class SimWorker:
         self.busy_s += duration
         self.step_end = now + duration
         sched = self.scheduler
-        if (self.fast_forward and all_decodes and not out.preempted and not sched.waiting
+        # Waiting requests change nothing while the running set is full (no admission until
+        # a sequence finishes, which ends the run): a saturated decode worker fast-forwards too.
+        if (self.fast_forward and all_decodes and not out.preempted
+                and (not sched.waiting or len(sched.running) >= sched.budget.max_num_seqs)
                 and len(out.entries) == len(sched.running)):
             steps = self._steady_steps(out)
             if steps >= _MIN_RUN_STEPS:
@@ -349,8 +351,12 @@ class SimWorker:
         extra = 0
         for e in self._run_out.entries:
             extra += max(0, bm.blocks_for_tokens(e.start + scheduled) - len(e.seq.block_table))
-        # Only decodes run and nothing waits: no prefill tokens are queued.
-        return WorkerLoad(bm.num_free_blocks - extra, len(self.scheduler.running), 0, 0)
+        # Only decodes run; whatever waits (the running set is full) waits unchanged all run long.
+        sched = self.scheduler
+        queued = 0
+        for s in sched.waiting:
+            queued += len(s.token_ids) - s.num_computed_tokens
+        return WorkerLoad(bm.num_free_blocks - extra, len(sched.running), len(sched.waiting), queued)
 
     # ---- KV push ---------------------------------------------------------------------------
     def _push_chunks(self, stage: StageRun, computed: int, now: float) -> None:

@@ -92,6 +92,21 @@ def test_tbt_slo_uses_the_per_request_p99_not_the_max():
     assert meets_slo(r, Slo(0.1, 0.05))
 
 
+def test_max_gap_slo_catches_the_stall_the_p99_hides():
+    # The same request as above: one 1 s stall among 200 gaps, e.g. a wait for a decode slot.
+    times = np.concatenate([[0.0], np.cumsum([0.01] * 199 + [1.0])]).tolist()
+    r = RequestResult("x", None, 0, 0.0, 0.0, times, times[-1], 1, 200, True)
+    assert r.max_gap_s == pytest.approx(1.0)
+    assert meets_slo(r, Slo(0.1, 0.05, max_gap_s=1.5))
+    assert not meets_slo(r, Slo(0.1, 0.05, max_gap_s=0.5))
+    # With fewer than 2 tokens there is no gap to check.
+    single = RequestResult("d", None, 0, 0.0, 0.1, [0.1], 0.1, 1, 1, True)
+    assert single.max_gap_s is None and meets_slo(single, Slo(0.2, 0.05, max_gap_s=0.001))
+    # Hand-computed run: a's largest gap is 0.2 s, b's 0.3 s.
+    s = summarize(_results(), Slo(0.6, 0.31, max_gap_s=0.25))
+    assert s.n_meeting_slo == 1 and s.goodput_tokens_per_s == pytest.approx(2.0)
+
+
 def test_to_dict_is_strict_json_and_empty_runs_give_none():
     json.dumps(summarize(_results(), Slo(0.6, 0.31)).to_dict(), allow_nan=False)
     empty = summarize([], Slo(1.0, 0.1)).to_dict()
@@ -144,6 +159,22 @@ def test_capacity_when_nothing_passes_and_when_the_budget_runs_out():
     assert short.to_dict()["fail_rate"] is None
     with pytest.raises(ValueError, match="lo/hi"):
         find_capacity(_step(1.0), 0.9, lo=2.0, hi=1.0)
+
+
+def test_capacity_search_stops_at_max_rate():
+    # A system whose SLO never fails (or cannot see it fail) must not be probed at ever
+    # higher, ever costlier rates: the search ends at max_rate and says it was capped.
+    probed = []
+    result = find_capacity(lambda r: probed.append(r) or 1.0, target=0.9, lo=1.0, hi=2.0, tol=0.01,
+                           max_iters=30, max_rate=10.0)
+    assert probed == [1.0, 2.0, 4.0, 8.0, 10.0]
+    assert result.capped and result.rate == 10.0 and math.isinf(result.fail_rate) and not result.converged
+    assert result.to_dict()["capped"] is True
+    # Below the cap the search is unchanged.
+    below = find_capacity(_step(7.3), target=0.9, lo=1.0, hi=2.0, tol=0.05, max_iters=30, max_rate=10.0)
+    assert below.converged and not below.capped and 7.25 <= below.rate <= 7.3 < below.fail_rate
+    with pytest.raises(ValueError, match="max_rate"):
+        find_capacity(_step(1.0), 0.9, lo=1.0, hi=4.0, max_rate=3.0)
 
 
 @settings(max_examples=50, deadline=None)

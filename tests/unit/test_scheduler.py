@@ -49,6 +49,18 @@ class Sim:
         self.sched.add(seq)
         return seq
 
+    def add_with_kv(self, rid, prompt, prefix_len, max_tokens=4) -> Sequence:
+        """A later stage: KV of [0, prefix_len) arrived from another worker into reserved blocks."""
+        seq = Sequence(request_id=rid, token_ids=list(prompt), prompt_len=len(prompt),
+                       params=SamplingParams(max_tokens=max_tokens), seed=0, arrival_time=self.now)
+        blocks = self.bm.reserve(self.bm.blocks_for_tokens(prefix_len))
+        bs = self.bm.block_size
+        for pos in range(prefix_len):  # the transfer writes the other worker's KV
+            self.kv[blocks[pos // bs]][pos % bs] = seq.token_ids[pos]
+        self.bm.adopt(seq, blocks, prefix_len)
+        self.sched.add(seq)
+        return seq
+
     def schedule(self) -> SchedulerOutput:
         out = self.sched.schedule()
         self.check_step(out)
@@ -79,7 +91,9 @@ class Sim:
         assert [b.ref_count for b in bm.blocks] == holders
         assert bm.num_free_blocks == holders.count(0)
         for s in sched.waiting:
-            assert s.block_table == [] and s.status is SequenceStatus.WAITING
+            assert s.status is SequenceStatus.WAITING
+            # Waiting with blocks only when its KV came from elsewhere: exactly its computed tokens.
+            assert len(s.block_table) == bm.blocks_for_tokens(s.num_computed_tokens)
         # fake KV: reads must see own tokens, writes must not touch blocks shared with others
         bs = bm.block_size
         written: set[tuple[int, int]] = set()
@@ -635,3 +649,40 @@ def test_random_mixes_run_to_completion(w):
 @given(workloads(shared_prefixes=True))
 def test_random_mixes_with_shared_prefixes_keep_kv_consistent(w):
     run_workload(*w)
+
+
+# ---- sequences whose KV arrived from another worker --------------------------------
+
+
+def test_transferred_kv_waits_for_a_slot_under_max_num_seqs():
+    # A decode worker with room for one sequence: a later stage arriving with its KV waits,
+    # holding the KV, instead of growing the batch beyond max_num_seqs.
+    sim = Sim(16, 4, 64, max_num_seqs=1)
+    sim.add("a", [1, 2, 3, 4, 5], max_tokens=3)
+    sim.step()
+    b = sim.add_with_kv("b", list(range(20, 29)), prefix_len=8, max_tokens=2)
+    assert b.status is SequenceStatus.WAITING and len(b.block_table) == 2
+    while "a" not in sim.finished:
+        out = sim.step()
+        assert [e.seq.request_id for e in out.entries] == ["a"]
+        assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 8
+    out = sim.step()
+    assert plan(out) == [("b", 8, 1)]  # nothing recomputed: only the last prompt token
+    sim.run()
+    assert b.num_preemptions == 0 and sim.bm.num_free_blocks == 16
+
+
+def test_waiting_kv_holders_do_not_deadlock_when_nothing_runs():
+    # Two later stages fill the pool with their KV and each needs one more block to go on.
+    # Nothing is running, so nothing will free a block: the newer one's KV is dropped and
+    # it recomputes after the older one finishes.
+    sim = Sim(4, 4, 64, max_num_seqs=4, prefix_caching=False)
+    b = sim.add_with_kv("b", list(range(30, 39)), prefix_len=8, max_tokens=2)
+    c = sim.add_with_kv("c", list(range(40, 49)), prefix_len=8, max_tokens=2)
+    assert sim.bm.num_free_blocks == 0
+    out = sim.step()
+    assert plan(out)[0] == ("b", 8, 1)
+    assert c.num_preemptions == 1
+    assert all(start == 0 for rid, start, _ in plan(out) if rid == "c")  # recomputes from the start
+    sim.run()
+    assert set(sim.finished) == {"b", "c"} and sim.bm.num_free_blocks == 4

@@ -185,9 +185,12 @@ def test_everything_finishes_and_every_block_comes_back(policy, roles):
     assert sum(w.scheduler.num_preemptions for w in run.workers) == run.stats.preemptions
 
 
-@pytest.mark.parametrize("policy,roles,caching", [("least_loaded", None, True), ("round_robin", None, False),
-                                                  ("pd_disaggregated", ("prefill", "decode", "decode"), True)])
-def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, roles, caching):
+@pytest.mark.parametrize("policy,roles,caching,max_num_seqs", [
+    ("least_loaded", None, True, 256), ("round_robin", None, False, 256),
+    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 256),
+    # Full running sets with requests waiting (fast-forwarded too): later stages queue for a slot.
+    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 3), ("round_robin", None, True, 3)])
+def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, roles, caching, max_num_seqs):
     views: list[tuple] = []
 
     def recording(**params):
@@ -208,7 +211,7 @@ def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, ro
     for fast in (False, True):
         views.clear()
         sim = toy_sim(3, placement_policy="recording", roles=roles, num_kv_blocks=150, max_num_batched_tokens=256,
-                      enable_prefix_caching=caching, fast_forward=fast, view_refresh_s=0.01,
+                      max_num_seqs=max_num_seqs, enable_prefix_caching=caching, fast_forward=fast, view_refresh_s=0.01,
                       latency=NetworkLatency())
         outcomes.append(sim.run(items, arrivals.poisson(30.0), seed=3))
         seen.append(list(views))
@@ -283,3 +286,30 @@ def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
     assert search.exit_code == 0, search.output
     capacity = json.loads((tmp_path / "cap" / "capacity.json").read_text())["capacity"]
     assert 1.0 <= capacity["rate"] < 400.0 and "capacity" in search.output
+
+
+def test_simulate_max_gap_slo_sees_decode_queueing_and_rate_max_caps_the_search(tmp_path):
+    """pd_disaggregated with one decode slot: each request waits for it after its prefill, one long
+    gap that each request's own p99 TBT hides and --slo-max-gap-ms counts."""
+    common = ["--workers", "2", "--policy", "pd_disaggregated", "--prefill-workers", "1", "--max-num-seqs", "1",
+              "--shape", "P128/D200", "-n", "12", "--arrival", "poisson:rate=50", "--slo-ttft-ms", "1000"]
+    runs = {}
+    for name, extra in (("p99_only", []), ("max_gap", ["--slo-max-gap-ms", "1000"])):
+        result = CliRunner().invoke(simulate_app, [*common, *extra, "--out-dir", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        runs[name] = json.loads((tmp_path / name / "simulate.json").read_text())["summary"]
+    assert runs["p99_only"]["slo_attainment"] == 1.0
+    assert runs["max_gap"]["slo_attainment"] < 0.5
+    assert runs["max_gap"]["slo"]["max_gap_s"] == 1.0
+
+    capped = CliRunner().invoke(simulate_app, [*common[:-4], "-n", "12", "--find-capacity", "--rate-lo", "1",
+                                               "--rate-hi", "2", "--rate-max", "6", "--slo-ttft-ms", "1000000",
+                                               "--out-dir", str(tmp_path / "capped")])
+    assert capped.exit_code == 0, capped.output
+    capacity = json.loads((tmp_path / "capped" / "capacity.json").read_text())["capacity"]
+    assert capacity["capped"] and capacity["rate"] == 6.0
+    assert [p["rate"] for p in capacity["probes"]] == [1.0, 2.0, 4.0, 6.0]
+    assert "at least 6" in capped.output
+
+    bad = CliRunner().invoke(simulate_app, [*common, "--slo-max-gap-ms", "0"])
+    assert bad.exit_code == 2 and "--slo-max-gap-ms: must be > 0" in bad.output

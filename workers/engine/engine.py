@@ -14,7 +14,7 @@ from workers.engine.config import EngineConfig, load_model_spec
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
+from workers.engine.sequence import FinishReason, Sequence
 from workers.policies import make_batch_policy
 
 if TYPE_CHECKING:  # torch and the model runner load on use: the emulated backend has neither
@@ -156,7 +156,6 @@ class Engine:
             if not 0 < prefix_len < known:
                 raise ValueError(f"prefix_len ({prefix_len}) must be in [1, {known - 1}] for {known} known tokens")
             self.block_manager.adopt(seq, prefix_blocks, prefix_len)
-            seq.status = SequenceStatus.RUNNING
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -316,7 +315,6 @@ class Engine:
         self.runner.import_kv(seq, 0, kv)
         seq.num_computed_tokens = n
         bm.commit_computed(seq)
-        seq.status = SequenceStatus.RUNNING
 
 
 def _load_tokenizer(model_dir: Path):

@@ -2,6 +2,11 @@
 
 The *choice* of work is the BatchPolicy's; the scheduler owns the queues and KV memory
 and turns the policy's choice into a feasible step (pure: no torch, clock injected).
+
+Every new sequence waits, including one whose KV arrived from another worker (a later
+stage: its blocks are already in its table). Such a sequence is admitted, as any other,
+only under `max_num_seqs`, so a decode worker fed by prefill workers never runs a larger
+batch than it was configured for; it waits holding its KV, which it computes no more.
 """
 
 from __future__ import annotations
@@ -67,11 +72,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.sequences:
             raise ValueError(f"request_id {seq.request_id!r} is already in the engine")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"request {seq.request_id!r} must be added waiting, not {seq.status.value}")
         self.sequences[seq.request_id] = seq
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.append(seq)  # admitted with imported KV already in place
-        else:
-            self.waiting.append(seq)
+        self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark finished and free its KV unless it is held for export."""
@@ -98,10 +102,12 @@ class Scheduler:
         """Ask the policy for a batch and make it fit in KV memory."""
         bm = self.block_manager
         lookahead = list(self.waiting)[: self.budget.max_num_seqs]
-        prefix_hits = {s.request_id: bm.cached_prefix_blocks(s) for s in lookahead}
+        # A waiting sequence holding blocks got its KV from another worker: no lookup.
+        prefix_hits = {s.request_id: bm.cached_prefix_blocks(s) for s in lookahead if not s.block_table}
         running_view = [_view(s, s.num_computed_tokens) for s in self.running]
         waiting_view = [
-            _view(s, len(prefix_hits[s.request_id]) * bm.block_size) for s in lookahead
+            _view(s, s.num_computed_tokens if s.block_table else len(prefix_hits[s.request_id]) * bm.block_size)
+            for s in lookahead
         ]
         batch = self.policy.next_batch(running_view, waiting_view, self.budget, self.clock())
 
@@ -124,15 +130,23 @@ class Scheduler:
             elif seq.status is SequenceStatus.WAITING:
                 if not admit_waiting or out.preempted or len(self.running) >= self.budget.max_num_seqs:
                     continue
-                # Look up again: growing running sequences may have evicted cached blocks.
-                hits = bm.cached_prefix_blocks(seq)
-                n = min(n, seq.num_tokens - len(hits) * bm.block_size)
-                if seq.stop_at is not None:
-                    n = min(n, seq.stop_at - len(hits) * bm.block_size)
-                if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
-                    admit_waiting = False  # FCFS: no one overtakes a blocked head
-                    continue
-                bm.admit(seq, hits, n)
+                if seq.block_table:  # its KV is in place (from another worker): only grow it
+                    if not bm.can_grow(seq, n) and not self.running:
+                        self._drop_waiting_kv(seq, n)
+                    if not bm.can_grow(seq, n):
+                        admit_waiting = False
+                        continue
+                    bm.grow(seq, n)
+                else:
+                    # Look up again: growing running sequences may have evicted cached blocks.
+                    hits = bm.cached_prefix_blocks(seq)
+                    n = min(n, seq.num_tokens - len(hits) * bm.block_size)
+                    if seq.stop_at is not None:
+                        n = min(n, seq.stop_at - len(hits) * bm.block_size)
+                    if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
+                        admit_waiting = False  # FCFS: no one overtakes a blocked head
+                        continue
+                    bm.admit(seq, hits, n)
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -174,6 +188,18 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
         return True
+
+    def _drop_waiting_kv(self, seq: Sequence, n: int) -> None:
+        """With nothing running no finish will free blocks: drop the KV other waiting
+        sequences hold, newest first, until `seq` can grow by n (they will recompute)."""
+        bm = self.block_manager
+        for other in reversed(self.waiting):
+            if bm.can_grow(seq, n):
+                return
+            if other is not seq and other.block_table:
+                bm.free(other)
+                other.num_preemptions += 1
+                self.num_preemptions += 1
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute-style preemption: KV is dropped (cached full blocks may still be hit
