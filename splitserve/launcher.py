@@ -166,7 +166,9 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
             children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0))))
         # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
         children.reverse()
+        deadline = time.monotonic() + ready_timeout_s
         wait_healthy(cluster, ready_timeout_s)
+        wait_workers_placeable(cluster, max(1.0, deadline - time.monotonic()))
     except BaseException:
         cluster.stop()
         raise
@@ -188,6 +190,29 @@ def wait_healthy(cluster: Cluster, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {', '.join(sorted(pending))}")
         time.sleep(0.1)  # polling readiness, bounded by the deadline
+
+
+def wait_workers_placeable(cluster: Cluster, timeout_s: float) -> None:
+    """Poll the scheduler until its view holds every worker: a worker is SERVING once it has
+    registered, but placement sees it only at the view's next refresh, and a request sent
+    in between would be planned on fewer workers than the cluster has."""
+    from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    expected = len(cluster.worker_addresses)
+    seen = 0
+    with grpc.insecure_channel(cluster.scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.GlobalSchedulerStub(channel)
+        while True:
+            try:
+                seen = len(stub.ClusterState(scheduler_pb2.ClusterStateRequest(), timeout=1.0).workers)
+            except grpc.RpcError:
+                seen = 0
+            if seen >= expected:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler sees {seen} of {expected} workers after {timeout_s:.0f} s")
+            time.sleep(0.02)  # polling the scheduler's view, bounded by the deadline
 
 
 def wait_port_healthy(address: str, process: subprocess.Popen, timeout_s: float) -> None:

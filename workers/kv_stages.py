@@ -104,6 +104,7 @@ class KvStageManager:
             KV_OUTCOMES.labels("no_reservation").inc()
             return None
         ok = await self.tracker.wait(transfer_id, self.transfer_timeout_s)
+        corrupt = self.tracker.failed(transfer_id)  # before forget(), which drops what it knew
         self._reservations.pop(transfer_id, None)
         self.tracker.forget(transfer_id)
         if self.transport is not None:
@@ -111,7 +112,7 @@ class KvStageManager:
         if ok and reservation.num_tokens >= num_tokens:
             KV_OUTCOMES.labels("used").inc()
             return reservation.block_ids
-        outcome = "corrupt" if self.tracker.failed(transfer_id) else "timeout"
+        outcome = "corrupt" if corrupt else "timeout"
         log.warning("incoming KV %s unusable (%s); recomputing from tokens", transfer_id, outcome)
         KV_OUTCOMES.labels("recomputed").inc()
         await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
