@@ -320,8 +320,9 @@ class SimWorker:
                 bm.commit_computed(seq)  # only a newly full block has anything to index
             self.stages[seq.request_id].token_times.extend(ends)
             max_start = max(max_start, e.start)
-        for i in range(done):
-            observe(ExecutedBatch(0, batch, max_start + i + 1, self._run_durations[i]))
+        if getattr(self.scheduler.policy, "observes_steps", True):
+            for i in range(done):
+                observe(ExecutedBatch(0, batch, max_start + i + 1, self._run_durations[i]))
 
     def _before_change(self, now: float) -> None:
         """Snapshot the load for a refresh that passed, and bring a fast-forwarded run to `now`."""

@@ -65,6 +65,9 @@ class BatchPolicy(Protocol):
     """Chooses the next batch from the running and waiting queues (pure)."""
 
     name: str
+    # Optional class attribute `observes_steps = False`: observe() ignores what it is given,
+    # so the simulator skips the calls in fast-forwarded runs of decode steps (millions in
+    # a long run). Absent means True.
 
     def next_batch(
         self,

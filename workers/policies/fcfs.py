@@ -11,6 +11,7 @@ class FcfsPolicy:
     """Running requests first (decodes and unfinished prefill chunks), then waiting ones."""
 
     name = "fcfs"
+    observes_steps = False  # observe() below is a no-op
 
     def next_batch(
         self,
