@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from workers.engine.sequence import FinishReason, SequenceStatus
@@ -87,16 +86,14 @@ def _state(sim: Sim):
 class Driver:
     """Runs one random interleaving and checks the transferred-KV properties on every step."""
 
-    def __init__(self, cfg: Config, recover_known_deadlock: bool):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.sim = cfg.sim()
-        self.recover = recover_known_deadlock
         self.reqs: dict[str, Req] = {}
         self.seqs = {}
         self.adopted: dict[str, tuple[int, ...]] = {}  # a KV request's table as adopted
         self.first_start: dict[str, int] = {}
         self.aborted: set[str] = set()
-        self.forced_aborts = 0  # known-deadlock recoveries (only when recovering)
         self.drops = 0
         self.seen: set = set()  # states at step starts since the last add or abort
 
@@ -133,33 +130,23 @@ class Driver:
         if sched.has_unfinished():
             state = _state(sim)
             if state in self.seen:  # deterministic: this loop never ends
-                self._stuck()
-                return
+                raise NoProgress(f"the scheduler loops forever: waiting="
+                                 f"{[(q.request_id, len(q.block_table)) for q in sched.waiting]} "
+                                 f"running={[q.request_id for q in sched.running]} free={sim.bm.num_free_blocks}")
             self.seen.add(state)
-        bm = sim.bm
-        had_running = bool(sched.running)
+        running_before = len(sched.running)
         waiting_before = list(sched.waiting)
-        head = waiting_before[0] if waiting_before else None
         holders = [s for s in waiting_before if s.block_table]
         preemptions_before = {s.request_id: s.num_preemptions for s in holders}
-        # Expected drops: with nothing running, a KV-holding head that cannot grow by its
-        # first chunk frees other holders' KV, newest first, only until it can.
-        expected_drops = []
-        if not had_running and head is not None and head.block_table:
-            need = bm.blocks_to_grow(head, min(head.num_schedulable_tokens, sched.budget.max_num_batched_tokens))
-            free = bm.num_free_blocks
-            for h in reversed(holders[1:]):
-                if free >= need:
-                    break
-                expected_drops.insert(0, h)
-                free += sum(bm.blocks[b].ref_count == 1 for b in h.block_table)
 
         out = sim.schedule()  # Sim.check_step: budget, max_num_seqs, ref counts, KV isolation
 
+        # Waiting KV is dropped only where nothing else would free a block: nothing running,
+        # or the only running sequence about to preempt itself; and newest first.
         # (a dropped holder may be admitted again in the same step, from scratch)
         dropped = [s for s in holders if s.num_preemptions > preemptions_before[s.request_id]]
-        assert not (dropped and had_running), "waiting KV dropped although a sequence was running"
-        assert dropped == expected_drops, "waiting KV not dropped newest first, only as needed"
+        assert not (dropped and running_before > 1), "waiting KV dropped although others were running"
+        assert dropped == holders[len(holders) - len(dropped):], "waiting KV not dropped newest first"
         self.drops += len(dropped)
         for s in dropped:
             assert s.num_preemptions == preemptions_before[s.request_id] + 1
@@ -190,20 +177,6 @@ class Driver:
                 assert s.num_computed_tokens == req.prefix_len
 
         sim.finish_step(out)
-
-    def _stuck(self) -> None:
-        sched, bm = self.sim.sched, self.sim.bm
-        state = (f"waiting={[(s.request_id, len(s.block_table)) for s in sched.waiting]} "
-                 f"running={[s.request_id for s in sched.running]} free={bm.num_free_blocks}")
-        holders = [s for s in sched.waiting if s.block_table]
-        if not (self.recover and holders):
-            raise NoProgress(f"the scheduler loops forever: {state}")
-        # The known bug (see the reproductions below): waiting KV holders keep blocks that
-        # the head or the only running sequence needs, and only a KV-holding head with
-        # nothing running ever drops them. Break the loop as a client would, by aborting
-        # the newest holder, and go on checking everything else.
-        self.forced_aborts += 1
-        self.abort(holders[-1].request_id)
 
     def drain(self) -> None:
         remaining = sum(r.total_tokens for rid, r in self.reqs.items() if rid in self.sim.sched.sequences)
@@ -267,8 +240,8 @@ def draw_prompt(data, cfg: Config, base: list[int], max_tokens: int, min_len: in
     return base[:cut] + tail
 
 
-def interleave(data, cfg: Config, recover: bool, burst: int = 0) -> Driver:
-    d = Driver(cfg, recover_known_deadlock=recover)
+def interleave(data, cfg: Config, burst: int = 0) -> Driver:
+    d = Driver(cfg)
     base = data.draw(st.lists(st.integers(0, 3), max_size=16), label="base prompt")
     n_ops = data.draw(st.integers(1, 30), label="n_ops")
     # few steps between arrivals pile up waiting KV; many keep the pool busy
@@ -301,7 +274,6 @@ def interleave(data, cfg: Config, recover: bool, burst: int = 0) -> Driver:
     event(f"kv finished without preemption: {sum(d.seqs[r.rid].num_preemptions == 0 for r in kv if r.rid in d.sim.finished) > 0}")
     event(f"waiting KV dropped: {d.drops > 0}")
     event(f"preemptions: {d.sim.sched.num_preemptions > 0}")
-    event(f"forced aborts (known bug): {d.forced_aborts > 0}")
     event(f"finished: {min(len(d.sim.finished), 4)}+")
     return d
 
@@ -309,91 +281,67 @@ def interleave(data, cfg: Config, recover: bool, burst: int = 0) -> Driver:
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs, st.data())
 def test_random_interleavings_with_transferred_kv_keep_invariants(cfg, data):
-    """Every step passes check_step; waiting KV is dropped only when nothing runs, newest
-    first; an undropped KV holder keeps its adopted blocks while waiting and starts at
-    prefix_len; finished outputs equal running alone; all blocks end free; no endless
-    loop other than the known bug below (broken here by aborting the newest KV holder)."""
-    interleave(data, cfg, recover=True)
+    """Every step passes check_step; waiting KV is dropped only where nothing else frees a
+    block, newest first; an undropped KV holder keeps its adopted blocks while waiting and
+    starts at prefix_len; every request finishes (no deadlock, no livelock) with the output
+    it has alone; all blocks end free."""
+    interleave(data, cfg)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs, st.integers(2, 6), st.data())
 def test_bursts_of_transferred_kv_filling_the_pool_keep_invariants(cfg, burst, data):
-    """As above, starting with several later stages whose KV fills much of the pool, so
-    that KV-holding heads with nothing running must drop the newer holders' KV."""
-    interleave(data, cfg, recover=True, burst=burst)
+    """As above, starting with several later stages whose KV fills much of the pool."""
+    interleave(data, cfg, burst=burst)
 
 
-@pytest.mark.xfail(strict=True, raises=NoProgress,
-                   reason="BUG: KV held by waiting later stages can block a sequence without "
-                          "blocks forever (deadlock) or make the only running one preempt itself "
-                          "over and over (livelock): _drop_waiting_kv only runs for a KV-holding head")
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
-@given(configs, st.data())
-def test_random_interleavings_with_transferred_kv_all_finish(cfg, data):
-    """Liveness: with no intervention every request that fits the pool alone finishes."""
-    interleave(data, cfg, recover=False)
+# ---- regressions: the endless loops waiting KV once caused (found by the tests above) ----
 
 
-# ---- minimal reproductions of the bug ---------------------------------------------------
-
-
-@pytest.mark.xfail(strict=True, raises=NoProgress, reason="BUG: plain head blocked by a waiting KV holder, nothing runs")
-def test_plain_head_blocked_by_waiting_kv_holders_deadlocks():
+def test_plain_head_behind_which_kv_waits_is_admitted():
     # 4 blocks of 4. a (plain, 12 tokens: 3 blocks) arrives first; then b's KV (8 tokens,
     # 2 blocks) is reserved and adopted. a heads the queue and needs 3 blocks, 2 are free;
-    # b may not overtake it; nothing runs, so nothing will ever free a block.
+    # b may not overtake it and nothing runs: b's KV is dropped so that a can go.
     cfg = Config(block_size=4, num_blocks=4, budget=64, max_num_seqs=4, caching=False)
-    d = Driver(cfg, recover_known_deadlock=False)
-    d.add_plain(Req("a", list(range(12)), 1))
-    d.add_kv(Req("b", list(range(20, 29)), 1, prefix_len=8))
-    d.drain()
-
-
-@pytest.mark.xfail(strict=True, raises=NoProgress, reason="BUG: a self-preempted sequence is blocked by a waiting KV holder")
-def test_running_sequence_preempted_by_waiting_kv_holder_deadlocks():
-    # The same state reached from a running sequence: a runs with 2 blocks; b's KV takes
-    # the other 2 and b waits (max_num_seqs=1). a needs a 3rd block at position 8, has no
-    # victim, preempts itself, and then heads the queue needing 3 blocks with 2 free.
-    cfg = Config(block_size=4, num_blocks=4, budget=64, max_num_seqs=1, caching=False)
-    d = Driver(cfg, recover_known_deadlock=False)
-    d.add_plain(Req("a", list(range(8)), 2))
-    d.step()
-    d.add_kv(Req("b", list(range(20, 26)), 1, prefix_len=5))
-    d.drain()
-
-
-@pytest.mark.xfail(strict=True, raises=NoProgress, reason="BUG: livelock, the only running sequence "
-                   "preempts itself and is re-admitted chunk by chunk while a waiting KV holder keeps its block")
-def test_chunked_prefill_livelocks_behind_a_waiting_kv_holder():
-    # 3 blocks of 2, budget 2 tokens. a (4 prompt tokens + 2 outputs: 5 tokens of KV,
-    # 3 blocks) runs; b's KV takes 1 block and b waits (max_num_seqs=1). a decodes at
-    # position 4, needs its 3rd block, preempts itself; its 2-token chunk is admissible
-    # again, so it recomputes [0, 4) and preempts itself again, forever.
-    cfg = Config(block_size=2, num_blocks=3, budget=2, max_num_seqs=1, caching=False)
-    d = Driver(cfg, recover_known_deadlock=False)
-    d.add_plain(Req("a", [1, 2, 3, 4], 2))
-    d.add_kv(Req("b", [5, 6], 1, prefix_len=1))
-    d.drain()
-
-
-def test_known_deadlock_recovers_when_the_holder_is_aborted():
-    # The recovery the property test uses: aborting the waiting KV holder unblocks the head.
-    cfg = Config(block_size=4, num_blocks=4, budget=64, max_num_seqs=4, caching=False)
-    d = Driver(cfg, recover_known_deadlock=True)
+    d = Driver(cfg)
     d.add_plain(Req("a", list(range(12)), 1))
     d.add_kv(Req("b", list(range(20, 29)), 1, prefix_len=8))
     d.drain()
     d.check_end()
-    assert d.forced_aborts == 1 and d.aborted == {"b"} and set(d.sim.finished) == {"a"}
+    assert d.drops == 1 and set(d.sim.finished) == {"a", "b"}
+
+
+def test_only_running_sequence_drops_waiting_kv_rather_than_preempting_itself():
+    # a runs with 2 blocks; b's KV takes the other 2 and b waits (max_num_seqs=1). a needs
+    # a 3rd block at position 8: preempting itself would leave it blocked behind b's KV.
+    cfg = Config(block_size=4, num_blocks=4, budget=64, max_num_seqs=1, caching=False)
+    d = Driver(cfg)
+    d.add_plain(Req("a", list(range(8)), 2))
+    d.step()
+    d.add_kv(Req("b", list(range(20, 26)), 1, prefix_len=5))
+    d.drain()
+    d.check_end()
+    assert d.seqs["a"].num_preemptions == 0 and d.seqs["b"].num_preemptions == 1
+
+
+def test_chunked_prefill_does_not_livelock_behind_waiting_kv():
+    # 3 blocks of 2, budget 2 tokens. a (4 prompt tokens + 2 outputs: 3 blocks) runs; b's
+    # KV takes 1 block and b waits (max_num_seqs=1). a decodes at position 4 and needs its
+    # 3rd block: preempting itself, it would recompute [0, 4) and come back to the same wall.
+    cfg = Config(block_size=2, num_blocks=3, budget=2, max_num_seqs=1, caching=False)
+    d = Driver(cfg)
+    d.add_plain(Req("a", [1, 2, 3, 4], 2))
+    d.add_kv(Req("b", [5, 6], 1, prefix_len=1))
+    d.drain()
+    d.check_end()
+    assert set(d.sim.finished) == {"a", "b"}
 
 
 def test_kv_holders_only_all_added_before_a_step_finish_with_drops():
-    # Deterministic companion of the existing drop test: three later stages fill the pool;
-    # the head goes on, the newer ones' KV is dropped newest first and they recompute.
+    # Three later stages fill the pool; the head goes on, the newer ones' KV is dropped
+    # newest first and they recompute.
     cfg = Config(block_size=2, num_blocks=6, budget=64, max_num_seqs=4, caching=True)
-    d = Driver(cfg, recover_known_deadlock=False)
+    d = Driver(cfg)
     for i in range(3):
         d.add_kv(Req(f"k{i}", [10 * i + j for j in range(5)], 1, prefix_len=4))
     assert d.sim.bm.num_free_blocks == 0

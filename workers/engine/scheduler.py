@@ -7,12 +7,16 @@ Every new sequence waits, including one whose KV arrived from another worker (a 
 stage: its blocks are already in its table). Such a sequence is admitted, as any other,
 only under `max_num_seqs`, so a decode worker fed by prefill workers never runs a larger
 batch than it was configured for; it waits holding its KV, which it computes no more.
+That held KV is the one memory no step frees, so where it would stop all progress (nothing
+else running, or the only running sequence about to preempt itself) it is dropped, newest
+first, and those stages recompute (`_drop_waiting_kv`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from workers.engine.block_manager import BlockManager
@@ -131,21 +135,22 @@ class Scheduler:
                 if not admit_waiting or out.preempted or len(self.running) >= self.budget.max_num_seqs:
                     continue
                 if seq.block_table:  # its KV is in place (from another worker): only grow it
-                    if not bm.can_grow(seq, n) and not self.running:
-                        self._drop_waiting_kv(seq, n)
-                    if not bm.can_grow(seq, n):
+                    fits = partial(bm.can_grow, seq, n)
+                    if not fits() and not (not self.running and self._drop_waiting_kv(fits, keep=seq)):
                         admit_waiting = False
                         continue
                     bm.grow(seq, n)
                 else:
-                    # Look up again: growing running sequences may have evicted cached blocks.
-                    hits = bm.cached_prefix_blocks(seq)
-                    n = min(n, seq.num_tokens - len(hits) * bm.block_size)
-                    if seq.stop_at is not None:
-                        n = min(n, seq.stop_at - len(hits) * bm.block_size)
+                    wanted = n
+                    hits, n = self._admission(seq, wanted)
                     if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
-                        admit_waiting = False  # FCFS: no one overtakes a blocked head
-                        continue
+                        def fits(seq=seq, wanted=wanted) -> bool:
+                            return bm.admission_cost(seq, *self._admission(seq, wanted)) <= bm.num_free_blocks
+
+                        if not (not self.running and self._drop_waiting_kv(fits)):
+                            admit_waiting = False  # FCFS: no one overtakes a blocked head
+                            continue
+                        hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
                     bm.admit(seq, hits, n)
                 self.waiting.remove(seq)
                 self.running.append(seq)
@@ -173,6 +178,15 @@ class Scheduler:
         self.policy.observe(ExecutedBatch(prefill_tokens, decode_seqs, max_ctx, latency_s))
 
     # ---- internals -------------------------------------------------------------
+    def _admission(self, seq: Sequence, wanted: int) -> tuple[list[int], int]:
+        """Cached prefix blocks and new tokens (at most `wanted`) to admit a sequence without blocks."""
+        bm = self.block_manager
+        # Looked up at admission: growing running sequences may have evicted cached blocks.
+        hits = bm.cached_prefix_blocks(seq)
+        cached = len(hits) * bm.block_size
+        end = seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at)
+        return hits, min(wanted, end - cached)
+
     def _make_room(self, seq: Sequence, n: int, scheduled: set[str], preempted: list[Sequence]) -> bool:
         """Preempt the newest unscheduled running sequences until `seq` can grow by n."""
         bm = self.block_manager
@@ -182,6 +196,10 @@ class Scheduler:
                 None,
             )
             if victim is None:
+                # Alone and preempting itself, it would come back to the same wall (a livelock)
+                # while waiting stages' KV holds the blocks it needs.
+                if len(self.running) == 1 and self._drop_waiting_kv(partial(bm.can_grow, seq, n)):
+                    return True
                 self._preempt(seq)
                 preempted.append(seq)
                 return False
@@ -189,17 +207,20 @@ class Scheduler:
             preempted.append(victim)
         return True
 
-    def _drop_waiting_kv(self, seq: Sequence, n: int) -> None:
-        """With nothing running no finish will free blocks: drop the KV other waiting
-        sequences hold, newest first, until `seq` can grow by n (they will recompute)."""
+    def _drop_waiting_kv(self, fits: Callable[[], bool], keep: Sequence | None = None) -> bool:
+        """Drop the KV waiting stages hold (newest first, never `keep`'s) until `fits()`; whether it does.
+
+        Only where no step would ever free a block otherwise; the dropped stages recompute.
+        """
         bm = self.block_manager
         for other in reversed(self.waiting):
-            if bm.can_grow(seq, n):
-                return
-            if other is not seq and other.block_table:
+            if fits():
+                return True
+            if other is not keep and other.block_table:
                 bm.free(other)
                 other.num_preemptions += 1
                 self.num_preemptions += 1
+        return fits()
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute-style preemption: KV is dropped (cached full blocks may still be hit
