@@ -55,6 +55,7 @@ from loadgen.metrics import Slo, find_capacity, summarize  # noqa: E402
 from loadgen.traces import TraceRequest, read_trace  # noqa: E402
 from loadgen.workloads import DYNASERVE_SHAPES, RequestShape  # noqa: E402
 from services.planner.sim_workload import requests_from_shapes, requests_from_trace  # noqa: E402
+from services.planner.sim_run import STALLED  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
 
 console = Console(width=170)  # tables stay readable when piped to a file
@@ -128,7 +129,11 @@ def evaluate(workload: Workload, args: argparse.Namespace) -> list[dict[str, Any
 
     def summary_at(policy: str, rate: float):
         items, arrival = workload.run_inputs(rate, args.window_s, args.min_requests)
-        return summarize(sims[policy].run(items, arrival, seed=args.seed).results, workload.slo)
+        results = sims[policy].run(items, arrival, seed=args.seed).results
+        stalled = sum(r.error == STALLED for r in results)
+        if stalled:  # a deadlock in the engine or simulator, not overload: never a data point
+            raise RuntimeError(f"{workload.name} / {policy} at {rate:g} req/s: {stalled} requests stalled")
+        return summarize(results, workload.slo)
 
     rows = []
     for policy, sim in sims.items():

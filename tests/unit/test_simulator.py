@@ -313,3 +313,15 @@ def test_simulate_max_gap_slo_sees_decode_queueing_and_rate_max_caps_the_search(
 
     bad = CliRunner().invoke(simulate_app, [*common, "--slo-max-gap-ms", "0"])
     assert bad.exit_code == 2 and "--slo-max-gap-ms: must be > 0" in bad.output
+
+
+@pytest.mark.parametrize("num_kv_blocks,max_num_seqs", [(60, 2), (60, 4), (80, 3)])
+def test_overloaded_decode_pool_never_stalls(num_kv_blocks, max_num_seqs):
+    """Later stages waiting with their KV on full decode workers once deadlocked the engine's
+    scheduler (the simulator ended with requests it could never finish); all must complete."""
+    sim = toy_sim(3, placement_policy="pd_disaggregated", roles=("prefill", "decode", "decode"),
+                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    items = [spec(i, 200 + 13 * (i % 9), 20 + 7 * (i % 5)) for i in range(40)]
+    outcome = sim.run(items, arrivals.poisson(500.0), seed=2)
+    assert [r.error for r in outcome.results if not r.ok] == []
+    assert outcome.stats.kv_transfers > 0 and outcome.stats.preemptions > 0
