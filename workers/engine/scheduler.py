@@ -134,27 +134,11 @@ class Scheduler:
             elif seq.status is SequenceStatus.WAITING:
                 if not admit_waiting or out.preempted or len(self.running) >= self.budget.max_num_seqs:
                     continue
-                if seq.block_table:  # its KV is in place (from another worker): only grow it
-                    fits = partial(bm.can_grow, seq, n)
-                    if not fits() and not (not self.running and self._drop_waiting_kv(fits, keep=seq)):
-                        admit_waiting = False
-                        continue
-                    bm.grow(seq, n)
-                else:
-                    wanted = n
-                    hits, n = self._admission(seq, wanted)
-                    if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
-                        def fits(seq=seq, wanted=wanted) -> bool:
-                            return bm.admission_cost(seq, *self._admission(seq, wanted)) <= bm.num_free_blocks
-
-                        if not (not self.running and self._drop_waiting_kv(fits)):
-                            admit_waiting = False  # FCFS: no one overtakes a blocked head
-                            continue
-                        hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
-                    bm.admit(seq, hits, n)
-                self.waiting.remove(seq)
-                self.running.append(seq)
-                seq.status = SequenceStatus.RUNNING
+                admitted = self._admit(seq, n)
+                if admitted is None:
+                    admit_waiting = False  # FCFS: no one overtakes a blocked head
+                    continue
+                n = admitted
             else:
                 continue
             out.entries.append(ScheduledEntry(seq, seq.num_computed_tokens, n))
@@ -178,6 +162,32 @@ class Scheduler:
         self.policy.observe(ExecutedBatch(prefill_tokens, decode_seqs, max_ctx, latency_s))
 
     # ---- internals -------------------------------------------------------------
+    def _admit(self, seq: Sequence, wanted: int) -> int | None:
+        """Move a waiting sequence to running with blocks for its next tokens (at most `wanted`);
+        how many it computes this step, or None when the blocks are not there."""
+        bm = self.block_manager
+        may_drop = not self.running  # nothing running: no step will free a block
+        if seq.block_table:  # its KV is in place (from another worker): only grow it
+            fits = partial(bm.can_grow, seq, wanted)
+            if not fits() and not (may_drop and self._drop_waiting_kv(fits, keep=seq)):
+                return None
+            bm.grow(seq, wanted)
+            n = wanted
+        else:
+            hits, n = self._admission(seq, wanted)
+            if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
+                def fits() -> bool:
+                    return bm.admission_cost(seq, *self._admission(seq, wanted)) <= bm.num_free_blocks
+
+                if not (may_drop and self._drop_waiting_kv(fits)):
+                    return None
+                hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
+            bm.admit(seq, hits, n)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        return n
+
     def _admission(self, seq: Sequence, wanted: int) -> tuple[list[int], int]:
         """Cached prefix blocks and new tokens (at most `wanted`) to admit a sequence without blocks."""
         bm = self.block_manager
