@@ -7,6 +7,7 @@ alone: ``python -c "from loadgen.cli import bench_app; bench_app()" --help``.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -104,20 +105,30 @@ def _write_run(out_dir: Path, stem: str, results: list[RequestResult], record: d
     return paths
 
 
-def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Run what ``opts`` asks (one run, a rate sweep or a capacity search); returns the JSON record."""
+def check_rate_options(opts: BenchOptions) -> None:
+    """Sweep / capacity-search options that cannot go together or are out of range; names the flag."""
     if opts.concurrency and (opts.sweep_rates or opts.find_capacity):
         raise ValueError("--concurrency (closed loop) has no rate: it cannot be swept or capacity-searched")
     if opts.sweep_rates and opts.find_capacity:
         raise ValueError("choose one of --sweep-rates and --find-capacity")
+    if opts.rate_max is not None:
+        if not opts.find_capacity:
+            raise ValueError("--rate-max bounds the capacity search: give --find-capacity too")
+        if not (math.isfinite(opts.rate_max) and opts.rate_max >= opts.rate_hi):
+            raise ValueError(f"--rate-max: must be finite and >= --rate-hi ({opts.rate_hi:g}), got {opts.rate_max:g}")
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Run what ``opts`` asks (one run, a rate sweep or a capacity search); returns the JSON record."""
     # Options are checked before the target is contacted.
+    check_rate_options(opts)
+    slo = _slo(opts)
     workload = build_workload(opts)
     arrival = resolve_arrival(opts, workload)
     info = asyncio.run(_target_info(opts))
     if "error" in info:
         console.print(f"[yellow]warning: cannot describe the target: {info['error']}[/]")
     vocab_size = opts.vocab_size or vocab_size_of_model(opts.model or info.get("model")) or DEFAULT_VOCAB_SIZE
-    slo = _slo(opts)
     config = {"options": opts.to_dict(), "target": info, "vocab_size": vocab_size, "workload_kind": workload.kind,
               "workload": workload.description, "arrival": describe_arrival(arrival, opts.concurrency)}
     out_dir = opts.out_dir

@@ -104,8 +104,11 @@ class KvStageManager:
             KV_OUTCOMES.labels("no_reservation").inc()
             return None
         ok = await self.tracker.wait(transfer_id, self.transfer_timeout_s)
+        if self._reservations.pop(transfer_id, None) is None:
+            # Cancelled or reaped while this stage waited: its blocks are released already.
+            KV_OUTCOMES.labels("cancelled").inc()
+            return None
         corrupt = self.tracker.failed(transfer_id)  # before forget(), which drops what it knew
-        self._reservations.pop(transfer_id, None)
         self.tracker.forget(transfer_id)
         if self.transport is not None:
             self.transport.incoming_done(transfer_id)

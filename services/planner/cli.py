@@ -18,7 +18,16 @@ import typer
 from rich.console import Console
 
 from loadgen.bench_config import BenchOptions, describe_arrival
-from loadgen.cli import RATE_MAX_OPTION, SLO_MAX_GAP_OPTION, _floats, _slo, _write_run, print_written, run_rates
+from loadgen.cli import (
+    RATE_MAX_OPTION,
+    SLO_MAX_GAP_OPTION,
+    _floats,
+    _slo,
+    _write_run,
+    check_rate_options,
+    print_written,
+    run_rates,
+)
 from loadgen.metrics import RequestResult, summarize
 from loadgen.report import run_record, summary_table
 from services.planner.sim_config import NetworkLatency
@@ -108,15 +117,12 @@ def _stats_line(outcome: SimulationOutcome) -> str:
 
 def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any]:
     """Simulate what `opts` asks (one run, a rate sweep or a capacity search); returns the JSON record."""
-    if opts.concurrency and (opts.sweep_rates or opts.find_capacity):
-        raise ValueError("--concurrency (closed loop) has no rate: it cannot be swept or capacity-searched")
-    if opts.sweep_rates and opts.find_capacity:
-        raise ValueError("choose one of --sweep-rates and --find-capacity")
+    check_rate_options(opts)
+    slo = _slo(opts)
     workload = build_sim_workload(opts)
     arrival = workload.arrival
     send = opts.send_slo
     sim = build_simulator(cluster, round(opts.slo_ttft_ms) if send else 0, round(opts.slo_itl_ms) if send else 0)
-    slo = _slo(opts)
     target = {"kind": "simulator", "cluster": cluster.to_dict(), "simulator": sim.config.to_dict()}
     config = {"options": opts.to_dict(), "target": target, "vocab_size": None,
               "workload_kind": workload.workload.kind, "workload": workload.workload.description,

@@ -273,6 +273,8 @@ class SimWorker:
             seq = e.seq
             if self.stages[seq.request_id].pushes_kv:
                 return 0  # its chunks are pushed step by step
+            if e.start + 1 != len(seq.token_ids):
+                return 0  # a 1-token recompute chunk past the prompt, not a decode: it samples nothing
             steps = min(steps, seq.params.max_tokens - (len(seq.token_ids) - seq.prompt_len))
             if seq.stop_at is not None:
                 steps = min(steps, seq.stop_at - e.start)

@@ -686,3 +686,22 @@ def test_waiting_kv_holders_do_not_deadlock_when_nothing_runs():
     assert all(start == 0 for rid, start, _ in plan(out) if rid == "c")  # recomputes from the start
     sim.run()
     assert set(sim.finished) == {"b", "c"} and sim.bm.num_free_blocks == 4
+
+
+def test_waiting_kv_is_not_dropped_when_that_cannot_make_room():
+    # A finished stage keeps its KV for export (4 blocks) and the waiting stages hold 4: even
+    # all of their KV would not admit the head (7 blocks), so none of it is thrown away.
+    sim = Sim(10, 4, 64, max_num_seqs=4, prefix_caching=False)
+    kept = sim.add("kept", list(range(60, 73)), max_tokens=3)
+    kept.keep_kv = True
+    sim.run()
+    assert len(kept.block_table) == 4
+    sim.add("x", list(range(1, 29)), max_tokens=2)  # 7 blocks for its 28-token prompt
+    h1 = sim.add_with_kv("h1", list(range(40, 49)), prefix_len=8)
+    h2 = sim.add_with_kv("h2", list(range(50, 59)), prefix_len=8)
+    out = sim.schedule()
+    assert out.entries == [] and h1.num_preemptions == h2.num_preemptions == 0
+    assert len(h1.block_table) == len(h2.block_table) == 2
+    sim.sched.release("kept")  # exported: now dropping the newest stage's KV makes room
+    out = sim.schedule()
+    assert plan(out)[0] == ("x", 0, 28) and h2.num_preemptions == 1 and h1.num_preemptions == 0

@@ -325,3 +325,38 @@ def test_overloaded_decode_pool_never_stalls(num_kv_blocks, max_num_seqs):
     outcome = sim.run(items, arrivals.poisson(500.0), seed=2)
     assert [r.error for r in outcome.results if not r.ok] == []
     assert outcome.stats.kv_transfers > 0 and outcome.stats.preemptions > 0
+
+
+def test_fast_forward_never_takes_a_one_token_recompute_chunk_for_a_decode():
+    """A token budget equal to the running count: a later stage recomputing from tokens
+    advances one token per step past its prompt, sampling nothing; it is not a decode run."""
+    from array import array
+
+    from services.planner.sim_run import VirtualClock
+    from services.planner.sim_worker import SimWorker, StageRun
+
+    def run(fast: bool):
+        clock = VirtualClock()
+        worker = SimWorker("w", TOY, clock=clock, num_kv_blocks=100, max_num_batched_tokens=2, max_num_seqs=2,
+                           fast_forward=fast)
+        a = StageRun("a/0", 0, 0, 40, worker, array("d"))
+        worker.add_stage(a, list(range(2, 12)), 10, 30, 0, 0.0)
+        # No KV arrived: prompt (10) and 5 earlier outputs are recomputed from tokens.
+        b = StageRun("b/1", 1, 15, 40, worker, array("d"))
+        worker.add_stage(b, list(range(2, 12)) + [1] * 5, 10, 30, 0, 0.0)
+        while worker.has_work():
+            clock.now = worker.start_step(clock.now)
+            worker.finish_step(clock.now)
+        return list(a.token_times), list(b.token_times), worker.num_steps
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--find-capacity", "--rate-hi", "8", "--rate-max", "4"], "--rate-max: must be finite and >= --rate-hi"),
+    (["--find-capacity", "--rate-max", "inf"], "--rate-max: must be finite"),
+    (["--rate-max", "20"], "--rate-max bounds the capacity search"),
+])
+def test_simulate_rejects_bad_rate_max(args, message):
+    result = CliRunner().invoke(simulate_app, ["--shape", "P64/D4", "-n", "4", *args])
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -14,9 +14,8 @@ first, and those stages recompute (`_drop_waiting_kv`).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable
 
 from workers.engine.block_manager import BlockManager
@@ -168,20 +167,20 @@ class Scheduler:
         bm = self.block_manager
         may_drop = not self.running  # nothing running: no step will free a block
         if seq.block_table:  # its KV is in place (from another worker): only grow it
-            fits = partial(bm.can_grow, seq, wanted)
-            if not fits() and not (may_drop and self._drop_waiting_kv(fits, keep=seq)):
+            need = bm.blocks_to_grow(seq, wanted)
+            if need > bm.num_free_blocks and not (may_drop and self._drop_waiting_kv(need, keep=seq)):
                 return None
             bm.grow(seq, wanted)
             n = wanted
         else:
             hits, n = self._admission(seq, wanted)
-            if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
-                def fits() -> bool:
-                    return bm.admission_cost(seq, *self._admission(seq, wanted)) <= bm.num_free_blocks
-
-                if not (may_drop and self._drop_waiting_kv(fits)):
+            need = bm.admission_cost(seq, hits, n)
+            if need > bm.num_free_blocks:
+                if not (may_drop and self._drop_waiting_kv(need)):
                     return None
                 hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
+                if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
+                    return None
             bm.admit(seq, hits, n)
         self.waiting.remove(seq)
         self.running.append(seq)
@@ -208,7 +207,7 @@ class Scheduler:
             if victim is None:
                 # Alone and preempting itself, it would come back to the same wall (a livelock)
                 # while waiting stages' KV holds the blocks it needs.
-                if len(self.running) == 1 and self._drop_waiting_kv(partial(bm.can_grow, seq, n)):
+                if len(self.running) == 1 and self._drop_waiting_kv(bm.blocks_to_grow(seq, n)):
                     return True
                 self._preempt(seq)
                 preempted.append(seq)
@@ -217,20 +216,28 @@ class Scheduler:
             preempted.append(victim)
         return True
 
-    def _drop_waiting_kv(self, fits: Callable[[], bool], keep: Sequence | None = None) -> bool:
-        """Drop the KV waiting stages hold (newest first, never `keep`'s) until `fits()`; whether it does.
+    def _drop_waiting_kv(self, need: int, keep: Sequence | None = None) -> bool:
+        """Drop the KV waiting stages hold (newest first, never `keep`'s) until `need` blocks are
+        free; whether they are. Nothing is dropped when even all of it would not be enough
+        (the rest held by reservations or KV kept for export): that would only waste it.
 
         Only where no step would ever free a block otherwise; the dropped stages recompute.
         """
         bm = self.block_manager
-        for other in reversed(self.waiting):
-            if fits():
-                return True
-            if other is not keep and other.block_table:
-                bm.free(other)
-                other.num_preemptions += 1
-                self.num_preemptions += 1
-        return fits()
+        if bm.num_free_blocks >= need:
+            return True
+        holders = [s for s in reversed(self.waiting) if s is not keep and s.block_table]
+        references = Counter(b for s in holders for b in s.block_table)
+        freeable = sum(bm.blocks[b].ref_count == count for b, count in references.items())
+        if bm.num_free_blocks + freeable < need:
+            return False
+        for other in holders:
+            if bm.num_free_blocks >= need:
+                break
+            bm.free(other)
+            other.num_preemptions += 1
+            self.num_preemptions += 1
+        return bm.num_free_blocks >= need
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute-style preemption: KV is dropped (cached full blocks may still be hit
