@@ -187,12 +187,10 @@ def meets_slo(result: RequestResult, slo: Slo) -> bool:
         return False
     if result.ttft_s > slo.ttft_limit(result.round_index):
         return False
-    gaps = result.itls_s
-    if not gaps.size:
-        return True
-    if slo.max_gap_s is not None and gaps.max() > slo.max_gap_s:
+    if slo.max_gap_s is not None and (gap := result.max_gap_s) is not None and gap > slo.max_gap_s:
         return False
-    return float(np.percentile(gaps, 99, method=PERCENTILE_METHOD)) <= slo.itl_s
+    tbt = result.tbt_p99_s
+    return tbt is None or tbt <= slo.itl_s
 
 
 def summarize(results: Sequence[RequestResult], slo: Slo) -> Summary:

@@ -354,12 +354,9 @@ class SimWorker:
         extra = 0
         for e in self._run_out.entries:
             extra += max(0, bm.blocks_for_tokens(e.start + scheduled) - len(e.seq.block_table))
-        # Only decodes run; whatever waits (the running set is full) waits unchanged all run long.
-        sched = self.scheduler
-        queued = 0
-        for s in sched.waiting:
-            queued += len(s.token_ids) - s.num_computed_tokens
-        return WorkerLoad(bm.num_free_blocks - extra, len(sched.running), len(sched.waiting), queued)
+        # Only decodes run and whatever waits waits unchanged all run long: only the blocks move.
+        load = self.load_now()
+        return load._replace(free_blocks=load.free_blocks - extra)
 
     # ---- KV push ---------------------------------------------------------------------------
     def _push_chunks(self, stage: StageRun, computed: int, now: float) -> None:
