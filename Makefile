@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-unit run bench protos clean
+.PHONY: setup test test-unit lint run bench protos clean
 
 setup: $(STAMP)
 
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml
 		|| echo "nixl not installed: KV transfer falls back to gRPC"
 	touch $(STAMP)
 
+# Layers first (the import-linter contracts in pyproject.toml), then every test.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/lint-imports
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

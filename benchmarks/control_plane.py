@@ -77,7 +77,7 @@ from splitserve.proto import (  # noqa: E402
     worker_pb2_grpc,
 )
 from splitserve.redis_server import free_port  # noqa: E402
-from workers.engine import Engine, SamplingParams  # noqa: E402
+from workers.engine import Engine, SamplingParams, StageSpec  # noqa: E402
 from workers.server import engine_config_from  # noqa: E402
 
 console = Console()
@@ -137,7 +137,7 @@ def run_direct(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
         rid = uuid.uuid4().hex
         times, tokens = [], []
         t0 = time.perf_counter()
-        engine.add_request(rid, prompt, greedy(max_tokens))
+        engine.add_stage(StageSpec.whole(rid, prompt, greedy(max_tokens)))
         while engine.has_unfinished():
             for ev in engine.step():
                 if ev.token_ids:
@@ -729,7 +729,7 @@ def engine_thread_check(engine: Engine, prompt_lens: list[int], max_tokens: int,
             for prompt in prompts:
                 times, tokens = [], []
                 t0 = time.perf_counter()
-                events = await loop.add(uuid.uuid4().hex, prompt, greedy(max_tokens))
+                events = await loop.add(StageSpec.whole(uuid.uuid4().hex, prompt, greedy(max_tokens)))
                 while True:
                     ev = await events.get()
                     if ev.token_ids:

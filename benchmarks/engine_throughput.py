@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from loadgen.traces import read_trace, scale_lengths  # noqa: E402
 from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402
-from workers.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from workers.engine import Engine, EngineConfig, SamplingParams, StageSpec  # noqa: E402
 
 console = Console()
 
@@ -47,12 +47,13 @@ def run_engine(model_dir: Path, dtype: str, requests, threads: int) -> dict:
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, num_threads=threads,
                                  max_num_seqs=len(requests), max_num_batched_tokens=2048))
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    engine.add_request("warmup", requests[0][0], warm)
+    engine.add_stage(StageSpec.whole("warmup", requests[0][0], warm))
     while engine.has_unfinished():
         engine.step()
     started = time.perf_counter()
     for i, (prompt, out_len) in enumerate(requests):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+        engine.add_stage(StageSpec.whole(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0,
+                                                                               ignore_eos=True)))
     produced = steps = 0
     while engine.has_unfinished():
         produced += len(engine.step())
@@ -87,7 +88,8 @@ def run_hf(model_dir: Path, dtype: str, requests, batch: int) -> dict:
 
 def engine_decode_ms(model_dir: Path, dtype: str, threads: int, prompt_len: int, tokens: int) -> float:
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, num_threads=threads, max_num_seqs=1))
-    engine.add_request("d", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    engine.add_stage(StageSpec.whole("d", list(range(1, prompt_len + 1)),
+                                     SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
     engine.step()  # prefill
     times = []
     while engine.has_unfinished():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitserve.errors import InvalidArgument
-from workers.engine.detokenizer import IncrementalDetokenizer
+from splitserve.detokenizer import IncrementalDetokenizer
 
 # Used when the tokenizer ships no chat_template. Each message becomes "<|role|>\ncontent\n"
 # and the prompt ends with "<|assistant|>\n"; the tokenizer adds its BOS (if it has one)

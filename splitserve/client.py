@@ -5,11 +5,16 @@
         async for chunk in client.stream("Hello", max_tokens=32):
             print(chunk.text, end="")
 
+A request's options are one `GenerateOptions` (sampling, stop conditions, session, SLO,
+priority, request id, deadline): pass one to reuse it, and/or any of its fields by
+keyword, as above; keywords override the options' fields.
+
 `Client` has the same methods, blocking, and `stream` is a plain iterator. It uses gRPC's
 synchronous API rather than a private event-loop thread around `AsyncClient`: no extra
 thread, it works inside other event loops and after fork, and breaking out of a stream
-cancels the call directly. The logic both share (request building, retry decisions,
-error mapping) lives in module-level functions.
+cancels the call directly. The logic both share (options and request building, retry
+decisions, error mapping, reply conversion) lives in module-level code and `_ClientBase`;
+each class keeps only its own way of waiting.
 
 Deadlines: `timeout_s` (per call, else the client's) bounds the whole call, retries
 included. Retries: only UNAVAILABLE, only before the first response message arrived
@@ -19,6 +24,7 @@ included. Retries: only UNAVAILABLE, only before the first response message arri
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 import uuid
@@ -172,23 +178,78 @@ def backoff_delay(attempt: int, backoff_s: float, max_backoff_s: float = MAX_BAC
     return full * (0.5 + 0.5 * (random.random() if rand is None else rand))
 
 
-def build_generate_request(prompt: str | Sequence[int], *, max_tokens: int | None = 16,
-                           temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                           seed: int | None = None, stop: str | Sequence[str] | None = None,
-                           stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                           session_id: str | None = None, slo_ttft_ms: int | None = None,
-                           slo_itl_ms: int | None = None, priority: int = 0,
-                           request_id: str | None = None) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments (always echo_token_ids; unset options stay unset)."""
-    sampling = types_pb2.SamplingParams(top_k=top_k or 0, ignore_eos=ignore_eos,
-                                        stop=[stop] if isinstance(stop, str) else list(stop or ()),
-                                        stop_token_ids=list(stop_token_ids or ()))
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How to generate one request: every option `generate` and `stream` take.
+
+    Sampling options left None take the server's defaults (temperature 0 is greedy);
+    `stop` is one string or several, kept as a tuple; `timeout_s` bounds the call, retries
+    included (None: the client's). Frozen, so one instance can serve many calls:
+
+        greedy = GenerateOptions(temperature=0.0, ignore_eos=True)
+        client.generate("Hello", greedy, max_tokens=8)
+    """
+
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = ()
+    stop_token_ids: Sequence[int] | None = ()
+    ignore_eos: bool = False
+    session_id: str | None = None
+    slo_ttft_ms: int | None = None
+    slo_itl_ms: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # Tuples: the options stay as given even if the caller's list changes later.
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    def with_overrides(self, **overrides: Any) -> GenerateOptions:
+        """These options with `overrides` (GenerateOptions fields) replaced; an unknown name is a TypeError."""
+        unknown = [name for name in overrides if name not in _GENERATE_OPTION_NAMES]
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}: not a GenerateOptions field "
+                            f"({', '.join(sorted(_GENERATE_OPTION_NAMES))})")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+_GENERATE_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateOptions))
+_DEFAULT_OPTIONS = GenerateOptions()
+
+
+def _merged_options(options: GenerateOptions | None, overrides: dict[str, Any]) -> GenerateOptions:
+    """`options` (None: the defaults) with `overrides` replaced: what `(prompt, options, **overrides)` asks for."""
+    if options is None:
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, GenerateOptions):
+        # Before GenerateOptions, the second positional argument was max_tokens.
+        raise TypeError(f"options must be a GenerateOptions, got {type(options).__name__} "
+                        "(pass max_tokens and the other options by keyword)")
+    return options.with_overrides(**overrides)
+
+
+def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions | None = None,
+                           **overrides: Any) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest for `prompt` and these options (always echo_token_ids; unset options stay unset).
+
+    `timeout_s` is not part of the request: the client applies it to the call.
+    """
+    opts = _merged_options(options, overrides)
+    sampling = types_pb2.SamplingParams(top_k=opts.top_k or 0, ignore_eos=opts.ignore_eos, stop=list(opts.stop),
+                                        stop_token_ids=list(opts.stop_token_ids))
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        value = getattr(opts, name)
         if value is not None:
             setattr(sampling, name, value)
     request = gateway_pb2.GenerateRequest(
-        sampling=sampling, slo=types_pb2.Slo(ttft_ms=slo_ttft_ms or 0, itl_ms=slo_itl_ms or 0),
-        session_id=session_id or "", request_id=request_id or uuid.uuid4().hex, priority=priority,
+        sampling=sampling, slo=types_pb2.Slo(ttft_ms=opts.slo_ttft_ms or 0, itl_ms=opts.slo_itl_ms or 0),
+        session_id=opts.session_id or "", request_id=opts.request_id or uuid.uuid4().hex, priority=opts.priority,
         echo_token_ids=True)
     if isinstance(prompt, str):
         request.text = prompt
@@ -236,7 +297,41 @@ class _Deadline:
         return self.at is None or time.monotonic() + delay < self.at
 
 
+class _Attempts:
+    """One call's attempts: its deadline across retries, and whether and after how long to try again."""
+
+    def __init__(self, deadline: _Deadline, max_retries: int, backoff_s: float):
+        self.deadline = deadline
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.attempt = 0
+
+    def timeout(self) -> float | None:
+        """Seconds the next attempt may take (DeadlineExceededError when none are left)."""
+        return self.deadline.remaining()
+
+    def retry_delay(self, err: grpc.RpcError, received_first_response: bool) -> float:
+        """Seconds to wait before the next attempt; raises `err` as the SDK's typed error when there is none."""
+        if should_retry(err.code(), received_first_response=received_first_response, attempt=self.attempt,
+                        max_retries=self.max_retries):
+            delay = backoff_delay(self.attempt, self.backoff_s)
+            if self.deadline.allows_sleep(delay):
+                self.attempt += 1
+                return delay
+        raise _error_from_rpc(err) from None
+
+
+def _models(reply: gateway_pb2.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
+
+
+def _session(reply: gateway_pb2.OpenSessionResponse) -> Session:
+    return Session(reply.session_id, reply.ttl_s)
+
+
 class _ClientBase:
+    """What both clients share; each subclass adds only its own way of waiting (await or block)."""
+
     def __init__(self, target: str, api_key: str | None, timeout_s: float | None, max_retries: int, backoff_s: float):
         self.target = target
         self.timeout_s = timeout_s
@@ -244,16 +339,16 @@ class _ClientBase:
         self.backoff_s = backoff_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def _deadline(self, timeout_s: float | None) -> _Deadline:
-        return _Deadline(self.timeout_s if timeout_s is None else timeout_s)
+    def _generate_request(self, prompt: str | Sequence[int], options: GenerateOptions | None,
+                          overrides: dict[str, Any]) -> tuple[gateway_pb2.GenerateRequest, float | None]:
+        """The request `generate`/`stream` send, and the call's timeout (None: the client's)."""
+        opts = _merged_options(options, overrides)
+        return build_generate_request(prompt, opts), opts.timeout_s
 
-    def _retry_delay(self, err: grpc.RpcError, received: bool, attempt: int, deadline: _Deadline) -> float | None:
-        """Seconds to wait before retrying, or None to raise."""
-        if not should_retry(err.code(), received_first_response=received, attempt=attempt,
-                            max_retries=self.max_retries):
-            return None
-        delay = backoff_delay(attempt, self.backoff_s)
-        return delay if deadline.allows_sleep(delay) else None
+    def _attempts(self, timeout_s: float | None) -> _Attempts:
+        """A call's attempts; its deadline starts now."""
+        return _Attempts(_Deadline(self.timeout_s if timeout_s is None else timeout_s), self.max_retries,
+                         self.backoff_s)
 
 
 class AsyncClient(_ClientBase):
@@ -265,40 +360,22 @@ class AsyncClient(_ClientBase):
         self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
-    async def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
-                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                       seed: int | None = None, stop: str | Sequence[str] | None = None,
-                       stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                       timeout_s: float | None = None, session_id: str | None = None,
-                       slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
-                       priority: int = 0, request_id: str | None = None) -> GenerationResult:
-        """Generate to completion (temperature 0 is greedy; unset options take the server's defaults)."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
-            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+    async def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
+                       **overrides: Any) -> GenerationResult:
+        """Generate to completion; `overrides` are GenerateOptions fields (max_tokens=32, temperature=0, ...)."""
+        request, timeout_s = self._generate_request(prompt, options, overrides)
         return _result([c async for c in self._stream_request(request, timeout_s)], request.request_id)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | Sequence[str] | None = None,
-               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-               timeout_s: float | None = None, session_id: str | None = None,
-               slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
-               priority: int = 0, request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+    def stream(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
+               **overrides: Any) -> AsyncIterator[StreamChunk]:
         """`async for chunk in client.stream(...)` (not awaited); closing the iterator early cancels the request."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
-            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
-        return self._stream_request(request, timeout_s)
+        return self._stream_request(*self._generate_request(prompt, options, overrides))
 
     async def _stream_request(self, request: gateway_pb2.GenerateRequest,
                               timeout_s: float | None) -> AsyncIterator[StreamChunk]:
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._attempts(timeout_s)
         while True:
-            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
             received = False
             try:
                 async for msg in call:
@@ -306,37 +383,28 @@ class AsyncClient(_ClientBase):
                     yield _chunk(msg)
                 return
             except grpc.aio.AioRpcError as err:
-                delay = self._retry_delay(err, received, attempt, deadline)
-                if delay is None:
-                    raise _error_from_rpc(err) from None
+                delay = attempts.retry_delay(err, received)
             finally:
                 call.cancel()  # no-op when finished; stops the server's work when we were closed early
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._attempts(timeout_s)
         while True:
             try:
-                return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                return await method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.aio.AioRpcError as err:
-                delay = self._retry_delay(err, False, attempt, deadline)
-                if delay is None:
-                    raise _error_from_rpc(err) from None
+                delay = attempts.retry_delay(err, False)
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         """The served models."""
-        reply = await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s)
-        return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
+        return _models(await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s))
 
     async def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
         """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
         request = gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s)
-        reply = await self._unary(self._stub.OpenSession, request, timeout_s)
-        return Session(reply.session_id, reply.ttl_s)
+        return _session(await self._unary(self._stub.OpenSession, request, timeout_s))
 
     async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Close a session; whether it was open."""
@@ -362,39 +430,21 @@ class Client(_ClientBase):
         self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                 timeout_s: float | None = None, session_id: str | None = None,
-                 slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
-                 priority: int = 0, request_id: str | None = None) -> GenerationResult:
-        """Generate to completion (temperature 0 is greedy; unset options take the server's defaults)."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
-            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
+    def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
+                 **overrides: Any) -> GenerationResult:
+        """Generate to completion; `overrides` are GenerateOptions fields (max_tokens=32, temperature=0, ...)."""
+        request, timeout_s = self._generate_request(prompt, options, overrides)
         return _result(self._stream_request(request, timeout_s), request.request_id)
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 16, *,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | Sequence[str] | None = None,
-               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-               timeout_s: float | None = None, session_id: str | None = None,
-               slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
-               priority: int = 0, request_id: str | None = None) -> Iterator[StreamChunk]:
+    def stream(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
+               **overrides: Any) -> Iterator[StreamChunk]:
         """Stream deltas (same options as generate); closing the iterator early (break) cancels the request."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, session_id=session_id, slo_ttft_ms=slo_ttft_ms,
-            slo_itl_ms=slo_itl_ms, priority=priority, request_id=request_id)
-        return self._stream_request(request, timeout_s)
+        return self._stream_request(*self._generate_request(prompt, options, overrides))
 
     def _stream_request(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None) -> Iterator[StreamChunk]:
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._attempts(timeout_s)
         while True:
-            call = self._stub.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
             received = False
             try:
                 for msg in call:
@@ -402,42 +452,33 @@ class Client(_ClientBase):
                     yield _chunk(msg)
                 return
             except grpc.RpcError as err:
-                delay = self._retry_delay(err, received, attempt, deadline)
-                if delay is None:
-                    raise _error_from_rpc(err) from None
+                delay = attempts.retry_delay(err, received)
             finally:
                 call.cancel()
             time.sleep(delay)
-            attempt += 1
 
     def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
-        deadline = self._deadline(timeout_s)
-        attempt = 0
+        attempts = self._attempts(timeout_s)
         while True:
             try:
-                return method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                return method(request, timeout=attempts.timeout(), metadata=self._metadata)
             except grpc.RpcError as err:
-                delay = self._retry_delay(err, False, attempt, deadline)
-                if delay is None:
-                    raise _error_from_rpc(err) from None
+                delay = attempts.retry_delay(err, False)
             time.sleep(delay)
-            attempt += 1
 
     def list_models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         """The served models."""
-        reply = self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s)
-        return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
+        return _models(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s))
 
     def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
         """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
-        reply = self._unary(self._stub.OpenSession, gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s),
-                            timeout_s)
-        return Session(reply.session_id, reply.ttl_s)
+        request = gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s)
+        return _session(self._unary(self._stub.OpenSession, request, timeout_s))
 
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Close a session; whether it was open."""
-        return self._unary(self._stub.CloseSession, gateway_pb2.CloseSessionRequest(session_id=session_id),
-                           timeout_s).closed
+        request = gateway_pb2.CloseSessionRequest(session_id=session_id)
+        return self._unary(self._stub.CloseSession, request, timeout_s).closed
 
     def close(self) -> None:
         self._channel.close()

@@ -1,14 +1,21 @@
-"""Errors every service raises, with their gRPC status and HTTP mapping."""
+"""Errors every service raises, with their gRPC status and HTTP mapping.
+
+grpc is imported only where a status object is needed: pure code (placement policies,
+the simulator) raises these errors on machines without grpc installed.
+"""
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class SplitserveError(Exception):
-    """Base class: carries a gRPC status code and the field at fault, if any."""
+    """Base class: carries a gRPC status (by name) and the field at fault, if any."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    status: str = "INTERNAL"  # the name of its grpc.StatusCode
     http_status: int = 500
     error_type: str = "server_error"
 
@@ -17,21 +24,27 @@ class SplitserveError(Exception):
         self.message = message
         self.param = param
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        import grpc
+
+        return grpc.StatusCode[self.status]
+
 
 class InvalidArgument(SplitserveError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
     http_status = 400
     error_type = "invalid_request_error"
 
 
 class Unauthenticated(SplitserveError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    status = "UNAUTHENTICATED"
     http_status = 401
     error_type = "authentication_error"
 
 
 class NotFound(SplitserveError):
-    code = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
     http_status = 404
     error_type = "invalid_request_error"
 
@@ -39,7 +52,7 @@ class NotFound(SplitserveError):
 class Overloaded(SplitserveError):
     """Admission refused; the caller should retry after `retry_after_s`."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = "RESOURCE_EXHAUSTED"
     http_status = 429
     error_type = "rate_limit_error"
 
@@ -51,19 +64,19 @@ class Overloaded(SplitserveError):
 class Unavailable(SplitserveError):
     """A dependency is down or no worker can take the request; retriable."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
     http_status = 503
     error_type = "server_error"
 
 
 class DeadlineExceeded(SplitserveError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
     http_status = 504
     error_type = "timeout"
 
 
 class Cancelled(SplitserveError):
-    code = grpc.StatusCode.CANCELLED
+    status = "CANCELLED"
     http_status = 499
     error_type = "cancelled"
 
@@ -84,9 +97,9 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError
     code = err.code()
     details = err.details() or code.name
     for cls in (InvalidArgument, Unauthenticated, NotFound, Unavailable, DeadlineExceeded, Cancelled):
-        if cls.code == code:
+        if cls.status == code.name:
             return cls(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if code.name == Overloaded.status:
         retry = 1.0
         for key, value in (err.trailing_metadata() or ()):
             if key == RETRY_AFTER_KEY:

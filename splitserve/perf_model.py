@@ -194,6 +194,23 @@ class PerfModel:
         self._nonneg(batch=batch, ctx=ctx)
         return max(self._lines(0, 0.0, 0, batch, batch * ctx))
 
+    def decode_run_times(self, batch: int, decode_context_tokens: int, steps: int) -> np.ndarray:
+        """`step_time` of `steps` consecutive decode-only steps of `batch` sequences, every one a
+        token longer each step (summed context `decode_context_tokens` at the first), at once:
+        the simulator's fast-forwarded runs. Equal to `step_time` step by step: the vector is
+        the decode line of the formula, checked against `step_time` at both ends and
+        recomputed step by step where a model of another form disagrees."""
+        import numpy as np
+
+        ctx = (decode_context_tokens + batch * np.arange(steps, dtype=np.int64)) / batch
+        d = self.decode
+        bctx = batch * ctx  # as step_time computes it: batch * mean context
+        times = np.maximum(d.c0 + d.c_seq * batch + d.c_ctx * bctx, d.m0 + d.m_seq * batch + d.m_ctx * bctx)
+        if steps and (times[0] != self.step_time((), batch, float(ctx[0]))
+                      or times[-1] != self.step_time((), batch, float(ctx[-1]))):
+            times = np.array([self.step_time((), batch, c) for c in ctx.tolist()])
+        return times
+
     def mixed_step_time(self, prefill_tokens: int, prefill_ctx: int, decode_batch: int,
                         decode_ctx: float) -> float:
         """A chunked-prefill step: `prefill_tokens` new tokens on `prefill_ctx` cached ones

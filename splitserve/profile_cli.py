@@ -15,7 +15,8 @@
    `--base`, a preset like H100/llama-3-8b or a model JSON; an emulated worker's own
    preset by default), and the result goes to a JSON file and to Redis under
    `perf:{worker_id}` (`StateStore.put_perf`), both in `PerfModel.to_dict` form plus a
-   "profile" section with the raw samples, so either loads with `PerfModel.from_dict`.
+   "profile" section with the raw samples, so either loads with `PerfModel.from_dict`
+   (`splitserve.perf_store.load_perf_model` reads either back).
 
 The pure parts (`parse_ints`, `samples_from_response`, `build_document`, `base_model_for`)
 take plain data; `run_profile` does the I/O.
@@ -38,6 +39,9 @@ from rich.table import Table
 
 from splitserve.perf_model import (DecodeCoeffs, PerfModel, PrefillCoeffs, ProfileSample, TransferCoeffs,
                                    fit_perf_model)
+# Reads back what `run_profile` stores. It lives in the runtime module perf_store, where the
+# simulator imports it without this command's gRPC code, and stays importable from here.
+from splitserve.perf_store import load_perf_model
 
 __all__ = ["ProfileOptions", "base_model_for", "build_document", "load_perf_model", "parse_ints", "profile_command",
            "run_profile", "samples_from_response"]
@@ -147,24 +151,6 @@ def _predict(model: PerfModel, s: ProfileSample) -> float:
     if s.kind == "decode":
         return model.decode_time(s.batch, s.ctx)
     return model.kv_transfer_time(s.tokens)
-
-
-def load_perf_model(source: str, redis_url: str = "redis://127.0.0.1:6379/0", redis_prefix: str = "ss:") -> PerfModel:
-    """A fitted model from a JSON path, or from Redis as `redis:WORKER_ID` (what `profile` stored)."""
-    if source.startswith("redis:"):
-        from splitserve.state import RedisRetryPolicy, StateStore
-
-        worker_id = source[len("redis:"):]
-
-        async def read() -> dict[str, Any] | None:
-            async with StateStore(redis_url, redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
-                return await store.get_perf(worker_id)
-
-        data = asyncio.run(read())
-        if data is None:
-            raise ValueError(f"no perf model in Redis for worker {worker_id!r} (prefix {redis_prefix!r})")
-        return PerfModel.from_dict(data)
-    return PerfModel.load(source)
 
 
 # ---- I/O -------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from splitserve.state_records import (
     RequestRecord,
     SessionRecord,
     WorkerInfo,
-    WorkerLoadSnapshot,
+    WorkerLoad,
     from_hash,
     request_from_hash,
     request_to_hash,
@@ -49,7 +49,7 @@ __all__ = [
     "StateStore",
     "StateUnavailableError",
     "WorkerInfo",
-    "WorkerLoadSnapshot",
+    "WorkerLoad",
 ]
 
 
@@ -236,7 +236,7 @@ class StateStore:
     # ---- load snapshots ------------------------------------------------------------
 
     @unavailable_on_connection_error
-    async def publish_load(self, load: WorkerLoadSnapshot, ttl_s: float | None = None) -> None:
+    async def publish_load(self, load: WorkerLoad, ttl_s: float | None = None) -> None:
         """Replace a worker's load snapshot; it expires after ttl_s (default 2x heartbeat TTL)."""
         key = self._keys.worker_load(load.worker_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -246,11 +246,11 @@ class StateStore:
             await pipe.execute()
 
     @unavailable_on_connection_error
-    async def get_loads(self) -> dict[str, WorkerLoadSnapshot]:
+    async def get_loads(self) -> dict[str, WorkerLoad]:
         """Current load snapshots of registered workers, by worker id."""
         worker_ids = sorted(await self._redis.smembers(self._keys.worker_index()))
         rows = await self._hgetall_many([self._keys.worker_load(w) for w in worker_ids])
-        return {w: from_hash(WorkerLoadSnapshot, row) for w, row in zip(worker_ids, rows) if row}
+        return {w: from_hash(WorkerLoad, row) for w, row in zip(worker_ids, rows) if row}
 
     async def _hgetall_many(self, keys: list[str]) -> list[dict[str, str]]:
         if not keys:

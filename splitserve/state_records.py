@@ -26,10 +26,13 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
-class WorkerLoadSnapshot:
-    """A worker's load at `updated_unix`, mirroring the WorkerLoad message."""
+class WorkerLoad:
+    """A worker's load: the one record the engine, the worker service, Redis, the
+    scheduler's view and the simulator share (`splitserve.wire` converts it to and from
+    the WorkerLoad message). The scheduler core fills the figures; the worker adds its
+    identity, role, draining flag and the time it published them."""
 
-    worker_id: str
+    worker_id: str = ""
     role: str = "both"
     engine_kind: str = ""
     free_blocks: int = 0
@@ -38,8 +41,21 @@ class WorkerLoadSnapshot:
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_hit_rate: float = 0.0
     draining: bool = False
-    updated_unix: float = field(default_factory=time.time)
+    updated_unix: float = 0.0  # when published (unix seconds); 0: not published
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def free_kv_fraction(self) -> float:
+        """Free KV blocks / total blocks; 0 when the worker reports no KV cache."""
+        if self.total_blocks <= 0:
+            return 0.0
+        return min(1.0, max(0.0, self.free_blocks / self.total_blocks))
 
 
 @dataclass(frozen=True)

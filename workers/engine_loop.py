@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from workers.engine.engine import Engine, EngineStats, TokenEvent
-from workers.engine.sampling_params import SamplingParams
+from splitserve.core import StageKey, StageSpec, TokenEvent
+from splitserve.state_records import PrefillTask, WorkerLoad
+from workers.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -25,24 +26,15 @@ log = logging.getLogger(__name__)
 class EngineSnapshot:
     """Load figures read off the engine thread after each step."""
 
-    stats: EngineStats
-    # (request_id, tokens already with KV, tokens left to prefill, enqueue time) per prefilling request
-    prefill_queue: list[tuple[str, int, int, float]] = field(default_factory=list)
+    load: WorkerLoad
+    prefill_queue: list[PrefillTask] = field(default_factory=list)
     taken_at: float = 0.0
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int]
-    keep_kv: bool
+    spec: StageSpec
     accepted: asyncio.Future
-    events: asyncio.Queue
-    stop_at: int | None = None
-    prefix_blocks: list[int] | None = None
-    prefix_len: int = 0
 
 
 class EngineLoop:
@@ -59,10 +51,10 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, asyncio.Queue] = {}
-        # request id -> callback(num_computed_tokens, block_table), called after steps that advance it
-        self._watchers: dict[str, Callable[[int, list[int]], None]] = {}
-        self._watched_progress: dict[str, int] = {}
+        self._streams: dict[StageKey, asyncio.Queue] = {}
+        # stage -> callback(num_computed_tokens, block_table), called after steps that advance it
+        self._watchers: dict[StageKey, Callable[[int, list[int]], None]] = {}
+        self._watched_progress: dict[StageKey, int] = {}
         self.snapshot = self._take_snapshot()
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -79,39 +71,35 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def request_ids(self) -> list[str]:
+    def stage_keys(self) -> list[StageKey]:
+        """Stages whose streams are open."""
         return list(self._streams)
 
-    async def add(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-        output_ids: list[int] | None = None, keep_kv: bool = False, *,
-        stop_at: int | None = None, prefix_blocks: list[int] | None = None, prefix_len: int = 0,
-    ) -> asyncio.Queue:
-        """Queue a request; raises the engine's ValueError for bad input. Returns its event queue."""
+    async def add(self, spec: StageSpec) -> asyncio.Queue:
+        """Queue a stage; raises the engine's ValueError for bad input. Returns its event queue."""
         events: asyncio.Queue = asyncio.Queue()
         accepted = self.loop.create_future()
-        self._streams[request_id] = events
-        self._send(_Add(request_id, prompt_ids, params, list(output_ids or []), keep_kv, accepted, events,
-                        stop_at, prefix_blocks, prefix_len))
+        self._streams[spec.key] = events
+        self._send(_Add(spec, accepted))
         try:
             await accepted
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._streams.pop(spec.key, None)
             raise
         return events
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, key: StageKey) -> bool:
         """Abort at the next step boundary; the blocks are freed then."""
-        known = self._streams.pop(request_id, None) is not None
-        self._send(("abort", request_id))
+        known = self._streams.pop(key, None) is not None
+        self._send(("abort", key))
         return known
 
-    def watch(self, request_id: str, callback: Callable[[int, list[int]], None]) -> None:
-        """Report a request's KV progress after every step that advances it (chunked push)."""
-        self._watchers[request_id] = callback
+    def watch(self, key: StageKey, callback: Callable[[int, list[int]], None]) -> None:
+        """Report a stage's KV progress after every step that advances it (chunked push)."""
+        self._watchers[key] = callback
 
-    def unwatch(self, request_id: str) -> None:
-        self._watchers.pop(request_id, None)
+    def unwatch(self, key: StageKey) -> None:
+        self._watchers.pop(key, None)
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the engine thread between steps; resolves with its result."""
@@ -135,15 +123,15 @@ class EngineLoop:
                     events = engine.step()
                 except Exception:  # a failed step must not kill the worker silently
                     log.exception("engine step failed; aborting its requests")
-                    events = self._abort_all_running()
+                    events = engine.abort_all()
                 self.steps += 1
                 self.snapshot = self._take_snapshot()
                 if self._watchers:
                     self._report_progress()
                 if events:
                     self.loop.call_soon_threadsafe(self._deliver, events)
-                if not engine.last_step_tokens:  # nothing fits (KV held elsewhere): don't spin
-                    self._wake.wait(self.idle_wait_s)
+                if not engine.last_step_tokens:  # nothing fits (KV held elsewhere) or held back: don't spin
+                    self._wake.wait(self._idle_wait(engine.last_output.hold_until))
                     self._wake.clear()
             else:
                 self.snapshot = self._take_snapshot()
@@ -158,11 +146,7 @@ class EngineLoop:
                 return
             if isinstance(command, _Add):
                 try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params,
-                        output_token_ids=command.output_ids, keep_kv=command.keep_kv, stop_at=command.stop_at,
-                        prefix_blocks=command.prefix_blocks, prefix_len=command.prefix_len,
-                    )
+                    self.engine.add_stage(command.spec)
                     self.loop.call_soon_threadsafe(_resolve, command.accepted, None, None)
                 except Exception as err:  # ValueError for bad input; anything else is reported too
                     self.loop.call_soon_threadsafe(_resolve, command.accepted, None, err)
@@ -177,37 +161,33 @@ class EngineLoop:
                     result, error = None, err
                 self.loop.call_soon_threadsafe(_resolve, fut, result, error)
 
-    def _report_progress(self) -> None:
-        sequences = self.engine.scheduler.sequences
-        for request_id, callback in list(self._watchers.items()):
-            seq = sequences.get(request_id)
-            if seq is None or self._watched_progress.get(request_id) == seq.num_computed_tokens:
-                continue
-            self._watched_progress[request_id] = seq.num_computed_tokens
-            self.loop.call_soon_threadsafe(callback, seq.num_computed_tokens, list(seq.block_table))
+    def _idle_wait(self, hold_until: float | None) -> float:
+        """How long to sleep when a step ran nothing: until the policy's hold ends, at most idle_wait_s."""
+        if hold_until is None:
+            return self.idle_wait_s
+        return min(self.idle_wait_s, max(0.0, hold_until - self.engine.clock()))
 
-    def _abort_all_running(self) -> list[TokenEvent]:
-        events = []
-        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            self.engine.abort(seq.request_id)
-            events.append(TokenEvent(seq.request_id, [], "", "abort", seq.prompt_len, seq.num_output_tokens))
-        return events
+    def _report_progress(self) -> None:
+        for key, callback in list(self._watchers.items()):
+            progress = self.engine.progress(key)
+            if progress is None or self._watched_progress.get(key) == progress[0]:
+                continue
+            computed, table = progress
+            self._watched_progress[key] = computed
+            self.loop.call_soon_threadsafe(callback, computed, list(table))
 
     def _take_snapshot(self) -> EngineSnapshot:
-        sched = self.engine.scheduler
-        prefilling = [s for s in sched.running if s.in_prefill] + list(sched.waiting)
-        queue_meta = [(s.request_id, s.num_computed_tokens, s.num_uncomputed_tokens, s.arrival_time) for s in prefilling]
-        return EngineSnapshot(self.engine.stats(), queue_meta, time.time())
+        return EngineSnapshot(self.engine.load(), self.engine.prefill_queue(), time.time())
 
     # ---- event loop side ---------------------------------------------------------
     def _deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            stream = self._streams.get(ev.request_id)
+            stream = self._streams.get(ev.key)
             if stream is None:
                 continue  # aborted by the caller meanwhile
             stream.put_nowait(ev)
             if ev.finished:
-                del self._streams[ev.request_id]
+                del self._streams[ev.key]
 
 
 def _resolve(fut: asyncio.Future, result, error) -> None:

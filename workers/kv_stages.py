@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
+from splitserve.core import KvCapacityError, KvPushPlan, KvSink, StageKey, whole_block_chunk
 from splitserve.telemetry import percentile_buckets
-from workers.engine.engine import KvCapacityError
 from workers.engine_loop import EngineLoop
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError, KvTransport
 from workers.kv_transfer.tracker import TransferTracker
@@ -44,13 +44,9 @@ class _Reservation:
 
 @dataclass
 class _OutgoingPush:
-    engine_id: str
-    transfer_id: str
-    dst_worker: str
-    dst_blocks: list[int]
-    chunk_tokens: int
-    stop_at: int
-    pushed_upto: int = 0
+    key: StageKey
+    sink: KvSink
+    plan: KvPushPlan  # which ranges may leave as the stage computes (shared with the simulator)
     computed_at: float | None = None  # when the step that reached stop_at was reported
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
@@ -168,49 +164,44 @@ class KvStageManager:
             await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
 
     # ---- sending ---------------------------------------------------------------------
-    def start_push(self, engine_id: str, transfer_id: str, dst_worker: str, dst_blocks: list[int],
-                   chunk_tokens: int, stop_at: int) -> None:
-        """Push this stage's KV to `dst_worker` chunk by chunk as the engine computes it."""
-        bs = self.memory.block_size
-        chunk = max(bs, -(-max(chunk_tokens, 1) // bs) * bs)  # whole blocks
-        push = _OutgoingPush(engine_id, transfer_id, dst_worker, list(dst_blocks), chunk, stop_at)
+    def start_push(self, key: StageKey, sink: KvSink, stop_at: int) -> None:
+        """Push this stage's KV [0, stop_at) to the sink's blocks chunk by chunk as the engine computes it."""
+        plan = KvPushPlan(whole_block_chunk(sink.chunk_tokens, self.memory.block_size), stop_at)
+        push = _OutgoingPush(key, sink, plan)
         push.task = asyncio.create_task(self._pusher(push))
-        self._pushes[engine_id] = push
-        self.loop.watch(engine_id, lambda computed, table: self._on_progress(push, computed, table))
+        self._pushes[key] = push
+        self.loop.watch(key, lambda computed, table: self._on_progress(push, computed, table))
 
     def _on_progress(self, push: _OutgoingPush, computed: int, block_table: list[int]) -> None:
-        # Only whole chunks while computing: their blocks are full and never written again.
-        while computed - push.pushed_upto >= push.chunk_tokens and push.pushed_upto + push.chunk_tokens < push.stop_at:
-            push.queue.put_nowait((push.pushed_upto, push.pushed_upto + push.chunk_tokens, block_table))
-            push.pushed_upto += push.chunk_tokens
-        # The step that reached stop_at wrote the stage's last KV: push the rest now, from
-        # the step's own report, rather than after the stage-end event and another round
-        # trip to the engine thread (finish_push) — that wait was exposed transfer time.
-        if computed >= push.stop_at and push.computed_at is None:
+        # The step that reached stop_at wrote the stage's last KV: the plan releases the rest
+        # now, from the step's own report, rather than after the stage-end event and another
+        # round trip to the engine thread (finish_push) — that wait was exposed transfer time.
+        if computed >= push.plan.stop_at and push.computed_at is None:
             push.computed_at = time.perf_counter()
-        if computed >= push.stop_at > push.pushed_upto and self.fault_injection != "truncate":
-            push.queue.put_nowait((push.pushed_upto, push.stop_at, block_table))
-            push.pushed_upto = push.stop_at
+        for start, end in push.plan.ready(computed):
+            if end == push.plan.stop_at and self.fault_injection == "truncate":
+                continue  # testing: the last chunk never arrives
+            push.queue.put_nowait((start, end, block_table))
 
-    async def finish_push(self, engine_id: str, completed: bool) -> bool:
+    async def finish_push(self, key: StageKey, completed: bool) -> bool:
         """After the stage ended: push the rest, wait for every chunk, free the KV. True if all went."""
-        push = self._pushes.pop(engine_id, None)
+        push = self._pushes.pop(key, None)
         if push is None:
             return False
-        self.loop.unwatch(engine_id)
-        if completed and push.pushed_upto < push.stop_at and not push.failed:
-            table, computed = await self.loop.call(lambda engine: engine.kv_blocks(engine_id))
-            if self.fault_injection != "truncate":  # testing: the last chunk never arrives
-                push.queue.put_nowait((push.pushed_upto, push.stop_at, table))
+        self.loop.unwatch(key)
+        if completed and not push.plan.complete and not push.failed and self.fault_injection != "truncate":
+            table, computed = await self.loop.call(lambda engine: engine.kv_blocks(key))
+            rest = push.plan.rest()
+            push.queue.put_nowait((rest[0], rest[1], table))
         push.queue.put_nowait(None)
         # Exposed time runs from the end of the stage's computation: the step report, if
         # it came (it queued the last chunk), else now.
         ended = push.computed_at or time.perf_counter()
-        log.debug("stage %s ended; %d chunk(s) still queued", engine_id, push.queue.qsize() - 1)
+        log.debug("stage %s ended; %d chunk(s) still queued", key, push.queue.qsize() - 1)
         await push.task
         if completed and not push.failed:
             KV_EXPOSED_SECONDS.observe(time.perf_counter() - ended)
-        await self.loop.call(lambda engine: engine.release(engine_id))
+        await self.loop.call(lambda engine: engine.release(key))
         return not push.failed
 
     async def _pusher(self, push: _OutgoingPush) -> None:
@@ -223,9 +214,10 @@ class KvStageManager:
                 continue  # the receiver will time out and recompute; don't waste bandwidth
             start, end, table = item
             first, last = start // bs, -(-end // bs)
-            src, dst = table[first:last], push.dst_blocks[first:last]
-            transfer = BlockTransfer(push.transfer_id, self.worker_id, push.dst_worker, tuple(src), tuple(dst),
-                                     start, end, request_id=push.engine_id.split("/", 1)[0])
+            sink = push.sink
+            src, dst = table[first:last], sink.block_ids[first:last]
+            transfer = BlockTransfer(sink.transfer_id, self.worker_id, sink.worker_id, tuple(src), tuple(dst),
+                                     start, end, request_id=push.key.request_id)
             checksum = None  # the transport checksums what it sends, off the event loop
             if self.fault_injection == "corrupt":  # testing: the receiver must detect it
                 checksum = await asyncio.to_thread(self.memory.checksum, src) ^ 0xFFFFFFFF
@@ -234,11 +226,11 @@ class KvStageManager:
                 await self.transport.push(transfer, checksum, self.transfer_timeout_s)
             except (KvTransferError, Exception) as err:
                 push.failed = True
-                log.warning("pushing KV [%d, %d) of %s to %s failed: %s", start, end, push.transfer_id,
-                            push.dst_worker, err)
+                log.warning("pushing KV [%d, %d) of %s to %s failed: %s", start, end, sink.transfer_id,
+                            sink.worker_id, err)
                 continue
             KV_PUSH_SECONDS.observe(time.perf_counter() - started)
-            log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, push.transfer_id,
+            log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, sink.transfer_id,
                       (time.perf_counter() - started) * 1e3)
             KV_BYTES.inc(len(src) * self.memory.block_bytes)
 

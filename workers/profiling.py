@@ -36,9 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
 
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ScheduledEntry
-from workers.engine.sequence import Sequence, SequenceStatus
+from splitserve.core import SamplingParams, ScheduledEntry, SchedulerOutput, Sequence, SequenceStatus, StageKey
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +136,7 @@ def _why_not(engine, tokens_per_seq: int, seqs: int) -> str:
         return f"{tokens_per_seq} tokens exceed max_model_len {engine.max_model_len}"
     if seqs > engine.config.max_num_seqs:
         return f"batch {seqs} exceeds max_num_seqs {engine.config.max_num_seqs}"
-    bm = engine.block_manager
+    bm = engine.scheduler.block_manager
     need = seqs * bm.blocks_for_tokens(tokens_per_seq)
     if need > bm.num_free_blocks:
         return f"needs {need} free KV blocks, {bm.num_free_blocks} free"
@@ -162,23 +160,23 @@ def _token_ids(engine, n: int, salt: int) -> list[int]:
 
 def _timed_runs(engine, entries: list[ScheduledEntry], repeats: int, clock: Callable[[], float]) -> list[float]:
     runner = engine.runner
-    runner.execute(entries)  # warm-up: allocator, kernels, caches
+    step = SchedulerOutput.of(entries)  # a step no scheduler chose: the runner executes it all the same
+    runner.execute(step)  # warm-up: allocator, kernels, caches
     runs = []
     for _ in range(repeats):
         started = clock()
-        runner.execute(entries)
+        runner.execute(step)
         runs.append(clock() - started)
     return runs
 
 
 def _with_blocks(engine, seqs: list[Sequence], tokens_per_seq: int, body: Callable[[], list[float]]) -> list[float]:
     """Give each synthetic sequence reserved blocks for `tokens_per_seq` tokens, run `body`, give them back."""
-    bm = engine.block_manager
-    per_seq = bm.blocks_for_tokens(tokens_per_seq)
+    scheduler = engine.scheduler
     taken: list[int] = []
     try:
         for seq in seqs:
-            blocks = bm.reserve(per_seq)
+            blocks = scheduler.reserve_kv(tokens_per_seq)
             taken.extend(blocks)
             seq.block_table = blocks
             seq.status = SequenceStatus.RUNNING
@@ -186,7 +184,7 @@ def _with_blocks(engine, seqs: list[Sequence], tokens_per_seq: int, body: Callab
     finally:
         for seq in seqs:
             seq.block_table = []
-        bm.release_reserved(taken)
+        scheduler.release_reserved(taken)
 
 
 def measure_prefill(engine, l_hist: int, l_incr: int, repeats: int,
@@ -196,7 +194,7 @@ def measure_prefill(engine, l_hist: int, l_incr: int, repeats: int,
     why = _why_not(engine, total, 1)
     if why:
         return MeasuredShape("prefill", l_hist=l_hist, l_incr=l_incr, skipped=why)
-    seq = Sequence(f"{REQUEST_PREFIX}/p{l_hist}x{l_incr}", _token_ids(engine, total, total), total,
+    seq = Sequence(StageKey(f"{REQUEST_PREFIX}/p{l_hist}x{l_incr}"), _token_ids(engine, total, total), total,
                    SamplingParams(max_tokens=1, temperature=0.0), seed=0, arrival_time=0.0)
     entries = [ScheduledEntry(seq, l_hist, l_incr)]
     runs = _with_blocks(engine, [seq], total, lambda: _timed_runs(engine, entries, repeats, clock))
@@ -209,7 +207,7 @@ def measure_decode(engine, batch: int, ctx: int, repeats: int,
     why = _why_not(engine, ctx, batch) if ctx >= 2 else "ctx must be >= 2 (a prompt token and the decoded one)"
     if why:
         return MeasuredShape("decode", batch=batch, ctx=ctx, skipped=why)
-    seqs = [Sequence(f"{REQUEST_PREFIX}/d{batch}x{ctx}/{i}", _token_ids(engine, ctx, i), ctx - 1,
+    seqs = [Sequence(StageKey(f"{REQUEST_PREFIX}/d{batch}x{ctx}", i), _token_ids(engine, ctx, i), ctx - 1,
                      SamplingParams(max_tokens=2, temperature=0.0), seed=i, arrival_time=0.0)
             for i in range(batch)]
     entries = [ScheduledEntry(s, ctx - 1, 1) for s in seqs]
@@ -219,7 +217,7 @@ def measure_decode(engine, batch: int, ctx: int, repeats: int,
 
 def profile_engine(engine, grid: ProfileGrid, clock: Callable[[], float] = time.perf_counter) -> ProfileResult:
     """Every shape of `grid` on `engine`, in the calling thread (tests; a worker uses `profile_on_loop`)."""
-    result = ProfileResult(engine_kind=engine.spec.architecture, device=str(engine.runner.device))
+    result = ProfileResult(engine_kind=engine.spec.architecture, device=str(engine.device))
     for h, n in prefill_shapes(grid):
         _add(result, measure_prefill(engine, h, n, grid.repeats, clock))
     for b, c in decode_shapes(grid):
@@ -244,12 +242,12 @@ def _add(result: ProfileResult, shape: MeasuredShape) -> None:
 
 
 def _device_name(engine) -> str:
-    device = str(engine.runner.device)
+    device = str(engine.device)
     if device.startswith("cuda"):
         try:
             import torch
 
-            return f"{device} {torch.cuda.get_device_name(engine.runner.device)}"
+            return f"{device} {torch.cuda.get_device_name(engine.device)}"
         except Exception:  # the name is informative only
             return device
     return device

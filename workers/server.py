@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -15,17 +16,11 @@ from splitserve.config import WorkerConfig, default_worker_id, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, Unavailable, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, run
-from splitserve.state import (
-    PrefillTask,
-    RedisRetryPolicy,
-    StateStore,
-    StateUnavailableError,
-    WorkerInfo,
-    WorkerLoadSnapshot,
-)
+from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent
+from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo, WorkerLoad
 from splitserve.telemetry import percentile_buckets, request_id_var
-from workers.engine import Engine, EngineConfig, KvCapacityError, SamplingParams
-from workers.engine.engine import TokenEvent
+from splitserve.wire import load_to_proto, sampling_from_proto
+from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory
@@ -45,23 +40,16 @@ RUNNING = Gauge("splitserve_worker_running", "Requests running")
 WAITING = Gauge("splitserve_worker_waiting", "Requests waiting")
 
 
-def sampling_from_proto(sp: types_pb2.SamplingParams) -> SamplingParams:
-    """Engine sampling parameters from the wire message (unset optionals take engine defaults)."""
-    params = SamplingParams(
-        top_k=sp.top_k,
-        stop=list(sp.stop),
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-    )
-    if sp.HasField("max_tokens"):
-        params.max_tokens = sp.max_tokens
-    if sp.HasField("temperature"):
-        params.temperature = sp.temperature
-    if sp.HasField("top_p"):
-        params.top_p = sp.top_p
-    if sp.HasField("seed"):
-        params.seed = sp.seed
-    return params
+def stage_spec_from_proto(stage: types_pb2.Stage, key: StageKey, kv: KvInBlocks | None) -> StageSpec:
+    """The core's stage from the wire's, with its incoming KV already resolved to local blocks."""
+    sink = None
+    if stage.HasField("kv_sink") and stage.kv_sink.worker_id:
+        s = stage.kv_sink
+        sink = KvSink(s.worker_id, s.transfer_id, tuple(s.block_ids), s.chunk_tokens)
+    slo = StageSlo(stage.slo.ttft_ms / 1000 or None, stage.slo.itl_ms / 1000 or None)
+    return StageSpec(key, tuple(stage.prompt_token_ids), sampling_from_proto(stage.sampling),
+                     output_ids=tuple(stage.generated_token_ids), end=stage.end or None, kv=kv, sink=sink,
+                     keep_kv=stage.keep_kv, emit=stage.emit, priority=stage.priority, slo=slo)
 
 
 def resolve_num_threads(num_threads: int) -> int:
@@ -88,7 +76,7 @@ def _merge_pending(event: TokenEvent, events: asyncio.Queue) -> TokenEvent:
         event = events.get_nowait()
         token_ids += event.token_ids
         text += event.text
-    return TokenEvent(event.request_id, token_ids, text, event.finish_reason, event.num_prompt_tokens,
+    return TokenEvent(event.key, token_ids, text, event.finish_reason, event.num_prompt_tokens,
                       event.num_output_tokens)
 
 
@@ -107,38 +95,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Execute(self, stage: types_pb2.Stage, context):
         srv = self.server
         request_id_var.set(stage.request_id)
-        engine_id = f"{stage.request_id}/{stage.stage_index}"
+        key = StageKey(stage.request_id, stage.stage_index)
         sink = stage.kv_sink if stage.HasField("kv_sink") and stage.kv_sink.worker_id else None
         try:
             if srv.draining:
                 raise Unavailable(f"worker {srv.worker_id} is draining")
             if len(stage.kv_sources) > 1:
                 raise InvalidArgument("kv_sources: at most one source per stage", param="kv_sources")
-            params = sampling_from_proto(stage.sampling)
-            prompt, generated = list(stage.prompt_token_ids), list(stage.generated_token_ids)
-            total = len(prompt) + params.max_tokens
-            stop_at = stage.end if 0 < stage.end < total else None
-            prefix_blocks, prefix_len = None, 0
+            kv = None
             if stage.kv_sources:
                 source = stage.kv_sources[0]
                 if source.lazy:
-                    prefix_blocks = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
-                                                             source.end, source.transfer_id or engine_id)
+                    blocks = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
+                                                      source.end, source.transfer_id or str(key))
                 else:
-                    prefix_blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
-                prefix_len = source.end if prefix_blocks is not None else 0
+                    blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
+                kv = KvInBlocks(tuple(blocks), source.end) if blocks is not None else None
+            spec = stage_spec_from_proto(stage, key, kv)
             arrived = time.monotonic()
             try:
-                events = await srv.loop.add(engine_id, prompt, params, generated,
-                                            keep_kv=sink is not None or stage.keep_kv,
-                                            stop_at=stop_at, prefix_blocks=prefix_blocks, prefix_len=prefix_len)
+                events = await srv.loop.add(spec)
             except ValueError as err:
-                if prefix_blocks is not None:
-                    await srv.loop.call(lambda engine: engine.release_reserved(prefix_blocks))
+                if kv is not None:
+                    await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
                 raise InvalidArgument(str(err)) from None
-            if sink is not None:
-                srv.kv.start_push(engine_id, sink.transfer_id, sink.worker_id, list(sink.block_ids),
-                                  sink.chunk_tokens, stop_at or total)
+            if spec.sink is not None:
+                total = len(spec.prompt_ids) + spec.sampling.max_tokens
+                srv.kv.start_push(key, spec.sink, spec.end if spec.end is not None and spec.end < total else total)
         except SplitserveError as err:
             await abort(context, err)
             return
@@ -164,9 +147,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kv_blocks, kv_tokens = [], 0
                 if finished and sink is not None:
                     # The next stage may start once its KV is in place: push the rest first.
-                    await srv.kv.finish_push(engine_id, completed=ev.finish_reason == "stage_end")
+                    await srv.kv.finish_push(key, completed=ev.finish_reason == "stage_end")
                 elif finished and stage.keep_kv:  # held for a lazy pull; Cancel(request_id) frees it
-                    kv_blocks, kv_tokens = await srv.loop.call(lambda engine: engine.kv_blocks(engine_id))
+                    kv_blocks, kv_tokens = await srv.loop.call(lambda engine: engine.kv_blocks(key))
                 yield types_pb2.TokenChunk(
                     request_id=stage.request_id, token_ids=ev.token_ids, text=ev.text,
                     finish_reason=ev.finish_reason or "", num_prompt_tokens=ev.num_prompt_tokens,
@@ -179,21 +162,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
         finally:
             if not finished:  # caller went away or cancelled: free the blocks now
-                srv.loop.abort(engine_id)
+                srv.loop.abort(key)
                 if sink is not None:
-                    asyncio.ensure_future(srv.kv.finish_push(engine_id, completed=False))
+                    asyncio.ensure_future(srv.kv.finish_push(key, completed=False))
                 STAGES.labels("abort").inc()
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         loop = self.server.loop
         # Stages in flight and finished ones still holding KV (keep_kv) alike.
-        ids = await loop.call(lambda engine: [rid for rid in engine.scheduler.sequences
-                                              if rid.split("/", 1)[0] == request.request_id])
-        ids = sorted(set(ids) | {rid for rid in loop.request_ids() if rid.split("/", 1)[0] == request.request_id})
-        for rid in ids:
-            loop.abort(rid)
+        keys = set(await loop.call(lambda engine: engine.stage_keys(request.request_id)))
+        keys |= {key for key in loop.stage_keys() if key.request_id == request.request_id}
+        for key in sorted(keys):
+            loop.abort(key)
         released = await self.server.kv.release_for_request(request.request_id)
-        return types_pb2.CancelResponse(cancelled=bool(ids) or released > 0)
+        return types_pb2.CancelResponse(cancelled=bool(keys) or released > 0)
 
     async def GetLoad(self, request, context):
         return self.server.load_proto()
@@ -296,7 +278,7 @@ class WorkerServer:
         def init() -> None:
             import torch
 
-            if self.engine.runner.device.type == "cpu":
+            if self.engine.device.type == "cpu":
                 torch.set_num_threads(threads)
         return init
 
@@ -319,15 +301,15 @@ class WorkerServer:
         if emulated:
             from workers.kv_transfer.emulated_transport import EmulatedKvMemory, EmulatedTransport
 
-            memory = EmulatedKvMemory(self.engine.runner.num_blocks, cfg.block_size)
+            memory = EmulatedKvMemory(self.engine.num_kv_blocks, cfg.block_size)
         else:
-            memory = KvMemory(self.engine.runner.kv_cache)
+            memory = KvMemory(self.engine.kv_cache)
         self.kv = KvStageManager(self.worker_id, self.loop, memory, TransferTracker(), cfg.kv_transfer_timeout_s,
                                  cfg.kv_reservation_ttl_s, cfg.kv_fault_injection)
         # The gRPC transport always serves PushKv/PullKv (peers may use it); it is also the fallback.
         if emulated:
             self.grpc_kv = EmulatedTransport(self.worker_id, memory, self.store, self.kv.on_chunk,
-                                             self.engine.runner.perf)
+                                             self.engine.perf_model)
         else:
             self.grpc_kv = GrpcTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
         transport = self.grpc_kv
@@ -360,22 +342,14 @@ class WorkerServer:
             engine_kind=self.engine.spec.architecture, model=self.config.model,
         ))
 
-    def load_snapshot(self) -> WorkerLoadSnapshot:
-        stats = self.loop.snapshot.stats
-        return WorkerLoadSnapshot(
-            worker_id=self.worker_id, role=self.role, engine_kind=self.engine.spec.architecture,
-            free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=stats.block_size,
-            running=stats.running, waiting=stats.waiting, queued_prefill_tokens=stats.queued_prefill_tokens,
-            draining=self.draining,
-        )
+    def load_snapshot(self) -> WorkerLoad:
+        """The engine's latest load figures with this worker's identity, role and draining flag."""
+        snapshot = self.loop.snapshot
+        return dataclasses.replace(snapshot.load, worker_id=self.worker_id, role=self.role, draining=self.draining,
+                                   updated_unix=snapshot.taken_at)
 
     def load_proto(self) -> types_pb2.WorkerLoad:
-        s = self.load_snapshot()
-        return types_pb2.WorkerLoad(
-            worker_id=s.worker_id, role=s.role, engine_kind=s.engine_kind, free_blocks=s.free_blocks,
-            total_blocks=s.total_blocks, block_size=s.block_size, running=s.running, waiting=s.waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens, draining=s.draining,
-        )
+        return load_to_proto(self.load_snapshot())
 
     async def publish_load(self) -> None:
         snap = self.load_snapshot()
@@ -383,8 +357,7 @@ class WorkerServer:
         RUNNING.set(snap.running)
         WAITING.set(snap.waiting)
         await self.store.publish_load(snap)
-        tasks = [PrefillTask(rid, l_hist, l_incr, enq) for rid, l_hist, l_incr, enq in self.loop.snapshot.prefill_queue]
-        await self.store.publish_prefill_queue(self.worker_id, tasks)
+        await self.store.publish_prefill_queue(self.worker_id, self.loop.snapshot.prefill_queue)
         ttft, itl = self.samples.ttft, self.samples.itl
         self.samples = _LatencySamples([], [])
         now = time.time()

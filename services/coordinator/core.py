@@ -178,6 +178,8 @@ class Coordinator:
             stage.prompt_token_ids[:] = request.prompt_token_ids
             stage.generated_token_ids[:] = emitted
             stage.sampling.CopyFrom(request.sampling)
+            stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
+            stage.priority = request.priority
             if index + 1 < len(stages):
                 await self._wire_kv(request_id, stage, stages[index + 1], deadline)
             stub = await self.workers.stub(stage.worker_id)

@@ -69,9 +69,10 @@ class LeastLoadedPolicy:
 
     def score(self, worker: WorkerView) -> float:
         """Load score of one worker; lower is less loaded."""
-        kv_used = 1.0 - worker.free_kv_fraction if worker.total_blocks > 0 else 1.0
-        queued = worker.queued_prefill_tokens / self.prefill_token_scale
-        requests = (worker.running + worker.waiting + worker.inflight_assigned) / self.request_scale
+        load = worker.load
+        kv_used = 1.0 - load.free_kv_fraction if load.total_blocks > 0 else 1.0
+        queued = load.queued_prefill_tokens / self.prefill_token_scale
+        requests = (load.running + load.waiting + worker.inflight_assigned) / self.request_scale
         return kv_used + queued + requests
 
     def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
+from splitserve.state_records import WorkerLoad
 
 ROLES = ("both", "prefill", "decode")
 
@@ -26,31 +27,30 @@ class WorkerView:
 
     worker_id: str
     address: str
-    role: str  # "both" | "prefill" | "decode"
-    engine_kind: str = ""
-    free_blocks: int = 0
-    total_blocks: int = 0
-    block_size: int = 0
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    draining: bool = False
+    load: WorkerLoad  # its role is the live one (Worker.SetRole changes it)
     # Requests this scheduler placed here since the load snapshot was taken: the snapshot
     # does not show them yet, and without them every placement inside one refresh
     # interval would land on the same "least loaded" worker.
     inflight_assigned: int = 0
 
     @property
+    def role(self) -> str:
+        """"both" | "prefill" | "decode"."""
+        return self.load.role
+
+    @property
+    def engine_kind(self) -> str:
+        return self.load.engine_kind
+
+    @property
     def eligible(self) -> bool:
         """Whether new work may be placed here."""
-        return not self.draining
+        return not self.load.draining
 
     @property
     def free_kv_fraction(self) -> float:
         """Free KV blocks / total blocks; 0 when the worker reports no KV cache."""
-        if self.total_blocks <= 0:
-            return 0.0
-        return min(1.0, max(0.0, self.free_blocks / self.total_blocks))
+        return self.load.free_kv_fraction
 
 
 @dataclass(frozen=True)

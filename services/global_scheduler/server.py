@@ -32,6 +32,7 @@ from splitserve.config import SchedulerConfig, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, abort
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, run
+from splitserve.wire import load_to_proto
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
 
 log = logging.getLogger(__name__)
@@ -96,14 +97,7 @@ def completion_from_proto(report: scheduler_pb2.CompletionReport) -> CompletionR
 
 def view_to_worker_loads(view: ClusterView) -> list[types_pb2.WorkerLoad]:
     """The view's workers as WorkerLoad messages."""
-    return [
-        types_pb2.WorkerLoad(
-            worker_id=w.worker_id, role=w.role, engine_kind=w.engine_kind, free_blocks=w.free_blocks,
-            total_blocks=w.total_blocks, block_size=w.block_size, running=w.running, waiting=w.waiting,
-            queued_prefill_tokens=w.queued_prefill_tokens, draining=w.draining,
-        )
-        for w in view.workers
-    ]
+    return [load_to_proto(w.load) for w in view.workers]
 
 
 class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):

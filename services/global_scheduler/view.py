@@ -1,7 +1,8 @@
 """The scheduler's cluster view: built from Redis in the background, read without I/O.
 
-`build_cluster_view` and `InflightCounters` are pure; `ClusterViewSource` is the I/O edge
-that refreshes them from the StateStore every `refresh_s` so Place never waits on Redis.
+`ClusterViewSource` is the I/O edge that refreshes the pure `build_cluster_view` and
+`InflightCounters` (services.global_scheduler.cluster_view) from the StateStore every
+`refresh_s`, so Place never waits on Redis.
 """
 
 from __future__ import annotations
@@ -9,79 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
-from services.global_scheduler.policy import (
-    ClusterView,
-    NoWorkerAvailable,
-    Placement,
-    PlacementPolicy,
-    PlacementRequest,
-    WorkerView,
-)
+from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
+from services.global_scheduler.policy import ClusterView, NoWorkerAvailable, Placement, PlacementPolicy, PlacementRequest
 from splitserve.errors import Unavailable
-from splitserve.state import StateStore, WorkerInfo, WorkerLoadSnapshot
+from splitserve.state import StateStore, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
-
-
-def build_cluster_view(
-    workers: Iterable[WorkerInfo],
-    loads: Mapping[str, WorkerLoadSnapshot],
-    taken_at: float,
-    inflight: Mapping[str, int] | None = None,
-) -> ClusterView:
-    """Join registry entries with load snapshots; workers without a snapshot are left out."""
-    inflight = inflight or {}
-    views = []
-    for info in workers:
-        load = loads.get(info.worker_id)
-        if load is None:  # no fresh load: we cannot judge it, so we do not place on it
-            continue
-        views.append(WorkerView(
-            worker_id=info.worker_id,
-            address=info.address,
-            # The load snapshot carries the live role (Worker.SetRole changes it); the
-            # registry entry keeps the role the worker started with.
-            role=load.role or info.role,
-            engine_kind=load.engine_kind or info.engine_kind,
-            free_blocks=load.free_blocks,
-            total_blocks=load.total_blocks,
-            block_size=load.block_size,
-            running=load.running,
-            waiting=load.waiting,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            draining=load.draining,
-            inflight_assigned=inflight.get(info.worker_id, 0),
-        ))
-    return ClusterView(tuple(views), taken_at)
-
-
-class InflightCounters:
-    """Requests placed per worker since that worker's last load snapshot."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self._snapshot_time: dict[str, float] = {}
-
-    def note_placed(self, worker_ids: Iterable[str]) -> None:
-        """Count one placement on each worker (a multi-stage plan counts on every stage's worker)."""
-        for worker_id in worker_ids:
-            self._counts[worker_id] = self._counts.get(worker_id, 0) + 1
-
-    def observe_snapshots(self, loads: Mapping[str, WorkerLoadSnapshot]) -> None:
-        """Reset the counter of every worker whose snapshot is new; forget vanished workers."""
-        for worker_id, load in loads.items():
-            if self._snapshot_time.get(worker_id) != load.updated_unix:
-                self._snapshot_time[worker_id] = load.updated_unix
-                self._counts.pop(worker_id, None)
-        for worker_id in set(self._snapshot_time) - set(loads):
-            del self._snapshot_time[worker_id]
-            self._counts.pop(worker_id, None)
-
-    def counts(self) -> dict[str, int]:
-        """Current counts by worker id (workers with none are absent)."""
-        return dict(self._counts)
 
 
 class ClusterViewSource:
@@ -105,7 +41,7 @@ class ClusterViewSource:
         self.clock = clock
         self.inflight = InflightCounters()
         self._workers: list[WorkerInfo] = []
-        self._loads: dict[str, WorkerLoadSnapshot] = {}
+        self._loads: dict[str, WorkerLoad] = {}
         self._taken_at = 0.0
         self._refreshed_monotonic: float | None = None
         self._view: ClusterView | None = None  # cache, rebuilt after a refresh or placement

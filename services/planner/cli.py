@@ -1,7 +1,7 @@
 """``splitserve simulate``: `splitserve bench`'s workloads on a simulated cluster, in virtual time.
 
-Takes bench's workload, arrival and SLO options (parsed by loadgen's own code) plus the
-cluster's shape, and writes the same JSON/CSV/PNG reports, so
+Takes the workload, arrival, SLO, rate and output options it shares with `splitserve bench`
+(:mod:`loadgen.options`) plus the cluster's shape, and writes the same JSON/CSV/PNG reports, so
 ``splitserve bench compare`` compares simulated and measured runs. Mounted by the lead
 as ``app.add_typer(simulate_app, name="simulate")``; runnable alone:
 ``python -c "from services.planner.cli import simulate_app; simulate_app()" --help``.
@@ -9,38 +9,27 @@ as ``app.add_typer(simulate_app, name="simulate")``; runnable alone:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
-from rich.console import Console
 
 from loadgen.bench_config import BenchOptions, describe_arrival
-from loadgen.cli import (
-    RATE_MAX_OPTION,
-    SLO_MAX_GAP_OPTION,
-    _floats,
-    _slo,
-    _write_run,
-    check_rate_options,
-    print_written,
-    run_rates,
-)
-from loadgen.metrics import RequestResult, summarize
-from loadgen.report import run_record, summary_table
+from loadgen.metrics import RequestResult
+from loadgen.options import build_slo, check_rate_options, report_run, run_command, run_rates, with_shared_options
 from services.planner.sim_config import NetworkLatency
 from services.planner.sim_workload import SimWorkload, build_sim_workload
 from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
-from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import preset
+from splitserve.perf_store import load_perf_model
 
 __all__ = ["simulate_app", "ClusterOptions", "build_simulator", "run_simulation"]
 
 simulate_app = typer.Typer(help="Simulate a splitserve cluster in virtual time: the real policies, "
                                 "step times from the performance model.", add_completion=False)
-console = Console()
 
 
 @dataclass
@@ -77,16 +66,8 @@ class ClusterOptions:
 
 def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: int = 0) -> Simulator:
     """The Simulator for `cluster`: a preset's (or a fitted model's) times, the preset's KV memory."""
-    if cluster.perf_model is not None and str(cluster.perf_model).startswith("redis:"):
-        import os
-
-        from splitserve.profile_cli import load_perf_model  # what `splitserve profile` stored for a worker
-
-        perf_model = load_perf_model(str(cluster.perf_model),
-                                     os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                                     os.environ.get("SPLITSERVE_REDIS_PREFIX", "ss:"))
-    elif cluster.perf_model is not None:
-        perf_model = PerfModel.load(cluster.perf_model)
+    if cluster.perf_model is not None:  # a JSON file, or redis:WORKER_ID: what `splitserve profile` stored
+        perf_model = load_perf_model(str(cluster.perf_model))
     else:
         perf_model = preset(cluster.gpu, cluster.model_preset, cluster.tp, dtype=cluster.dtype, link=cluster.link)
     blocks = cluster.kv_blocks or preset_kv_blocks(cluster.gpu, cluster.model_preset, cluster.tp, cluster.block_size,
@@ -118,7 +99,7 @@ def _stats_line(outcome: SimulationOutcome) -> str:
 def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any]:
     """Simulate what `opts` asks (one run, a rate sweep or a capacity search); returns the JSON record."""
     check_rate_options(opts)
-    slo = _slo(opts)
+    slo = build_slo(opts)
     workload = build_sim_workload(opts)
     arrival = workload.arrival
     send = opts.send_slo
@@ -127,25 +108,17 @@ def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any
     config = {"options": opts.to_dict(), "target": target, "vocab_size": None,
               "workload_kind": workload.workload.kind, "workload": workload.workload.description,
               "arrival": describe_arrival(arrival, opts.concurrency)}
-    written: list[Path] = []
 
     if not (opts.sweep_rates or opts.find_capacity):
         outcome = _simulate(sim, opts, workload, arrival)
-        summary = summarize(outcome.results, slo)
-        console.print(summary_table(summary, "simulation summary"))
-        console.print(_stats_line(outcome))
-        record = run_record(summary, config, outcome.results if opts.per_request else None,
-                            simulation=asdict(outcome.stats))
-        if opts.out_dir:
-            written = _write_run(opts.out_dir, "simulate", outcome.results, record, slo, plots=True)
-        print_written(written)
-        return record
+        return report_run(opts, config, slo, "simulate", outcome.results, "simulation summary",
+                          notes=(_stats_line(outcome),), simulation=asdict(outcome.stats))
 
     def at_rate(rate: float, arrival_now: Any) -> tuple[list[RequestResult], dict[str, Any], str]:
         outcome = _simulate(sim, opts, workload, arrival_now)
         return outcome.results, {"simulation": asdict(outcome.stats)}, f" ({outcome.stats.wall_s:.2f} s wall)"
 
-    return run_rates(opts, config, slo, arrival, at_rate, written)
+    return run_rates(opts, config, slo, arrival, at_rate)
 
 
 def _key_values(items: list[str] | None, name: str) -> dict[str, str]:
@@ -158,48 +131,10 @@ def _key_values(items: list[str] | None, name: str) -> dict[str, str]:
     return params
 
 
+@with_shared_options
 def simulate(
     ctx: typer.Context,
-    # ---- the workload, as `splitserve bench` takes it ----
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Azure CSV or Mooncake JSONL trace: lengths "
-                                         "(and, with --arrival trace, timestamps)."),
-    length_scale: float = typer.Option(1.0, "--length-scale", help="Multiply prompt/output lengths (reported)."),
-    num_requests: int = typer.Option(100, "--num-requests", "-n", help="Requests to send (trace: first N rows)."),
-    trace_time_scale: float = typer.Option(1.0, "--trace-time-scale", help="Trace replay speed-up (2 = 2x faster)."),
-    shape: Optional[List[str]] = typer.Option(None, "--shape", help="Request shape(s) P<prompt>/D<output>, "
-                                              "repeatable or comma list (default P256/D64)."),
-    sessions: Optional[str] = typer.Option(None, "--sessions", help="Multi-round session preset: toolbench | gaia | "
-                                           "hotpotqa | dureader."),
-    num_sessions: int = typer.Option(10, "--num-sessions", help="Sessions to run with --sessions."),
-    tool_delay: str = typer.Option("exponential:mean=1", "--tool-delay", help="Delay between session rounds: "
-                                   "exponential:mean=S | constant:mean=S | none."),
-    arrival: Optional[str] = typer.Option(None, "--arrival", help="poisson:rate=R | gamma:rate=R,burstiness=B | "
-                                          "constant:rate=R | trace (default: trace with --trace, else "
-                                          "poisson:rate=1)."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Closed loop: N clients sending back "
-                                              "to back."),
-    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help="Cap on requests in flight."),
-    duration_limit: Optional[float] = typer.Option(None, "--duration-limit", "--duration",
-                                                   help="Stop after S virtual seconds; unfinished requests are "
-                                                   "cut off."),
-    slo_ttft_ms: float = typer.Option(1000.0, "--slo-ttft-ms", help="TTFT SLO (ms)."),
-    slo_itl_ms: float = typer.Option(100.0, "--slo-itl-ms", help="Per-request p99 inter-token latency SLO (ms)."),
-    slo_incremental_ttft_ms: Optional[float] = typer.Option(None, "--slo-incremental-ttft-ms",
-                                                            help="TTFT SLO of session rounds > 0 (ms)."),
-    slo_max_gap_ms: Optional[float] = SLO_MAX_GAP_OPTION,
-    send_slo: bool = typer.Option(True, "--send-slo/--no-send-slo", help="Give the SLO to the placement policy."),
-    find_capacity_: bool = typer.Option(False, "--find-capacity", help="Search the highest rate meeting "
-                                        "--target-attainment."),
-    target_attainment: float = typer.Option(0.9, "--target-attainment", help="SLO attainment to meet."),
-    rate_lo: float = typer.Option(0.5, "--rate-lo", help="Capacity search: first (low) rate probed."),
-    rate_hi: float = typer.Option(8.0, "--rate-hi", help="Capacity search: first high rate probed."),
-    rate_max: Optional[float] = RATE_MAX_OPTION,
-    rate_tol: float = typer.Option(0.25, "--rate-tol", help="Capacity search: stop when the bracket is this narrow."),
-    max_probes: int = typer.Option(8, "--max-probes", help="Capacity search: at most this many runs."),
-    sweep_rates: Optional[str] = typer.Option(None, "--sweep-rates", help="Comma list of rates, one run each."),
-    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Write JSON, CSV and PNG plots here."),
-    per_request: bool = typer.Option(False, "--per-request", help="Include per-request records in the JSON."),
-    seed: int = typer.Option(0, "--seed", help="Seed of every random draw (lengths, sessions, arrivals)."),
+    opts: BenchOptions,  # the workload, SLO, rate and output options of `splitserve bench` (loadgen.options)
     # ---- the simulated cluster ----
     workers: int = typer.Option(8, "--workers", help="Simulated workers (instances of --tp GPUs each)."),
     gpu: str = typer.Option("H100", "--gpu", help="GPU preset: A100 | H100 | H200 | L40S | RTX4090."),
@@ -238,16 +173,7 @@ def simulate(
     """Simulate a workload on a cluster (the default command)."""
     if ctx.invoked_subcommand is not None:
         return
-    opts = BenchOptions(
-        target="simulator", trace=trace, length_scale=length_scale, num_requests=num_requests,
-        trace_time_scale=trace_time_scale, shapes=list(shape or []), sessions=sessions, num_sessions=num_sessions,
-        tool_delay=tool_delay, arrival=arrival, concurrency=concurrency, max_concurrency=max_concurrency,
-        duration_limit_s=duration_limit, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
-        slo_incremental_ttft_ms=slo_incremental_ttft_ms, slo_max_gap_ms=slo_max_gap_ms, send_slo=send_slo,
-        find_capacity=find_capacity_, target_attainment=target_attainment, rate_lo=rate_lo, rate_hi=rate_hi,
-        rate_max=rate_max, rate_tol=rate_tol,
-        max_probes=max_probes, sweep_rates=_floats(sweep_rates, "--sweep-rates"), out_dir=out_dir,
-        per_request=per_request, seed=seed, progress=False)
+    opts = dataclasses.replace(opts, target="simulator", progress=False)
     cluster = ClusterOptions(
         workers=workers, gpu=gpu, model_preset=model_preset, tp=tp, dtype=dtype, link=link, perf_model=perf_model,
         policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
@@ -255,14 +181,7 @@ def simulate(
         block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,
         kv_chunk_tokens=kv_chunk_tokens, prefix_caching=prefix_caching, fast_forward=fast_forward,
         dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)
-    try:
-        record = run_simulation(opts, cluster)
-    except (ValueError, OSError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(2) from None
-    summaries = [record["summary"]] if "summary" in record else [p["summary"] for p in record.get("points", [])]
-    if summaries and all(s["n_ok"] == 0 for s in summaries):
-        raise typer.Exit(1)  # scripts notice a run where every request failed
+    run_command(lambda: run_simulation(opts, cluster))
 
 
 # The simulation is both the group's default (`splitserve simulate ...`) and an explicit `run`.

@@ -31,13 +31,13 @@ from services.planner.sim_config import SimulatorConfig, worker_id
 from services.planner.sim_view import SimClusterView
 from services.planner.sim_worker import SimWorker, StageRun
 from services.planner.sim_workload import PromptIds, SimItem
-from workers.engine.sequence import FinishReason
+from splitserve.core import FinishReason, StageKey
 
 __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 
 STALLED = "simulation stalled: no event left that could finish the request"
 # Event kinds; ties in time run in push order.
-_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE = range(5)
+_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE = range(6)
 
 
 @dataclass
@@ -198,6 +198,8 @@ class SimRun:
     def _dispatch(self, kind: int, payload: object) -> None:
         if kind == _STAGE_START:
             self._start_stage(payload)
+        elif kind == _WAKE:
+            self._kick(payload)
         elif kind == _KV_DONE:
             self._kv_done(payload)
         else:
@@ -217,6 +219,9 @@ class SimRun:
         end = worker.start_step(self.now)
         if end is not None:
             self._push(end, _STEP_DONE, worker, worker.generation)
+        elif worker.hold_until is not None and worker.hold_until > self.now and worker.wake_at != worker.hold_until:
+            worker.wake_at = worker.hold_until  # the batch policy holds work back until then: ask it again
+            self._push(worker.hold_until, _WAKE, worker)
 
     # ---- sends and placement -------------------------------------------------------------
     def _send(self, item: _Item, round_index: int, holds_slot: bool = False) -> None:
@@ -247,7 +252,7 @@ class SimRun:
             return
         self.view.note_placed(placement.worker_ids)
         for index, sp in enumerate(placement.stages):
-            request.stages.append(StageRun(f"{request.request_id}/{index}", index, sp.start, sp.end,
+            request.stages.append(StageRun(StageKey(request.request_id, index), sp.start, sp.end,
                                            self.by_id[sp.worker_id], request.token_times, request))
         self._push(self.now + self.latency.dispatch_s, _STAGE_START, request.stages[0])
 
@@ -257,30 +262,30 @@ class SimRun:
         if request is None or request.done:
             return
         worker = stage.worker
-        error = worker.admission_error(request.prompt_len + request.max_tokens)
-        if error is not None:
-            self._fail(request, error)
-            return
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
         if following is not None:
             # The coordinator reserves the next stage's KV before running this one; with no
             # room there, the next stage recomputes this range from tokens.
             following.reserved_blocks = following.worker.reserve_kv(stage.end, self.now)
-            stage.pushes_kv = following.reserved_blocks is not None
             self._kick(following.worker)
         if stage.index == 0:
             tokens, prefix_len = request.prompt_ids, 0
         else:
             previous = request.stages[stage.index - 1]
-            tokens = list(previous.seq.token_ids)
+            tokens = previous.seq.token_ids
             prefix_len = previous.end if stage.reserved_blocks is not None else 0
             if stage.reserved_blocks is None:
                 self.stats.kv_recomputes += 1
-        worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now)
+        push_to = following if following is not None and following.reserved_blocks is not None else None
+        try:
+            worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now, push_to)
+        except ValueError as err:  # what the worker answers INVALID_ARGUMENT to
+            self._fail(request, f"InvalidArgument: {err}")
+            return
         self._kick(worker)
 
     def _stage_ended(self, stage: StageRun) -> None:
-        if stage.pushes_kv:
+        if stage.push is not None:
             self.stats.kv_transfers += 1
             self._push(stage.push_done_at, _KV_DONE, stage)  # the worker reports the end after its push
         elif stage.finish_reason is FinishReason.STAGE_END:
@@ -341,7 +346,7 @@ class SimRun:
                 stage.worker.release_reserved(stage.reserved_blocks, self.now)
                 stage.reserved_blocks = None
                 self._kick(stage.worker)
-            elif stage.worker.stages.get(stage.engine_id) is stage:
+            elif stage.worker.stages.get(stage.key) is stage:
                 stage.worker.abort(stage, self.now)
                 self._kick(stage.worker)
             stage.owner = stage.seq = None  # no cycles left for a collector (it is off during runs)

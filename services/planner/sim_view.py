@@ -13,9 +13,9 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from services.global_scheduler.policy import ClusterView
-from services.global_scheduler.view import InflightCounters, build_cluster_view
-from services.planner.sim_worker import SimWorker
-from splitserve.state import WorkerInfo, WorkerLoadSnapshot
+from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
+from services.planner.sim_worker import SimWorker, published
+from splitserve.state_records import WorkerInfo
 
 __all__ = ["SimClusterView", "ENGINE_KIND"]
 
@@ -62,15 +62,10 @@ class SimClusterView:
         taken_at = tick * self.refresh_s
         infos, loads = [], {}
         for w in self.workers:
-            load = w.load_at(tick)
-            bm = w.block_manager
             # The registry holds the role a worker started with; the snapshot its live role.
             infos.append(WorkerInfo(w.worker_id, f"sim://{w.worker_id}", role=w.role, engine_kind=ENGINE_KIND,
                                     started_unix=0.0))
-            loads[w.worker_id] = WorkerLoadSnapshot(
-                w.worker_id, role=w.role, engine_kind=ENGINE_KIND, free_blocks=load.free_blocks,
-                total_blocks=bm.num_blocks, block_size=bm.block_size, running=load.running, waiting=load.waiting,
-                queued_prefill_tokens=load.queued_prefill_tokens, draining=w.draining, updated_unix=taken_at)
+            loads[w.worker_id] = published(w, w.load_at(tick), ENGINE_KIND, taken_at)
         self.inflight.observe_snapshots(loads)
         self._view = build_cluster_view(infos, loads, taken_at, self.inflight.counts())
         self._position = {v.worker_id: i for i, v in enumerate(self._view.workers)}

@@ -7,7 +7,7 @@
 The decisions are the real code, unchanged: placement policies from
 `services.global_scheduler.make_policy` over a stale `ClusterView` built by the
 scheduler's own `build_cluster_view` and `InflightCounters`; on every worker the engine's
-`Scheduler`, `BlockManager` and a `BatchPolicy` from `workers.policies.make_batch_policy`.
+serving core (`splitserve.core`: `Scheduler`, `BlockManager`, a `BatchPolicy` from `make_batch_policy`).
 Only time is modelled:
 
 * an engine step lasts `PerfModel.step_time` of the entries its scheduler chose (prefill
@@ -36,9 +36,9 @@ from services.global_scheduler.policy import make_policy
 from services.planner.sim_config import NetworkLatency, SimulatorConfig
 from services.planner.sim_run import SimRun, SimStats, gc_paused
 from services.planner.sim_workload import SimItem
+from splitserve.core import make_batch_policy
 from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import max_kv_tokens, preset
-from workers.policies import make_batch_policy
 
 __all__ = ["Simulator", "SimulationOutcome", "NetworkLatency", "SimStats", "pd_roles", "preset_kv_blocks"]
 

@@ -16,7 +16,7 @@ from services.coordinator.records import RequestRecordWriter
 from services.global_scheduler.policy import register_policy
 from splitserve.errors import InvalidArgument, Unavailable
 from splitserve.proto import scheduler_pb2, types_pb2
-from splitserve.state import RedisRetryPolicy, RequestRecord, StateStore, WorkerInfo, WorkerLoadSnapshot
+from splitserve.state import RedisRetryPolicy, RequestRecord, StateStore, WorkerInfo, WorkerLoad
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -139,7 +139,7 @@ def test_local_placer_places_on_the_redis_view_and_reports_only_to_learning_poli
         async with open_store(prefix) as store:
             for worker_id, running in (("w-a", 9), ("w-b", 0)):
                 await store.register_worker(WorkerInfo(worker_id, "127.0.0.1:1", role="both", engine_kind="llama"))
-                await store.publish_load(WorkerLoadSnapshot(worker_id, role="both", engine_kind="llama",
+                await store.publish_load(WorkerLoad(worker_id, role="both", engine_kind="llama",
                                                             free_blocks=100, total_blocks=100, block_size=16,
                                                             running=running), ttl_s=60)
             placer = LocalPlacer.from_config(store, "least_loaded", 0.5, view_refresh_s=0.02)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
+from splitserve.core import KvPayload, StageKey, StageSpec
 from workers.engine import LLM, Engine, EngineConfig, SamplingParams
 
 
@@ -54,7 +56,7 @@ def test_continuing_from_generated_tokens_matches(llm):
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
     full = llm.generate([prompt], params)[0].token_ids
     engine = llm.engine
-    engine.add_request("resume", prompt, params, output_token_ids=full[:5])
+    engine.add_stage(StageSpec.whole("resume", prompt, params, output_ids=tuple(full[:5])))
     rest = []
     while engine.has_unfinished():
         for ev in engine.step():
@@ -67,18 +69,19 @@ def test_kv_export_import_roundtrip(llama_dir):
     prompt = _prompts(1, 45, 45, seed=8)[0]
     params = SamplingParams(max_tokens=10, temperature=0.0)
     a = Engine(EngineConfig(model=str(llama_dir), block_size=8))
-    a.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
+    key = StageKey("r")
+    a.add_stage(StageSpec(key, tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True))
     first = []
     while a.has_unfinished():
         first += [t for ev in a.step() for t in ev.token_ids]
-    kv = a.export_kv("r", 0, len(prompt))
+    kv = a.export_kv(key, 0, len(prompt))
     assert kv.shape == (a.spec.num_layers, 2, len(prompt), a.spec.num_kv_heads, a.spec.head_dim)
-    a.release("r")
-    assert a.stats().free_blocks == a.stats().total_blocks
+    a.release(key)
+    assert a.load().free_blocks == a.load().total_blocks
 
     b = Engine(EngineConfig(model=str(llama_dir), block_size=16))
-    b.add_request("r", prompt, params, output_token_ids=first, prefix_kv=kv)
-    assert b.export_kv("r", 0, len(prompt)).equal(kv)  # bit-exact after import
+    b.add_stage(StageSpec(key, tuple(prompt), params, output_ids=tuple(first), kv=KvPayload(kv, len(prompt))))
+    assert b.export_kv(key, 0, len(prompt)).equal(kv)  # bit-exact after import
     out = list(first)
     while b.has_unfinished():
         out += [t for ev in b.step() for t in ev.token_ids]
@@ -95,12 +98,14 @@ def test_stop_token_ids_eos_and_ignore_eos(llm):
     assert out.finish_reason == "stop"
     assert out.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
     # pretend the model's EOS is that token: generation stops unless ignore_eos
-    llm.engine.spec.eos_token_ids.append(stop_at)
+    scheduler = llm.engine.scheduler
+    config = scheduler.config
+    scheduler.config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | {stop_at})
     try:
         eos = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
         ignored = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     finally:
-        llm.engine.spec.eos_token_ids.remove(stop_at)
+        scheduler.config = config
     assert eos.finish_reason == "stop" and eos.token_ids == out.token_ids
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
@@ -113,7 +118,7 @@ def test_stop_strings_truncate_text_and_never_leak_in_stream(llm):
     assert len(text) >= 4, "need some decodable output to pick a stop string from"
     stop = text[2:4]
     engine = llm.engine
-    engine.add_request("s", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))
+    engine.add_stage(StageSpec.whole("s", prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop])))
     streamed, reason = "", None
     while engine.has_unfinished():
         for ev in engine.step():
@@ -142,15 +147,15 @@ def test_stop_strings_truncate_text_and_never_leak_in_stream(llm):
 )
 def test_bad_input_is_rejected_by_name_and_engine_keeps_serving(llm, prompt, params, message):
     engine = llm.engine
-    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add_stage(StageSpec.whole("ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)))
     with pytest.raises(ValueError) as err:
-        engine.add_request("bad", prompt, params)
+        engine.add_stage(StageSpec.whole("bad", prompt, params))
     assert message in str(err.value)
     produced = []
     while engine.has_unfinished():
         produced += [t for ev in engine.step() for t in ev.token_ids]
     assert len(produced) == 3
-    assert "bad" not in engine.scheduler.sequences
+    assert not engine.stage_keys("bad")
 
 
 def test_kv_capacity_limits_are_named(llama_dir):
@@ -159,18 +164,19 @@ def test_kv_capacity_limits_are_named(llama_dir):
     probe = Engine(EngineConfig(model=str(llama_dir), block_size=4, kv_cache_memory_bytes=1 << 20))
     small = Engine(EngineConfig(model=str(llama_dir), block_size=4, kv_cache_memory_bytes=4 * probe.runner.bytes_per_block))
     with pytest.raises(ValueError, match=r"exceeds the KV cache capacity \(16 tokens\)"):
-        small.add_request("big", list(range(10)), SamplingParams(max_tokens=10))
+        small.add_stage(StageSpec.whole("big", list(range(10)), SamplingParams(max_tokens=10)))
 
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    engine.add_request("a", _prompts(1, 60, 60, seed=1)[0], SamplingParams(max_tokens=50, temperature=0.0))
+    key = StageKey("a")
+    engine.add_stage(StageSpec(key, tuple(_prompts(1, 60, 60, seed=1)[0]), SamplingParams(max_tokens=50, temperature=0.0)))
     engine.step()
-    assert engine.stats().free_blocks < engine.stats().total_blocks
-    assert engine.abort("a")
-    assert engine.stats().free_blocks == engine.stats().total_blocks
+    assert engine.load().free_blocks < engine.load().total_blocks
+    assert engine.abort(key)
+    assert engine.load().free_blocks == engine.load().total_blocks
     assert not engine.has_unfinished()
-    assert not engine.abort("a")
+    assert not engine.abort(key)
 
 
 def test_unknown_architecture_and_missing_files(tmp_path, llama_dir):

@@ -6,17 +6,18 @@ import random
 
 import pytest
 
+from splitserve.core import KvInBlocks, KvPayload, StageKey, StageSpec
 from workers.engine import Engine, EngineConfig, SamplingParams
 
 P, MAX_TOKENS = 37, 12
 L = P + MAX_TOKENS
 
 
-def _drain(engine: Engine, request_id: str) -> tuple[list[int], str]:
+def _drain(engine: Engine, key: StageKey) -> tuple[list[int], str]:
     tokens, reason = [], None
     while engine.has_unfinished():
         for ev in engine.step():
-            if ev.request_id == request_id:
+            if ev.key == key:
                 tokens += ev.token_ids
                 reason = ev.finish_reason or reason
     return tokens, reason
@@ -43,49 +44,51 @@ PARAMS = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
 @pytest.mark.parametrize("via", ["tensor", "blocks"])
 def test_two_stage_split_equals_colocated(engines, prompt, split, params, via):
     alpha, beta = engines
-    alpha.add_request("full", prompt, params)
-    expected, _ = _drain(alpha, "full")
+    full, a, b = StageKey("full"), StageKey("r", 0), StageKey("r", 1)
+    alpha.add_stage(StageSpec(full, tuple(prompt), params))
+    expected, _ = _drain(alpha, full)
 
-    alpha.add_request("a", prompt, params, stop_at=split, keep_kv=True)
-    first, reason = _drain(alpha, "a")
+    alpha.add_stage(StageSpec(a, tuple(prompt), params, end=split, keep_kv=True))
+    first, reason = _drain(alpha, a)
     if split == L - 1:  # alpha generates every output token itself: a normal finish
         assert reason == "length" and first == expected
-        alpha.release("a")
+        alpha.release(a)
         return
     assert reason == "stage_end"
     assert len(first) == max(0, split - P + 1)
     if via == "tensor":
-        kv = alpha.export_kv("a", 0, split)
-        beta.add_request("b", prompt, params, output_token_ids=first, prefix_kv=kv)
+        kv = KvPayload(alpha.export_kv(a, 0, split), split)
     else:  # what a transfer does: whole blocks into blocks reserved on the receiver
-        src_blocks, computed = alpha.kv_blocks("a")
+        src_blocks, computed = alpha.kv_blocks(a)
         assert computed == split
         dst_blocks = beta.reserve_kv(split)
         n = len(dst_blocks)
         beta.runner.kv_cache[dst_blocks] = alpha.runner.kv_cache[src_blocks[:n]]
-        beta.add_request("b", prompt, params, output_token_ids=first, prefix_blocks=dst_blocks, prefix_len=split)
-    alpha.release("a")
-    rest, reason = _drain(beta, "b")
+        kv = KvInBlocks(tuple(dst_blocks), split)
+    beta.add_stage(StageSpec(b, tuple(prompt), params, output_ids=tuple(first), kv=kv))
+    alpha.release(a)
+    rest, reason = _drain(beta, b)
     assert first + rest == expected
     assert reason == "length"
     for engine in engines:
-        assert engine.stats().free_blocks == engine.stats().total_blocks
+        assert engine.load().free_blocks == engine.load().total_blocks
 
 
 def alpha_kv(engine, prompt):
-    engine.add_request("kv", prompt, SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True)
-    _drain(engine, "kv")
-    kv = engine.export_kv("kv", 0, 10)
-    engine.release("kv")
+    key = StageKey("kv")
+    engine.add_stage(StageSpec(key, tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True))
+    _drain(engine, key)
+    kv = engine.export_kv(key, 0, 10)
+    engine.release(key)
     return kv
 
 
-def test_stop_at_validation(engines, prompt):
+def test_stage_end_and_kv_validation(engines, prompt):
     alpha, _ = engines
-    with pytest.raises(ValueError, match="stop_at"):
-        alpha.add_request("bad", prompt, PARAMS[0], prefix_kv=alpha_kv(alpha, prompt), stop_at=5)
-    blocks = alpha.reserve_kv(16)
-    with pytest.raises(ValueError, match="prefix_len"):
-        alpha.add_request("bad2", prompt, PARAMS[0], prefix_blocks=blocks, prefix_len=P)
+    with pytest.raises(ValueError, match=r"end \(5\) must be beyond the supplied KV \(10 tokens\)"):
+        alpha.add_stage(StageSpec.whole("bad", prompt, PARAMS[0], kv=KvPayload(alpha_kv(alpha, prompt), 10), end=5))
+    blocks = alpha.reserve_kv(P)
+    with pytest.raises(ValueError, match=r"kv covers 37 tokens; it must cover 1..36"):
+        alpha.add_stage(StageSpec.whole("bad2", prompt, PARAMS[0], kv=KvInBlocks(tuple(blocks), P)))
     alpha.release_reserved(blocks)
-    assert alpha.stats().free_blocks == alpha.stats().total_blocks
+    assert alpha.load().free_blocks == alpha.load().total_blocks

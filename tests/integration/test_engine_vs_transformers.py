@@ -84,7 +84,7 @@ def test_shared_prefixes_hit_prefix_cache(arch, tiny_model_dirs, reference):
     first = llm.generate(prompts[:1], params)  # fills the cache
     rest = llm.generate(prompts[1:], params)
     got = [o.token_ids for o in first + rest]
-    assert llm.engine.block_manager.prefix_hits_tokens >= 6 * 64
+    assert llm.engine.scheduler.block_manager.prefix_hits_tokens >= 6 * 64
     assert got == reference(arch, prompts)
 
 

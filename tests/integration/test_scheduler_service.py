@@ -29,7 +29,7 @@ from services.global_scheduler.server import SchedulerHandle, serve, start_sched
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoadSnapshot
+from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ class Cluster:
             WorkerInfo(worker_id, f"127.0.0.1:{60000 + len(worker_id)}", role=role, engine_kind="emulated"),
             ttl_s=LONG_TTL_S)
         await self.store.publish_load(
-            WorkerLoadSnapshot(worker_id, role=role, engine_kind="emulated", free_blocks=free, total_blocks=100,
+            WorkerLoad(worker_id, role=role, engine_kind="emulated", free_blocks=free, total_blocks=100,
                                block_size=16, running=running, draining=draining), ttl_s=LONG_TTL_S)
 
     async def place(self, request_id: str = "r", prompt_len: int = 10, predicted: int = 5) -> types_pb2.Plan:
@@ -305,14 +305,14 @@ def test_view_source_counts_placements_until_the_next_load_snapshot(prefix):
         async with StateStore(REDIS_URL, prefix) as store:
             for worker_id in ("w-a", "w-b"):
                 await store.register_worker(WorkerInfo(worker_id, "127.0.0.1:1"), ttl_s=LONG_TTL_S)
-                await store.publish_load(WorkerLoadSnapshot(worker_id, updated_unix=100.0), ttl_s=LONG_TTL_S)
+                await store.publish_load(WorkerLoad(worker_id, updated_unix=100.0), ttl_s=LONG_TTL_S)
             views = ClusterViewSource(store, refresh_s=0.02)
             await views.start()
             try:
                 views.note_placed(["w-a", "w-a", "w-b"])
                 view = await views.current()
                 assert [w.inflight_assigned for w in view.workers] == [2, 1]
-                await store.publish_load(WorkerLoadSnapshot("w-a", updated_unix=101.0), ttl_s=LONG_TTL_S)
+                await store.publish_load(WorkerLoad("w-a", updated_unix=101.0), ttl_s=LONG_TTL_S)
 
                 async def w_a_reset() -> bool:
                     return [w.inflight_assigned for w in (await views.current()).workers] == [0, 1]

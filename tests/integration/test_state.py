@@ -30,7 +30,7 @@ from splitserve.state import (
     StateStore,
     StateUnavailableError,
     WorkerInfo,
-    WorkerLoadSnapshot,
+    WorkerLoad,
 )
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -146,7 +146,7 @@ def test_deregister_removes_worker_and_what_it_published(prefix: str) -> None:
     async def scenario() -> None:
         async with open_store(prefix) as store:
             await store.register_worker(worker("w-1"))
-            await store.publish_load(WorkerLoadSnapshot(worker_id="w-1", free_blocks=5))
+            await store.publish_load(WorkerLoad(worker_id="w-1", free_blocks=5))
             await store.record_ttft("w-1", 0.1)
             await store.publish_prefill_queue("w-1", [PrefillTask("t", 0, 10, T0)])
             await store.put_nixl_metadata("w-1", b"agent")
@@ -166,7 +166,7 @@ def test_load_snapshot_round_trips_with_ttl(prefix: str) -> None:
         async with open_store(prefix, heartbeat_ttl_s=3.0) as store:
             await store.register_worker(worker("w-1"))
             await store.register_worker(worker("w-2"))
-            load = WorkerLoadSnapshot(
+            load = WorkerLoad(
                 worker_id="w-1",
                 role="prefill",
                 engine_kind="llama",

@@ -1,28 +1,43 @@
-"""BlockManager: paged KV blocks, chained-hash prefix caching, ref counts, LRU reuse."""
+"""BlockManager: paged KV blocks, chained-hash prefix caching, ref counts, LRU reuse.
+
+`commit_computed` is incremental (it walks only blocks that may have changed since its
+last call on a block table, `Sequence.commit_state`); the second half of this file checks
+that it has exactly the effect of the full walk it replaced (`FullWalkBlockManager`, the
+old method's body kept here as the specification) on random workloads, block by block
+and over whole simulations.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
+from conftest import prefix_sharing_workload
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from workers.engine.block_manager import BlockManager, hash_block
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from loadgen import arrivals
+from services.planner import sim_worker
+from services.planner.simulator import Simulator
+from splitserve.core import BlockManager, SamplingParams, Sequence, StageKey
+from splitserve.core.block_manager import hash_block
+from splitserve.perf_model import preset
 
 _counter = iter(range(10**9))
 
 
-def make_seq(tokens, rid: str | None = None) -> Sequence:
+def make_seq(tokens, rid: str | None = None, stop_at: int | None = None) -> Sequence:
     tokens = list(tokens)
     return Sequence(
-        request_id=rid or f"r{next(_counter)}",
+        key=StageKey(rid or f"r{next(_counter)}", 0),
         token_ids=tokens,
         prompt_len=len(tokens),
         params=SamplingParams(),
         seed=0,
         arrival_time=0.0,
+        stop_at=stop_at,
     )
 
 
@@ -645,7 +660,269 @@ class BlockManagerMachine(RuleBasedStateMachine):
 BlockManagerMachine.TestCase.settings = settings(
     max_examples=200,
     stateful_step_count=40,
-    deadline=None,
+    deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---- incremental commit_computed == the full walk it replaced -----------------------
+
+
+class FullWalkBlockManager(BlockManager):
+    """The block manager with `commit_computed` as it was before it became incremental (the
+    body of the old `workers/engine/block_manager.py`): every call walks every fully
+    computed block in table order, indexing each one that is not indexed yet and whose hash
+    no other block holds. It is the specification the incremental method must meet."""
+
+    def commit_computed(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.update_block_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        blocks, index = self.blocks, self._hash_to_block
+        for block_id, h, tokens in zip(seq.block_table[:full], hashes, seq.block_tokens):
+            block = blocks[block_id]
+            # Skip blocks indexed already, and hashes another sequence computed first.
+            if block.block_hash is None and h not in index:
+                block.block_hash = h
+                block.token_ids = tokens
+                index[h] = block_id
+
+
+def manager_state(bm: BlockManager) -> tuple:
+    """Everything observable: per-block state, both free pools in order, the index in insertion order."""
+    return ([(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm._free_plain),
+            list(bm._free_cached), list(bm._hash_to_block.items()), bm.prefix_hits_tokens, bm.prefix_queries_tokens)
+
+
+def test_a_block_left_unindexed_is_indexed_once_the_holder_of_its_hash_is_evicted():
+    bm = BlockManager(5, 2)
+    a, b = make_seq([1, 2, 3]), make_seq([1, 2, 4])
+    bm.admit(a, [], 3)
+    bm.admit(b, [], 3)  # both compute block [1, 2] (no hit yet)
+    compute(bm, a, 3)
+    compute(bm, b, 3)
+    h = a.block_hashes[0]
+    assert bm._hash_to_block == {h: a.block_table[0]}  # b's block waits: a holds its hash
+    bm.free(a)  # a's block stays indexed, in the LRU
+    hog = make_seq([9] * 6)
+    bm.admit(hog, [], 6)  # 3 blocks: both plain ones, then a's cached block is evicted
+    assert h not in bm._hash_to_block
+    bm.commit_computed(b)  # nothing new was computed, but b's block may hold the hash now
+    assert bm._hash_to_block == {h: b.block_table[0]}
+    assert bm.cached_prefix_blocks(make_seq([1, 2, 7])) == b.block_table[:1]
+    check_accounting(bm, [b, hog])
+
+
+def test_commit_after_a_reset_indexes_a_live_sequences_blocks_again():
+    bm = BlockManager(8, 2)
+    seq = admit_and_compute(bm, [1, 2, 3, 4, 5])
+    bm.reset_prefix_cache()
+    assert bm._hash_to_block == {}
+    bm.commit_computed(seq)  # nothing new computed: the reset alone makes it walk again
+    assert bm._hash_to_block == {seq.block_hashes[0]: seq.block_table[0], seq.block_hashes[1]: seq.block_table[1]}
+    assert bm.cached_prefix_blocks(make_seq([1, 2, 3, 4, 0])) == seq.block_table[:2]
+    check_accounting(bm, [seq])
+
+
+def test_commit_walks_a_new_table_from_the_start():
+    bm = BlockManager(4, 2)
+    seq = admit_and_compute(bm, [1, 2, 3, 4, 5])  # its 2 full blocks indexed (walked: 2)
+    bm.free(seq)
+    hog = admit_and_compute(bm, [9] * 8)  # takes every block: seq's cached ones are evicted
+    bm.free(hog)
+    assert seq.block_hashes[0] not in bm._hash_to_block
+    assert bm.cached_prefix_blocks(seq) == []
+    bm.admit(seq, [], 5)  # a new table, as long as the old one: its blocks must still be walked
+    compute(bm, seq, 5)
+    assert bm._hash_to_block[seq.block_hashes[0]] == seq.block_table[0]
+    assert bm._hash_to_block[seq.block_hashes[1]] == seq.block_table[1]
+    check_accounting(bm, [seq])
+
+
+def test_incremental_and_full_walk_agree_block_by_block_under_eviction():
+    """A long deterministic random workload with few distinct tokens (many equal hashes),
+    a pool small enough to evict constantly, commits that are sometimes skipped (a
+    fast-forwarded run commits only when a block fills) and an occasional reset."""
+    rng = np.random.default_rng(5)
+    managers = [FullWalkBlockManager(24, 4), BlockManager(24, 4)]
+    seqs: list[list[Sequence]] = [[], []]
+    resets = 0
+    for step in range(3000):
+        op = int(rng.integers(0, 5))
+        live = seqs[0]
+        if op == 0 or not live:
+            n = int(rng.integers(1, 20))
+            tokens = [int(t) for t in rng.integers(0, 3, n)]
+            for m, ss in zip(managers, seqs):
+                s = make_seq(tokens, f"q{step}")
+                hits = m.cached_prefix_blocks(s)
+                want = n - len(hits) * 4
+                if m.admission_cost(s, hits, want) <= m.num_free_blocks:
+                    m.admit(s, hits, want)
+                    s.num_computed_tokens = n
+                    m.commit_computed(s)
+                    ss.append(s)
+        elif op == 1:
+            i = int(rng.integers(0, len(live)))
+            for m, ss in zip(managers, seqs):
+                m.free(ss.pop(i))
+        elif op == 4 and rng.integers(0, 40) == 0:
+            resets += 1
+            for m in managers:
+                m.reset_prefix_cache()
+        else:
+            i = int(rng.integers(0, len(live)))
+            commit = bool(rng.integers(0, 4))
+            for m, ss in zip(managers, seqs):
+                s = ss[i]
+                if m.can_grow(s, 1):
+                    m.grow(s, 1)
+                    s.token_ids.append(int(step % 3))
+                    s.num_computed_tokens += 1
+                    if commit:
+                        m.commit_computed(s)
+        assert manager_state(managers[1]) == manager_state(managers[0]), f"step {step}"
+        assert [s.block_table for s in seqs[1]] == [s.block_table for s in seqs[0]]
+    assert resets > 0 and managers[0].num_used_blocks > 0
+
+
+class CommitEquivalenceMachine(RuleBasedStateMachine):
+    """The same random operations on twin sequences in the incremental and the full-walk
+    manager (reservations and adoption, stage ends, resets, commits skipped or repeated,
+    even computed counts moved back); every piece of state must stay identical."""
+
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]))
+    def init(self, num_blocks, block_size):
+        self.bms = [BlockManager(num_blocks, block_size), FullWalkBlockManager(num_blocks, block_size)]
+        self.twins: list[list[Sequence]] = []
+        self.reservations: list[list[int]] = []
+        self.n = 0
+
+    def _new_twins(self, tokens, stop_at=None) -> list[Sequence]:
+        self.n += 1
+        return [make_seq(tokens, f"s{self.n}", stop_at) for _ in self.bms]
+
+    def _each(self, f, twins=None) -> list:
+        results = []
+        for i, bm in enumerate(self.bms):
+            try:
+                results.append(f(bm, twins[i] if twins else None))
+            except (MemoryError, ValueError) as e:
+                results.append(type(e))
+        assert all(r == results[0] for r in results), results
+        return results
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=16), data=st.data(), stopped=st.booleans(),
+          commit=st.booleans())
+    def admit(self, tokens, data, stopped, commit):
+        stop_at = data.draw(st.integers(1, len(tokens)), label="stop_at") if stopped else None
+        twins = self._new_twins(tokens, stop_at)
+        hits = self._each(lambda bm, s: bm.cached_prefix_blocks(s), twins)[0]
+        room = len(tokens) - len(hits) * self.bms[0].block_size
+        n = data.draw(st.integers(1, max(1, room)), label="n")
+        if self._each(lambda bm, s: bm.admit(s, list(hits), n), twins)[0] is None:
+            self.twins.append(twins)
+            for s in twins:
+                s.num_computed_tokens = min(s.num_computed_tokens + n, len(s.block_table) * self.bms[0].block_size)
+            if commit:
+                self._each(lambda bm, s: bm.commit_computed(s), twins)
+
+    @precondition(lambda self: bool(self.twins))
+    @rule(data=st.data(), new_tokens=st.lists(st.integers(0, 1), max_size=6), n=st.integers(1, 8),
+          commit=st.booleans())
+    def grow_and_compute(self, data, new_tokens, n, commit):
+        twins = data.draw(st.sampled_from(self.twins), label="seq")
+        for s in twins:
+            s.token_ids += new_tokens
+        n = min(n, max(1, twins[0].num_uncomputed_tokens))
+        if self._each(lambda bm, s: bm.grow(s, n), twins)[0] is None:
+            for s in twins:
+                s.num_computed_tokens = min(s.num_computed_tokens + n, s.num_tokens,
+                                            len(s.block_table) * self.bms[0].block_size)
+            if commit:
+                self._each(lambda bm, s: bm.commit_computed(s), twins)
+
+    @precondition(lambda self: bool(self.twins))
+    @rule(data=st.data())
+    def commit(self, data):
+        twins = data.draw(st.sampled_from(self.twins), label="seq")
+        self._each(lambda bm, s: bm.commit_computed(s), twins)
+
+    @precondition(lambda self: bool(self.twins))
+    @rule(data=st.data())
+    def rewind(self, data):
+        # Not something the scheduler does; the incremental walk must still equal the full one.
+        twins = data.draw(st.sampled_from(self.twins), label="seq")
+        back = data.draw(st.integers(0, twins[0].num_computed_tokens), label="computed")
+        for s in twins:
+            s.num_computed_tokens = back
+        self._each(lambda bm, s: bm.commit_computed(s), twins)
+
+    @precondition(lambda self: bool(self.twins))
+    @rule(data=st.data())
+    def free(self, data):
+        twins = data.draw(st.sampled_from(self.twins), label="seq")
+        self.twins.remove(twins)
+        self._each(lambda bm, s: bm.free(s), twins)
+
+    @rule(n=st.integers(0, 5))
+    def reserve(self, n):
+        taken = self._each(lambda bm, s: bm.reserve(n))[0]
+        if taken is not MemoryError:
+            self.reservations.append(taken)
+
+    @precondition(lambda self: bool(self.reservations))
+    @rule(data=st.data(), adopt=st.booleans(), tokens=st.lists(st.integers(0, 1), min_size=1, max_size=20))
+    def release_or_adopt(self, data, adopt, tokens):
+        blocks = data.draw(st.sampled_from(self.reservations), label="reservation")
+        self.reservations.remove(blocks)
+        if not adopt:
+            self._each(lambda bm, s: bm.release_reserved(list(blocks)))
+            return
+        computed = data.draw(st.integers(0, min(len(tokens), len(blocks) * self.bms[0].block_size)), label="computed")
+        twins = self._new_twins(tokens)
+        self._each(lambda bm, s: bm.adopt(s, list(blocks), computed), twins)
+        self.twins.append(twins)
+
+    @rule()
+    def reset(self):
+        self._each(lambda bm, s: bm.reset_prefix_cache())
+
+    @invariant()
+    def identical(self):
+        incremental, full = self.bms
+        assert manager_state(incremental) == manager_state(full)
+        for a, b in self.twins:
+            assert (a.block_table, a.num_computed_tokens) == (b.block_table, b.num_computed_tokens)
+
+
+CommitEquivalenceMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestCommitEquivalenceMachine = CommitEquivalenceMachine.TestCase
+
+
+@pytest.mark.parametrize("policy,roles", [("least_loaded", None), ("pd_disaggregated", ("prefill", "decode", "decode"))])
+def test_whole_simulations_match_the_full_walk(monkeypatch, policy, roles):
+    made: list[BlockManager] = []
+
+    def run(cls):
+        def make(*args):
+            made.append(bm := cls(*args))
+            return bm
+
+        monkeypatch.setattr(sim_worker, "BlockManager", make)
+        sim = Simulator(3, preset("H100", "llama-3-8b"), num_kv_blocks=80, placement_policy=policy, roles=roles,
+                        max_num_batched_tokens=512)
+        outcome = sim.run(prefix_sharing_workload(), arrivals.poisson(200.0), seed=2)
+        return [dataclasses.astuple(r) for r in outcome.results], dataclasses.asdict(outcome.stats)
+
+    full, incremental = run(FullWalkBlockManager), run(BlockManager)
+    assert [type(bm) for bm in made] == [FullWalkBlockManager] * 3 + [BlockManager] * 3  # the patch took
+    assert incremental[0] == full[0]
+    for key in ("virtual_s", "events", "steps", "kv_transfers", "kv_recomputes", "preemptions"):
+        assert incremental[1][key] == full[1][key], key
+    assert full[1]["preemptions"] > 0  # a small cache: eviction, preemption and re-admission happened

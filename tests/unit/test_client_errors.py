@@ -11,6 +11,7 @@ from splitserve import client as sdk
 from splitserve.client import (
     AuthenticationError,
     DeadlineExceededError,
+    GenerateOptions,
     InvalidRequestError,
     NotFoundError,
     RateLimitedError,
@@ -96,6 +97,18 @@ def test_request_always_echoes_token_ids_and_leaves_unset_options_unset():
     assert list(greedy.sampling.stop_token_ids) == [7] and greedy.sampling.ignore_eos
     assert (greedy.session_id, greedy.slo.ttft_ms, greedy.slo.itl_ms, greedy.priority, greedy.request_id) == (
         "s", 100, 20, 1, "rid")
+
+
+def test_options_are_reused_and_keywords_override_them():
+    greedy = GenerateOptions(temperature=0.0, stop=["END"], slo_ttft_ms=100)
+    req = build_generate_request("hi", greedy, max_tokens=4, seed=2)
+    assert (req.sampling.max_tokens, req.sampling.temperature, req.sampling.seed) == (4, 0.0, 2)
+    assert (list(req.sampling.stop), req.slo.ttft_ms) == (["END"], 100)
+    assert (greedy.max_tokens, greedy.seed, greedy.stop) == (16, None, ("END",))  # the shared options are unchanged
+    with pytest.raises(TypeError, match="'max_token'"):
+        build_generate_request("hi", max_token=4)
+    with pytest.raises(TypeError, match="GenerateOptions"):
+        build_generate_request("hi", 4)  # the old positional max_tokens
 
 
 @pytest.mark.parametrize("prompt", [3, None, [1, "a"], [True]])
@@ -243,3 +256,37 @@ def test_sync_client_retries_the_same_way():
     stream.close()
     assert client._stub.calls[0].cancelled
     client.close()
+
+
+class RecordingStub(FakeStub):
+    """A FakeStub that also keeps each Generate's request and timeout."""
+
+    def __init__(self, make_call, scripts):
+        super().__init__(make_call, scripts)
+        self.sent = []
+
+    def Generate(self, request, timeout=None, metadata=()):
+        self.sent.append((request, timeout))
+        return super().Generate(request, timeout, metadata)
+
+
+def test_both_clients_send_the_options_and_keywords_they_are_given():
+    opts = GenerateOptions(max_tokens=3, temperature=0.0, timeout_s=5.0)
+
+    async def go_async():
+        client = sdk.AsyncClient("127.0.0.1:1")
+        client._stub = RecordingStub(FakeAsyncCall, [[response("ok", "stop")]])
+        await client.generate("hi", opts, seed=7)
+        await client.close()
+        return client._stub.sent
+
+    client = sdk.Client("127.0.0.1:1")
+    client._stub = RecordingStub(FakeSyncCall, [[response("ok", "stop")]])
+    client.generate("hi", opts, seed=7)
+    with pytest.raises(TypeError, match="'tempreature'"):
+        client.stream("hi", tempreature=1.0)
+    client.close()
+    for sent in (asyncio.run(go_async()), client._stub.sent):
+        [(request, timeout)] = sent
+        assert (request.sampling.max_tokens, request.sampling.temperature, request.sampling.seed) == (3, 0.0, 7)
+        assert 0 < timeout <= 5.0

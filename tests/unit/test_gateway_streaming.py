@@ -9,7 +9,7 @@ from gateway.coordinator_client import GenerationDelta, OutputAssembler
 from gateway.http_api import _sse_events, error_response
 from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
 from splitserve.errors import InvalidArgument, NotFound, Overloaded, Unauthenticated, Unavailable
-from workers.engine.detokenizer import IncrementalDetokenizer
+from splitserve.detokenizer import IncrementalDetokenizer
 
 
 class ByteTokenizer:

@@ -11,6 +11,7 @@ import asyncio
 
 import torch
 
+from splitserve.core import KvSink, StageKey
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import BlockTransfer, KvMemory
 from workers.kv_transfer.tracker import TransferTracker
@@ -72,11 +73,12 @@ def run_stage(steps: list[int], stop_at: int, chunk_tokens: int, fault: str = ""
 
     async def main():
         kv, transport = manager(loop, fault)
-        kv.start_push("r1/0", "t1", "w1", list(range(40, 40 + len(table))), chunk_tokens, stop_at)
+        key = StageKey("r1", 0)
+        kv.start_push(key, KvSink("w1", "t1", tuple(range(40, 40 + len(table))), chunk_tokens), stop_at)
         for computed in steps:
-            loop.watchers["r1/0"](computed, table)
+            loop.watchers[key](computed, table)
             await asyncio.sleep(0)  # let the pusher task run, as the event loop would between steps
-        assert await kv.finish_push("r1/0", completed=True) or fault
+        assert await kv.finish_push(key, completed=True) or fault
         return transport.pushed
 
     return asyncio.run(main()), loop

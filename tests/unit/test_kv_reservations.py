@@ -1,33 +1,33 @@
 """KvStageManager's receiving side: a reservation is released exactly once, however it ends.
 
-The engine loop is a stand-in over a real BlockManager (no model, no transport): a stage
-waiting for its KV (`acquire_prefix`) races `Worker.Cancel` (`release_for_request`).
+The engine is the serving core's own `Scheduler` over a real BlockManager (no model, no
+transport), reached as the engine loop reaches it: a stage waiting for its KV
+(`acquire_prefix`) races `Worker.Cancel` (`release_for_request`).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from workers.engine.block_manager import BlockManager
+import pytest
+
+from splitserve.core import (BlockManager, FcfsPolicy, KvCapacityError, KvInBlocks, SamplingParams, Scheduler,
+                             SchedulerConfig, StageKey, StageSpec)
 from workers.kv_stages import KvStageManager
+from workers.kv_transfer.base import BlockTransfer
 from workers.kv_transfer.tracker import TransferTracker
 
 
-class _Engine:
-    def __init__(self, num_blocks: int = 8, block_size: int = 4):
-        self.block_manager = BlockManager(num_blocks, block_size)
-
-    def reserve_kv(self, num_tokens: int) -> list[int]:
-        return self.block_manager.reserve(self.block_manager.blocks_for_tokens(num_tokens))
-
-    def release_reserved(self, block_ids: list[int]) -> None:
-        self.block_manager.release_reserved(block_ids)
+def _engine(num_blocks: int = 8, block_size: int = 4) -> Scheduler:
+    """The core scheduler: `reserve_kv` / `release_reserved` / `add_stage` as Engine delegates them."""
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1024, vocab_size=1024),
+                     BlockManager(num_blocks, block_size), FcfsPolicy(), clock=lambda: 0.0)
 
 
 class _Loop:
     """EngineLoop.call: run fn(engine) between steps (here: at the next event-loop turn)."""
 
-    def __init__(self, engine: _Engine):
+    def __init__(self, engine: Scheduler):
         self.engine = engine
 
     async def call(self, fn):
@@ -35,11 +35,15 @@ class _Loop:
         return fn(self.engine)
 
 
+def _manager(engine: Scheduler, timeout_s: float) -> KvStageManager:
+    return KvStageManager("w", _Loop(engine), memory=None, tracker=TransferTracker(), transfer_timeout_s=timeout_s,
+                          reservation_ttl_s=60)
+
+
 def test_cancel_while_a_stage_waits_for_its_kv_releases_the_blocks_once():
     async def scenario():
-        engine = _Engine()
-        kv = KvStageManager("w", _Loop(engine), memory=None, tracker=TransferTracker(), transfer_timeout_s=0.2,
-                            reservation_ttl_s=60)
+        engine = _engine()
+        kv = _manager(engine, 0.2)
         await kv.prepare("req", "req:0", 8)
         waiting = asyncio.create_task(kv.acquire_prefix("req:0", 8))  # the next stage's Execute
         await asyncio.sleep(0.01)
@@ -56,12 +60,52 @@ def test_cancel_while_a_stage_waits_for_its_kv_releases_the_blocks_once():
 
 def test_a_transfer_that_never_arrives_releases_its_reservation():
     async def scenario():
-        engine = _Engine()
-        kv = KvStageManager("w", _Loop(engine), memory=None, tracker=TransferTracker(), transfer_timeout_s=0.05,
-                            reservation_ttl_s=60)
+        engine = _engine()
+        kv = _manager(engine, 0.05)
         await kv.prepare("req", "req:0", 8)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 2
         assert await kv.acquire_prefix("req:0", 8) is None  # timed out: recompute
         assert await kv.release_for_request("req") == 0  # nothing left to cancel
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    asyncio.run(scenario())
+
+
+def test_an_arrived_transfer_becomes_the_next_stages_kv_and_is_freed_with_it():
+    async def scenario():
+        engine = _engine()
+        bm = engine.block_manager
+        kv = _manager(engine, 1.0)
+        blocks = await kv.prepare("req", "req:0", 8)
+        kv.on_chunk(BlockTransfer("req:0", "src", "w", (), tuple(blocks), 0, 8, request_id="req"), True)
+        got = await kv.acquire_prefix("req:0", 8)
+        assert got == blocks and bm.num_free_blocks == bm.num_blocks - 2
+        key = StageKey("req", 1)
+        spec = StageSpec(key, tuple(range(10)), SamplingParams(max_tokens=2), kv=KvInBlocks(tuple(got), 8))
+        seq = engine.add_stage(spec)
+        assert seq.block_table == got and seq.num_computed_tokens == 8  # adopted, nothing recomputed
+        out = engine.schedule()
+        assert [(e.seq.key, e.start, e.num_new_tokens) for e in out.entries] == [(key, 8, 2)]
+        while engine.has_unfinished():
+            engine.update_from_output(out, {e.seq.key: 7 for e in out.entries if e.samples}, 0.0)
+            out = engine.schedule()
+        assert seq.num_output_tokens == 2
+        assert bm.num_free_blocks == bm.num_blocks  # the stage's blocks, the adopted ones included
+        assert await kv.release_for_request("req") == 0  # claimed: nothing left to release twice
+
+    asyncio.run(scenario())
+
+
+def test_a_reservation_without_room_raises_and_takes_nothing():
+    async def scenario():
+        engine = _engine(num_blocks=4)
+        kv = _manager(engine, 0.05)
+        await kv.prepare("a", "a:0", 12)  # 3 of 4 blocks
+        with pytest.raises(KvCapacityError, match="need 2 free KV blocks for 5 tokens, have 1"):
+            await kv.prepare("b", "b:0", 5)
+        assert engine.block_manager.num_free_blocks == 1
+        assert await kv.release_for_request("b") == 0
+        assert await kv.release_for_request("a") == 1
+        assert engine.block_manager.num_free_blocks == 4
 
     asyncio.run(scenario())

@@ -23,18 +23,19 @@ from services.global_scheduler.policy import (
     make_policy,
     register_policy,
 )
-from services.global_scheduler.view import InflightCounters, build_cluster_view
+from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from splitserve.errors import Unavailable
-from splitserve.state import WorkerInfo, WorkerLoadSnapshot
+from splitserve.state import WorkerInfo, WorkerLoad
 
 NOW = 1_700_000_000.0
 
 
 def worker(worker_id: str, role: str = "both", *, free: int = 100, total: int = 100, running: int = 0,
            waiting: int = 0, queued: int = 0, draining: bool = False, inflight: int = 0) -> WorkerView:
-    return WorkerView(worker_id=worker_id, address=f"{worker_id}:1", role=role, engine_kind="emulated",
-                      free_blocks=free, total_blocks=total, block_size=16, running=running, waiting=waiting,
-                      queued_prefill_tokens=queued, draining=draining, inflight_assigned=inflight)
+    load = WorkerLoad(worker_id, role=role, engine_kind="emulated", free_blocks=free, total_blocks=total,
+                      block_size=16, running=running, waiting=waiting, queued_prefill_tokens=queued,
+                      draining=draining)
+    return WorkerView(worker_id=worker_id, address=f"{worker_id}:1", load=load, inflight_assigned=inflight)
 
 
 def cluster(*workers: WorkerView) -> ClusterView:
@@ -171,7 +172,7 @@ def test_least_loaded_spreads_a_burst_with_inflight_counters():
     """Placements within one refresh interval spread once counted as inflight."""
     policy = LeastLoadedPolicy()
     infos = [WorkerInfo("a", "a:1"), WorkerInfo("b", "b:1"), WorkerInfo("c", "c:1")]
-    loads = {i.worker_id: WorkerLoadSnapshot(i.worker_id, free_blocks=100, total_blocks=100,
+    loads = {i.worker_id: WorkerLoad(i.worker_id, free_blocks=100, total_blocks=100,
                                              updated_unix=NOW) for i in infos}
     counters = InflightCounters()
     counters.observe_snapshots(loads)
@@ -190,14 +191,14 @@ def test_least_loaded_spreads_a_burst_with_inflight_counters():
 
 def test_inflight_counters_reset_only_for_workers_with_a_new_snapshot():
     counters = InflightCounters()
-    loads = {w: WorkerLoadSnapshot(w, updated_unix=NOW) for w in ("a", "b")}
+    loads = {w: WorkerLoad(w, updated_unix=NOW) for w in ("a", "b")}
     counters.observe_snapshots(loads)
     counters.note_placed(["a", "a", "b"])
     counters.observe_snapshots(loads)  # same snapshots again: nothing new is reflected
     assert counters.counts() == {"a": 2, "b": 1}
-    counters.observe_snapshots({**loads, "a": WorkerLoadSnapshot("a", updated_unix=NOW + 1)})
+    counters.observe_snapshots({**loads, "a": WorkerLoad("a", updated_unix=NOW + 1)})
     assert counters.counts() == {"b": 1}
-    counters.observe_snapshots({"a": WorkerLoadSnapshot("a", updated_unix=NOW + 1)})  # b vanished
+    counters.observe_snapshots({"a": WorkerLoad("a", updated_unix=NOW + 1)})  # b vanished
     counters.note_placed(["a"])
     assert counters.counts() == {"a": 1}
 
@@ -206,15 +207,15 @@ def test_build_cluster_view_joins_registry_and_loads():
     infos = [WorkerInfo("a", "h:1", role="both", engine_kind="llama"), WorkerInfo("b", "h:2"),
              WorkerInfo("c", "h:3")]
     loads = {
-        "a": WorkerLoadSnapshot("a", role="prefill", free_blocks=3, total_blocks=8, block_size=16,
+        "a": WorkerLoad("a", role="prefill", free_blocks=3, total_blocks=8, block_size=16,
                                 running=1, waiting=2, queued_prefill_tokens=40, draining=True),
-        "b": WorkerLoadSnapshot("b", role="", engine_kind="emulated"),
-        "zombie": WorkerLoadSnapshot("zombie"),  # load without a registration: not a worker
+        "b": WorkerLoad("b", role="", engine_kind="emulated"),
+        "zombie": WorkerLoad("zombie"),  # load without a registration: not a worker
     }
     view = build_cluster_view(infos, loads, NOW, {"b": 3})
     assert [w.worker_id for w in view.workers] == ["a", "b"]  # c has no load snapshot
     a, b = view.workers
-    assert a == WorkerView("a", "h:1", "prefill", "llama", 3, 8, 16, 1, 2, 40, True, 0)
+    assert a == WorkerView("a", "h:1", dataclasses.replace(loads["a"], engine_kind="llama"), 0)
     assert (b.role, b.engine_kind, b.inflight_assigned) == ("both", "emulated", 3)
     assert view.taken_at == NOW
 
@@ -285,4 +286,6 @@ def test_round_robin_visits_every_candidate_once_per_cycle(view):
 
 def test_worker_view_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        worker("a").free_blocks = 3  # type: ignore[misc]
+        worker("a").inflight_assigned = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        worker("a").load.free_blocks = 3  # type: ignore[misc]

@@ -53,11 +53,11 @@ def test_grid_shapes_and_validation():
 def test_profile_measures_the_models_time_and_gives_every_block_back(engine):
     eng, clock = engine
     perf = eng.runner.perf
-    free = eng.block_manager.num_free_blocks
+    free = eng.load().free_blocks
     grid = ProfileGrid(prefill_lens=(64, 512, 2048), history_lens=(0, 1024), decode_batch_sizes=(1, 32, 64),
                        decode_context_lens=(128, 4000, 9000), repeats=2)
     result = profile_engine(eng, grid, clock)
-    assert eng.block_manager.num_free_blocks == free
+    assert eng.load().free_blocks == free
     assert not eng.scheduler.sequences and not eng.has_unfinished()
     assert result.device.startswith("emulated:") and result.engine_kind == "emulated"
     # 9000 tokens exceed the emulated max_model_len (8192); 64 x 4000 tokens exceed the 20 GiB cache.

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from workers.engine.sampler import mix_seed, sample
-from workers.engine.sampling_params import SamplingParams
+from splitserve.core import SamplingParams
 
 
 def rand_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:

@@ -22,10 +22,7 @@ from services.planner.sim_run import SimRun
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import NetworkLatency, Simulator, pd_roles
 from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler
-from workers.policies import make_batch_policy
-from workers.policies.fcfs import FcfsPolicy
+from splitserve.core import BlockManager, FcfsPolicy, Scheduler, StageKey, make_batch_policy
 
 # Round numbers, compute-bound everywhere (memory lines are 0): easy to check by hand.
 TOY = PerfModel(PrefillCoeffs(c0=1e-3, c_tok=1e-5), DecodeCoeffs(c0=2e-3, c_seq=1e-4, c_ctx=1e-7),
@@ -123,11 +120,9 @@ def test_the_real_policies_are_called_unchanged(monkeypatch):
     run = SimRun(sim.config, [], np.zeros(0))
     assert isinstance(SimRun(toy_sim().config, [], np.zeros(0)).policy, LeastLoadedPolicy)
     worker = run.workers[0]
-    assert type(worker.scheduler) is Scheduler and isinstance(worker.block_manager, BlockManager)
-    # The engine's block manager; the simulator's subclass replaces commit_computed alone (sim_blocks).
-    overridden = {name for name in vars(type(worker.block_manager)) if not name.startswith("__")}
-    assert type(worker.block_manager) is BlockManager or overridden == {"commit_computed"}
-    assert isinstance(worker.scheduler.policy, FcfsPolicy)
+    # The core's own classes: the simulator subclasses and replaces nothing.
+    assert type(worker.scheduler) is Scheduler and type(worker.block_manager) is BlockManager
+    assert type(worker.scheduler.policy) is FcfsPolicy
 
 
 def test_stale_view_spreads_a_burst_with_inflight_counters(monkeypatch):
@@ -270,7 +265,7 @@ def test_simulate_cli_writes_a_bench_compatible_report(tmp_path):
 
 
 def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
-    """The shared rate driver (loadgen.cli.run_rates): per-rate records, sweep/capacity JSON, the plot."""
+    """The shared rate driver (loadgen.options.run_rates): per-rate records, sweep/capacity JSON, the plot."""
     sweep = CliRunner().invoke(simulate_app, ["--workers", "2", "--shape", "P256/D16", "-n", "30",
                                               "--sweep-rates", "5,40", "--slo-ttft-ms", "200",
                                               "--out-dir", str(tmp_path / "sweep")])
@@ -339,10 +334,10 @@ def test_fast_forward_never_takes_a_one_token_recompute_chunk_for_a_decode():
         clock = VirtualClock()
         worker = SimWorker("w", TOY, clock=clock, num_kv_blocks=100, max_num_batched_tokens=2, max_num_seqs=2,
                            fast_forward=fast)
-        a = StageRun("a/0", 0, 0, 40, worker, array("d"))
+        a = StageRun(StageKey("a", 0), 0, 40, worker, array("d"))
         worker.add_stage(a, list(range(2, 12)), 10, 30, 0, 0.0)
         # No KV arrived: prompt (10) and 5 earlier outputs are recomputed from tokens.
-        b = StageRun("b/1", 1, 15, 40, worker, array("d"))
+        b = StageRun(StageKey("b", 1), 15, 40, worker, array("d"))
         worker.add_stage(b, list(range(2, 12)) + [1] * 5, 10, 30, 0, 0.0)
         while worker.has_work():
             clock.now = worker.start_step(clock.now)

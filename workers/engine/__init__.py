@@ -1,11 +1,12 @@
-"""The splitserve inference engine (autoregressive Llama family, CPU and CUDA)."""
+"""The splitserve inference engine (autoregressive Llama family, CPU and CUDA): a driver of
+the serving core (`splitserve.core`) over a model runner."""
 
+from splitserve.core import KvCapacityError, SamplingParams, StageKey, StageSpec, TokenEvent
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine, EngineStats, KvCapacityError, TokenEvent
+from workers.engine.engine import Engine
 from workers.engine.llm import LLM, CompletionOutput
-from workers.engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "CompletionOutput", "Engine", "EngineConfig", "EngineStats", "KvCapacityError",
-    "SamplingParams", "TokenEvent",
+    "LLM", "CompletionOutput", "Engine", "EngineConfig", "KvCapacityError", "SamplingParams", "StageKey",
+    "StageSpec", "TokenEvent",
 ]

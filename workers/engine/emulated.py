@@ -41,10 +41,9 @@ from prometheus_client import Counter, Histogram
 
 from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import gpu_spec, max_kv_tokens, model_spec, preset
+from splitserve.core import SamplingParams, SchedulerOutput, StageKey, StageSpec, TokenEvent, step_time
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine, TokenEvent
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ScheduledEntry
+from workers.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +145,15 @@ def emulated_spec(emulation: Emulation, model_dir: str | Path | None = None) -> 
 
 @dataclass
 class PacerStats:
+    """Sums over the paced steps (seconds), as the `splitserve_emulated_*` metrics export them."""
+
     steps: int = 0
-    model_s: float = 0.0
-    overhead_s: float = 0.0
-    overhead_cpu_s: float = 0.0
-    late_s: float = 0.0
-    lost_s: float = 0.0
-    overruns: int = 0
+    model_s: float = 0.0  # the performance model's step times
+    overhead_s: float = 0.0  # control-plane wall time inside the cycles
+    overhead_cpu_s: float = 0.0  # ... of which engine-thread CPU time
+    late_s: float = 0.0  # wake-ups past the model's deadline
+    lost_s: float = 0.0  # time the emulated timeline fell behind and did not make up
+    overruns: int = 0  # steps whose control-plane time exceeded the model time
 
 
 @dataclass
@@ -244,25 +245,12 @@ class EmulatedRunner:
         self._vocab_emitted = spec.vocab_size - len(spec.special_token_ids)
         self.last_model_s = 0.0
 
-    def step_time(self, entries: list[ScheduledEntry]) -> tuple[float, int]:
-        """The performance model's seconds for this batch, and its number of decodes:
-        1-token entries are decodes of context start + 1, longer ones prefill chunks
-        (history start, start + n)."""
-        prefills, decode_ctx = [], 0
-        decodes = 0
-        for e in entries:
-            if e.num_new_tokens == 1:
-                decodes += 1
-                decode_ctx += e.start + 1
-            else:
-                prefills.append((e.start, e.num_new_tokens))
-        return self.perf.step_time(prefills, decodes, decode_ctx / decodes if decodes else 0.0), decodes
-
-    def execute(self, entries: list[ScheduledEntry]) -> dict[str, int]:
-        sampled = {e.seq.request_id: self.token_for(e.seq.token_ids, e.seq.params, e.seq.seed)
-                   for e in entries if e.samples}
-        self.last_model_s, decodes = self.step_time(entries)
+    def execute(self, out: SchedulerOutput) -> dict[StageKey, int]:
+        sampled = {e.seq.key: self.token_for(e.seq.token_ids, e.seq.params, e.seq.seed)
+                   for e in out.entries if e.samples}
+        self.last_model_s = step_time(self.perf, out.shape)
         self.pacer.run(self.last_model_s)
+        decodes = out.shape.num_decodes
         if decodes:
             DECODE_TOKENS.inc(decodes)
             DECODE_MODEL_SECONDS.inc(decodes * self.last_model_s)
@@ -277,10 +265,10 @@ class EmulatedRunner:
                 token += 1
         return token
 
-    def export_kv(self, seq, start: int, end: int):
+    def export_kv(self, block_table: list[int], start: int, end: int):
         raise NotImplementedError("the emulated backend holds no KV values to export")
 
-    def import_kv(self, seq, start: int, kv) -> None:
+    def import_kv(self, block_table: list[int], start: int, kv) -> None:
         raise NotImplementedError("the emulated backend holds no KV values to import")
 
 
@@ -298,10 +286,15 @@ class EmulatedEngine(Engine):
                  emulation.label, self.runner.perf.label, self.runner.num_blocks, config.block_size,
                  spec.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **kwargs) -> None:
-        if params is not None and params.stop:
-            params = dataclasses.replace(params, stop=[])
-        super().add_request(request_id, prompt, params, **kwargs)
+    @property
+    def perf_model(self) -> PerfModel:
+        """The model whose step and transfer times this engine emulates."""
+        return self.runner.perf
+
+    def add_stage(self, spec: StageSpec) -> None:
+        if spec.sampling.stop:
+            spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, stop=[]))
+        super().add_stage(spec)
 
     def has_unfinished(self) -> bool:
         busy = super().has_unfinished()

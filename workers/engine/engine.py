@@ -1,60 +1,31 @@
-"""The engine loop: add requests, step, stream token events, abort; KV export/import."""
+"""The real engine: a driver of the serving core over a model runner.
+
+`Scheduler` (splitserve.core) decides every step; this class only turns stage specs into
+the core's terms (tokenizer text, KV carried as a tensor), runs the forward pass of what
+the core scheduled and hands the sampled tokens back:
+
+    out = scheduler.schedule()
+    sampled = runner.execute(out)
+    events = scheduler.update_from_output(out, sampled, latency)
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from workers.engine.block_manager import BlockManager
+from splitserve.core import (BlockManager, KvCapacityError, KvInBlocks, KvPayload, Scheduler, SchedulerConfig,
+                             SchedulerOutput, StageKey, StageSpec, TokenEvent, make_batch_policy)
+from splitserve.detokenizer import IncrementalDetokenizer
+from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.config import EngineConfig, load_model_spec
-from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import FinishReason, Sequence
-from workers.policies import make_batch_policy
-
-if TYPE_CHECKING:  # torch and the model runner load on use: the emulated backend has neither
-    import torch
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class TokenEvent:
-    """New output of one request after a step; `finish_reason` set on its last event."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class EngineStats:
-    """Load figures a worker publishes."""
-
-    total_blocks: int
-    free_blocks: int
-    block_size: int
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    num_preemptions: int
-    prefix_hit_rate: float
-
-
-class KvCapacityError(RuntimeError):
-    """Not enough free KV blocks to import a request's prefix KV right now."""
+__all__ = ["Engine", "KvCapacityError", "TokenEvent"]
 
 
 class Engine:
@@ -73,248 +44,146 @@ class Engine:
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         if tokenizer is None and spec is None:
-            tokenizer = _load_tokenizer(Path(config.model))
+            tokenizer = _load_tokenizer(Path(self.spec.model_dir))
         self.tokenizer = tokenizer
         if runner is None:
             from workers.engine.model_runner import ModelRunner
 
             runner = ModelRunner(config, self.spec, self.max_model_len)
         self.runner = runner
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager,
-            make_batch_policy(config.batch_policy),
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            clock,
-        )
-        self._seed_rng = random.Random(config.seed)
-        self.last_step_tokens = 0  # 0 after a step that found nothing it could run
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                            self.spec.vocab_size, frozenset(self.spec.eos_token_ids), config.seed),
+            BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching),
+            make_batch_policy(config.batch_policy), clock)
+        self.last_output = SchedulerOutput()  # the latest step's (empty after a step that found nothing to run)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s",
-            self.spec.architecture, self.runner.device, self.runner.dtype, self.runner.num_blocks,
-            config.block_size, self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
-            "flash" if self.runner.use_flash else "sdpa",
+            self.spec.architecture, runner.device, runner.dtype, runner.num_blocks, config.block_size,
+            runner.num_blocks * runner.bytes_per_block / 2**20, "flash" if runner.use_flash else "sdpa",
         )
 
-    # ---- requests ----------------------------------------------------------------
+    # ---- what the worker around it needs to know ------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.runner.num_blocks * self.config.block_size
+        return self.scheduler.kv_capacity_tokens
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        *,
-        output_token_ids: list[int] | None = None,
-        prefix_kv: torch.Tensor | None = None,
-        prefix_blocks: list[int] | None = None,
-        prefix_len: int = 0,
-        stop_at: int | None = None,
-        keep_kv: bool = False,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Queue a request; raise ValueError naming the field for bad input.
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.block_manager.num_blocks
 
-        `output_token_ids` continues a request whose first outputs were generated
-        elsewhere. Its first tokens' KV may be supplied instead of computed: as a tensor
-        `prefix_kv` ([layers, 2, n, kv_heads, head_dim]), or as `prefix_blocks` reserved
-        with `reserve_kv` and filled by a transfer, holding tokens [0, prefix_len).
-        `stop_at` makes this a non-final stage: it finishes with "stage_end" once KV
-        covers [0, stop_at).
-        """
-        params = params or SamplingParams()
-        prompt_ids = self._tokenize(prompt)
-        outputs = list(output_token_ids or [])
-        self._validate(prompt_ids, outputs, params)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=prompt_ids + outputs,
-            prompt_len=len(prompt_ids),
-            params=params,
-            seed=seed,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            keep_kv=keep_kv,
-            stop_at=stop_at if stop_at is not None and stop_at < len(prompt_ids) + params.max_tokens else None,
-        )
+    @property
+    def kv_cache(self):
+        """The KV cache tensor KV transfers read and write (None where no values are held)."""
+        return self.runner.kv_cache
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    # ---- stages --------------------------------------------------------------------------
+    def add_stage(self, spec: StageSpec) -> None:
+        """Queue a stage; ValueError naming the field for bad input, KvCapacityError when KV
+        carried in memory (`KvPayload`) finds no free blocks now."""
+        text = None
+        params = spec.sampling
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-            if outputs:
-                seq.detokenizer.push(outputs)  # text of earlier stages is not re-emitted
-        if request_id in self.scheduler.sequences:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
-        known = seq.num_tokens
-        supplied = prefix_kv.shape[2] if prefix_kv is not None else prefix_len
-        if seq.stop_at is not None and seq.stop_at <= supplied:
-            raise ValueError(f"stop_at ({seq.stop_at}) must be beyond the supplied KV ({supplied} tokens)")
-        if prefix_kv is not None:
-            self._import_prefix(seq, prefix_kv)
-        elif prefix_blocks is not None:
-            if not 0 < prefix_len < known:
-                raise ValueError(f"prefix_len ({prefix_len}) must be in [1, {known - 1}] for {known} known tokens")
-            self.block_manager.adopt(seq, prefix_blocks, prefix_len)
-        self.scheduler.add(seq)
+            text = IncrementalDetokenizer(self.tokenizer, list(spec.prompt_ids), params.stop)
+            if spec.output_ids:
+                text.push(list(spec.output_ids))  # text of earlier stages is not re-emitted
+        if isinstance(spec.kv, KvPayload):
+            spec = dataclasses.replace(spec, kv=self._write_payload(spec))
+            try:
+                self.scheduler.add_stage(spec, text)
+            except ValueError:
+                self.scheduler.release_reserved(list(spec.kv.block_ids))
+                raise
+            return
+        self.scheduler.add_stage(spec, text)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request and free its KV at once; False if it is unknown."""
-        seq = self.scheduler.sequences.get(request_id)
-        if seq is None:
-            return False
-        if not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.ABORT)
-        self.scheduler.release(request_id)
-        return True
+    def abort(self, key: StageKey) -> bool:
+        """Drop a stage and free its KV at once; False if it is unknown."""
+        return self.scheduler.abort(key)
 
-    def release(self, request_id: str) -> None:
-        """Free the KV a finished `keep_kv` request still holds."""
-        self.scheduler.release(request_id)
+    def abort_all(self) -> list[TokenEvent]:
+        """Abort every queued and running stage (after a failed step); their final events."""
+        events = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(seq.key)
+            events.append(TokenEvent(seq.key, [], "", "abort", seq.prompt_len, seq.num_output_tokens))
+        return events
+
+    def release(self, key: StageKey) -> None:
+        """Free the KV a finished stage still holds (a push or lazy pull is done reading it)."""
+        self.scheduler.release(key)
+
+    def stage_keys(self, request_id: str) -> list[StageKey]:
+        """Every stage of a request held here, in flight or finished with kept KV."""
+        return self.scheduler.keys_of(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- KV held for transfers ----------------------------------------------------------------
     def reserve_kv(self, num_tokens: int) -> list[int]:
         """Reserve blocks for `num_tokens` tokens of KV that another worker will write."""
-        n = self.block_manager.blocks_for_tokens(num_tokens)
-        if n > self.block_manager.num_free_blocks:
-            raise KvCapacityError(f"need {n} free KV blocks for {num_tokens} tokens, have {self.block_manager.num_free_blocks}")
-        return self.block_manager.reserve(n)
+        return self.scheduler.reserve_kv(num_tokens)
 
     def release_reserved(self, block_ids: list[int]) -> None:
-        self.block_manager.release_reserved(block_ids)
+        self.scheduler.release_reserved(block_ids)
 
-    def kv_blocks(self, request_id: str) -> tuple[list[int], int]:
-        """The request's block table and how many tokens of it hold computed KV."""
-        seq = self.scheduler.sequences.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not in the engine")
-        return list(seq.block_table), seq.num_computed_tokens
+    def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
+        """The stage's block table and how many tokens of it hold computed KV."""
+        return self.scheduler.kv_blocks(key)
 
-    # ---- the loop -----------------------------------------------------------------
+    def export_kv(self, key: StageKey, start: int, end: int):
+        """KV of positions [start, end) of a live or kept stage: [layers, 2, n, kv_heads, head_dim]."""
+        table, computed = self.scheduler.kv_blocks(key)
+        if not 0 <= start <= end <= computed:
+            raise ValueError(f"KV range [{start}, {end}) is outside the computed tokens [0, {computed})")
+        return self.runner.export_kv(table, start, end)
+
+    # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Schedule, run one forward pass, sample, and report what each request produced."""
+        """Schedule, run one forward pass, sample, and report what each stage produced."""
         out = self.scheduler.schedule()
-        self.last_step_tokens = out.num_tokens
+        self.last_output = out
         if not out.entries:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(out.entries)
-        self.scheduler.on_step_done(out, time.perf_counter() - started)
-        events = []
-        for entry in out.entries:
-            seq = entry.seq
-            token = sampled.get(seq.request_id)
-            if token is not None:
-                events.append(self._append_token(seq, token))
-            elif seq.reached_stage_end:  # a prefill-only stage: KV done, nothing sampled
-                self.scheduler.finish(seq, FinishReason.STAGE_END)
-                events.append(TokenEvent(seq.request_id, [], "", FinishReason.STAGE_END.value,
-                                         seq.prompt_len, seq.num_output_tokens))
-        return events
+        sampled = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, sampled, time.perf_counter() - started)
 
-    def stats(self) -> EngineStats:
-        bm = self.block_manager
-        queued = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
-        queued += sum(s.num_uncomputed_tokens for s in self.scheduler.running if s.in_prefill)
-        return EngineStats(
-            total_blocks=bm.num_blocks,
-            free_blocks=bm.num_free_blocks,
-            block_size=bm.block_size,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            queued_prefill_tokens=queued,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_hit_rate=bm.prefix_hits_tokens / bm.prefix_queries_tokens if bm.prefix_queries_tokens else 0.0,
-        )
+    @property
+    def last_step_tokens(self) -> int:
+        """Tokens the latest step computed (0: it found nothing it could run)."""
+        return self.last_output.num_tokens
 
-    # ---- KV export ---------------------------------------------------------------
-    def export_kv(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """KV of positions [start, end) of a live or kept request: [layers, 2, n, kv_heads, head_dim]."""
-        seq = self.scheduler.sequences.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not in the engine (finished without keep_kv?)")
-        if not 0 <= start <= end <= seq.num_computed_tokens:
-            raise ValueError(
-                f"KV range [{start}, {end}) is outside the computed tokens [0, {seq.num_computed_tokens})"
-            )
-        return self.runner.export_kv(seq, start, end)
+    def load(self) -> WorkerLoad:
+        """Load figures for the worker to publish (it adds its identity)."""
+        return dataclasses.replace(self.scheduler.load(), engine_kind=self.spec.architecture)
 
-    # ---- internals ----------------------------------------------------------------
-    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
-        seq.token_ids.append(token)
-        params = seq.params
-        reason = None
-        if not params.ignore_eos and token in self.spec.eos_token_ids:
-            reason = FinishReason.STOP
-        elif token in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens:
-            reason = FinishReason.LENGTH
-        elif seq.reached_stage_end:
-            reason = FinishReason.STAGE_END
-        text = ""
-        if seq.detokenizer is not None:
-            text = seq.detokenizer.push([token], final=reason is not None)
-            if seq.detokenizer.stopped:
-                reason = FinishReason.STOP
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return TokenEvent(
-            request_id=seq.request_id,
-            token_ids=[token],
-            text=text,
-            finish_reason=reason.value if reason else None,
-            num_prompt_tokens=seq.prompt_len,
-            num_output_tokens=seq.num_output_tokens,
-        )
+    def prefill_queue(self) -> list[PrefillTask]:
+        return self.scheduler.prefill_queue()
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is text but the model directory has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+    def progress(self, key: StageKey) -> tuple[int, list[int]] | None:
+        """(computed tokens, block table) of a live stage, or None when it is gone."""
+        seq = self.scheduler.sequences.get(key)
+        return None if seq is None else (seq.num_computed_tokens, seq.block_table)
 
-    def _validate(self, prompt_ids: list[int], outputs: list[int], params: SamplingParams) -> None:
-        vocab = self.spec.vocab_size
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least 1 token")
-        for name, ids in (("prompt", prompt_ids), ("output_token_ids", outputs)):
-            bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name} token id {ids[bad]!r} at index {bad} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
-        if len(outputs) >= params.max_tokens:
-            raise ValueError(f"output_token_ids ({len(outputs)}) must be fewer than max_tokens ({params.max_tokens})")
-        if total > self.kv_capacity_tokens:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({self.kv_capacity_tokens} tokens)"
-            )
-
-    def _import_prefix(self, seq: Sequence, kv: torch.Tensor) -> None:
+    # ---- internals -------------------------------------------------------------------------------
+    def _write_payload(self, spec: StageSpec) -> KvInBlocks:
+        kv = spec.kv.data
         n = kv.shape[2]
         expected = (self.spec.num_layers, 2, n, self.spec.num_kv_heads, self.spec.head_dim)
         if tuple(kv.shape) != expected:
-            raise ValueError(f"prefix_kv has shape {tuple(kv.shape)}, expected {expected}")
-        if not 0 < n < seq.num_tokens:
-            raise ValueError(f"prefix_kv covers {n} tokens; it must cover 1..{seq.num_tokens - 1} of {seq.num_tokens}")
-        bm = self.block_manager
-        if bm.blocks_for_tokens(n) > bm.num_free_blocks:
-            raise KvCapacityError(f"need {bm.blocks_for_tokens(n)} free KV blocks for {n} imported tokens, have {bm.num_free_blocks}")
-        bm.admit(seq, [], n)
-        self.runner.import_kv(seq, 0, kv)
-        seq.num_computed_tokens = n
-        bm.commit_computed(seq)
+            raise ValueError(f"kv has shape {tuple(kv.shape)}, expected {expected}")
+        known = len(spec.prompt_ids) + len(spec.output_ids)
+        if not 0 < n < known or n != spec.kv.num_tokens:
+            raise ValueError(f"kv covers {n} tokens; it must cover 1..{known - 1} of the {known} known tokens")
+        blocks = self.scheduler.reserve_kv(n)
+        self.runner.import_kv(blocks, 0, kv)
+        return KvInBlocks(tuple(blocks), n)
 
 
 def _load_tokenizer(model_dir: Path):

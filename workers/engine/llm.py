@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from splitserve.core import SamplingParams, StageKey, StageSpec
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -42,22 +42,30 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        keys = []
+        prompt_ids: dict[StageKey, list[int]] = {}
         for prompt, p in zip(prompts, per_prompt):
-            request_id = f"llm-{self._counter}"
+            key = StageKey(f"llm-{self._counter}")
             self._counter += 1
-            self.engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
-        prompt_ids = {i: list(self.engine.scheduler.sequences[i].token_ids) for i in ids}
+            ids = self.tokenize(prompt)
+            self.engine.add_stage(StageSpec(key, tuple(ids), p or SamplingParams()))
+            keys.append(key)
+            prompt_ids[key] = ids
+        tokens: dict[StageKey, list[int]] = {k: [] for k in keys}
+        texts: dict[StageKey, list[str]] = {k: [] for k in keys}
+        reasons: dict[StageKey, str] = {}
         while self.engine.has_unfinished():
             for ev in self.engine.step():
-                tokens[ev.request_id].extend(ev.token_ids)
-                texts[ev.request_id].append(ev.text)
+                tokens[ev.key].extend(ev.token_ids)
+                texts[ev.key].append(ev.text)
                 if ev.finish_reason:
-                    reasons[ev.request_id] = ev.finish_reason
-        return [
-            CompletionOutput(i, prompt_ids[i], tokens[i], "".join(texts[i]), reasons[i]) for i in ids
-        ]
+                    reasons[ev.key] = ev.finish_reason
+        return [CompletionOutput(k.request_id, prompt_ids[k], tokens[k], "".join(texts[k]), reasons[k]) for k in keys]
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text (with the model's tokenizer) or as ids."""
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("prompt is text but the model directory has no tokenizer; pass token ids")
+            return self.engine.tokenizer.encode(prompt)
+        return list(prompt)

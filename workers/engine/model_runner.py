@@ -17,8 +17,7 @@ from workers.engine.attention import (
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
-from workers.engine.scheduler import ScheduledEntry
-from workers.engine.sequence import Sequence
+from splitserve.core import ScheduledEntry, SchedulerOutput, StageKey
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +124,15 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, entries: list[ScheduledEntry]) -> dict[str, int]:
-        """Run one forward over the scheduled entries; return sampled tokens by request id."""
-        batch = self.prepare(entries)
+    def execute(self, out: SchedulerOutput) -> dict[StageKey, int]:
+        """Run the step the scheduler chose: one forward pass; its sampled tokens by stage."""
+        batch = self.prepare(out.entries)
         logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
         seqs = [e.seq for e in batch.sampling_entries]
         tokens = sampler.sample(
             logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
         )
-        return {s.request_id: t for s, t in zip(seqs, tokens)}
+        return {s.key: t for s, t in zip(seqs, tokens)}
 
     def prepare(self, entries: list[ScheduledEntry]) -> PreparedBatch:
         """Flatten the step: single-token entries first (batched decode path), then chunks."""
@@ -188,19 +187,19 @@ class ModelRunner:
         )
 
     # ---- KV export / import (the hook KV transfer builds on) ----------------------
-    def token_slots(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_slots(self, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
+        table = torch.tensor(block_table, dtype=torch.long)
         return table[pos // self.block_size].to(self.device), (pos % self.block_size).to(self.device)
 
-    def export_kv(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """KV of positions [start, end) as [layers, 2, end - start, kv_heads, head_dim]."""
-        blocks, offsets = self.token_slots(seq, start, end)
+    def export_kv(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """KV of positions [start, end) held in these blocks, as [layers, 2, end - start, kv_heads, head_dim]."""
+        blocks, offsets = self.token_slots(block_table, start, end)
         return self.kv_cache[blocks, :, :, offsets].permute(1, 2, 0, 3, 4).contiguous()
 
-    def import_kv(self, seq: Sequence, start: int, kv: torch.Tensor) -> None:
-        """Write KV for positions [start, start + n) given as [layers, 2, n, kv_heads, head_dim]."""
-        blocks, offsets = self.token_slots(seq, start, start + kv.shape[2])
+    def import_kv(self, block_table: list[int], start: int, kv: torch.Tensor) -> None:
+        """Write KV for positions [start, start + n) into these blocks, given as [layers, 2, n, kv_heads, head_dim]."""
+        blocks, offsets = self.token_slots(block_table, start, start + kv.shape[2])
         self.kv_cache[blocks, :, :, offsets] = kv.permute(2, 0, 1, 3, 4).to(self.kv_cache)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.engine.sampling_params import SamplingParams
+from splitserve.core import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,11 +1,27 @@
-"""One request's state inside the engine: tokens, progress, KV blocks, stop state."""
+"""One stage's state inside a worker's scheduler: tokens, progress, KV blocks, stop state."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
-from workers.engine.sampling_params import SamplingParams
+from splitserve.core.sampling import SamplingParams
+
+
+class StageKey(NamedTuple):
+    """Names one stage of one request on a worker (ARCHITECTURE "the stage").
+
+    A request split across workers has one stage per worker; a worker may hold two stages
+    of one request (a migration that lands where an earlier stage ran), so the key is the
+    pair, never a string to be parsed back.
+    """
+
+    request_id: str
+    stage_index: int = 0
+
+    def __str__(self) -> str:  # logs, metrics and default transfer ids
+        return f"{self.request_id}/{self.stage_index}"
 
 
 class SequenceStatus(enum.Enum):
@@ -21,20 +37,37 @@ class FinishReason(str, enum.Enum):
     STAGE_END = "stage_end"  # this stage's token range is done; another stage continues
 
 
-@dataclass
-class Sequence:
-    """A request's logical sequence: prompt followed by output, positions 0..L."""
+class OutputText(Protocol):
+    """Turns a stage's new tokens into text and matches stop strings (a detokenizer).
 
-    request_id: str
+    The scheduler calls it with every appended token so that a stop string finishes the
+    stage in the same place any other stop condition does; the implementation
+    (`splitserve.detokenizer.IncrementalDetokenizer`) holds the tokenizer, which the
+    core never imports.
+    """
+
+    stopped: bool
+
+    def push(self, token_ids: list[int], final: bool = False) -> str: ...
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A stage's view of its request's logical sequence: prompt then output, positions 0..L."""
+
+    key: StageKey
     token_ids: list[int]
     prompt_len: int
     params: SamplingParams
     seed: int
     arrival_time: float
-    # Keep KV blocks after finishing until `Engine.release` (for export to another stage).
+    # Keep KV blocks after finishing until `Scheduler.release` (a push or pull still reads them).
     keep_kv: bool = False
     # A non-final stage stops once KV covers tokens [0, stop_at) (ARCHITECTURE "the stage").
     stop_at: int | None = None
+    priority: int = 0
+    ttft_deadline: float | None = None  # arrival + TTFT objective (clock seconds); None: none
+    itl_slo_s: float | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching),
@@ -42,11 +75,16 @@ class Sequence:
     # them. Both are extended together, by `BlockManager.update_block_hashes` only.
     block_hashes: list[int] = field(default_factory=list)
     block_tokens: list[tuple[int, ...]] = field(default_factory=list)
+    # How far `BlockManager.commit_computed` has indexed this block table (see there).
+    commit_state: tuple | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Incremental detokeniser (engine-private); None when the engine does not detokenise.
-    detokenizer: object | None = None
+    text: OutputText | None = None  # None: no detokenisation (token ids only)
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +103,15 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def end(self) -> int:
+        """Tokens this stage may compute KV for: all known ones, bounded by `stop_at`."""
+        n = len(self.token_ids)
+        return n if self.stop_at is None or self.stop_at > n else self.stop_at
+
+    @property
     def num_schedulable_tokens(self) -> int:
         """Tokens this stage may still compute KV for (bounded by `stop_at`)."""
-        end = len(self.token_ids) if self.stop_at is None else min(len(self.token_ids), self.stop_at)
-        return end - self.num_computed_tokens
+        return self.end - self.num_computed_tokens
 
     @property
     def reached_stage_end(self) -> bool:

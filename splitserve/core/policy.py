@@ -1,0 +1,133 @@
+"""The local batch-policy contract: what a policy sees, and the one way it builds a step.
+
+A worker's scheduler owns the queues and the KV memory; a `BatchPolicy` decides, each
+step, which requests run and how many tokens each computes. The policy gets a
+`StepBuilder` over plain snapshots of the queues (`QueuedRequest`) and builds the step
+through it:
+
+* **order** — requests are scheduled in the order the policy adds them (AMPD's
+  look-ahead reordering, Alg. 2, picks any order within its window);
+* **budget** — each `add` takes as many tokens as the policy grants (DynaServe Alg. 2's
+  prefill budget from its latency table; LAPS' fixed long-prefill chunks C_l;
+  dLLM-Serve's phase costs: a Refresh request costs its whole sequence, a Reuse request
+  one block);
+* **hold back** — a request the policy does not add waits; `hold_until(t)` tells the
+  driver to look again by `t` even if nothing else happens (LAPS' AWD batching waits up
+  to its window W for a fuller batch).
+
+The builder enforces what no policy may break (each request once, the token budget,
+`max_num_seqs`, at most the tokens a request has left): breaking it raises
+`PolicyContractError`, a bug in the policy, never repaired silently. What a policy
+cannot know in advance is whether KV memory suffices: `add` answers that, after the
+scheduler's one preemption rule (recompute the newest running request not yet in this
+step); a policy that wants first-come-first-served stops at the first waiting request
+that did not fit, another may skip it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from splitserve.core.sequence import StageKey
+from splitserve.core.step_cost import StepShape
+
+
+class PolicyContractError(ValueError):
+    """A batch policy asked for a step the scheduler must not run (a bug in the policy)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """What a policy may know about one stage in the scheduler's queues."""
+
+    key: StageKey
+    arrival_time: float
+    prompt_len: int
+    num_tokens: int  # tokens this stage may compute KV for (known tokens, bounded by its end)
+    num_computed_tokens: int  # tokens with KV in place (cached prefix and transferred KV included)
+    priority: int = 0
+    ttft_deadline: float | None = None  # arrival + TTFT objective; None: no objective
+    itl_slo_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token past the prompt: the step samples the next output token."""
+        return self.num_remaining_tokens == 1 and self.num_computed_tokens >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """Limits of one engine step."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutedBatch:
+    """Feedback after a step ran: its shape and measured (or modelled) latency."""
+
+    shape: StepShape
+    latency_s: float
+
+
+class StepBuilder(Protocol):
+    """The scheduler's half of the contract, handed to `BatchPolicy.next_batch`."""
+
+    running: Sequence[QueuedRequest]  # oldest first
+    waiting: Sequence[QueuedRequest]  # queue order; preempted requests first
+    budget: StepBudget
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens this step may still take."""
+
+    @property
+    def seqs_left(self) -> int:
+        """Waiting requests this step may still admit (max_num_seqs minus running and admitted)."""
+
+    @property
+    def preempted_any(self) -> bool:
+        """Whether this step preempted a request (then no waiting request is admitted)."""
+
+    def add(self, key: StageKey, num_tokens: int) -> int:
+        """Schedule `num_tokens` of this request's remaining tokens; how many it got (0: none).
+
+        0 means KV memory: a running request that could not grow even after preempting
+        every other running request not yet in the step was preempted itself; a waiting
+        one found no blocks, or this step preempted something (admitting would thrash).
+        A waiting request may get fewer tokens than asked when its cached prefix grew.
+        """
+
+    def preempt(self, key: StageKey) -> None:
+        """Preempt a running request not in this step (its KV is dropped and recomputed later)."""
+
+    def hold_until(self, t: float) -> None:
+        """Work is held back on purpose: have the driver schedule again by clock time `t`."""
+
+
+class BatchPolicy(Protocol):
+    """Chooses each step's batch from the queues (pure: its decisions depend only on what
+    it is shown, its own state and `now`).
+
+    Class attributes a policy may set (defaults in brackets), read by drivers:
+    `observes_steps` [True]: False when `observe` ignores its argument, so a driver may
+    skip the calls (the simulator applies millions of decode steps in bulk);
+    `steady_decodes` [False]: True when, with only decodes running and nothing it could
+    admit, the policy always schedules every running request with one token whatever
+    the time, so identical decode steps may be fast-forwarded.
+    """
+
+    name: str
+
+    def next_batch(self, step: StepBuilder, now: float) -> None:
+        """Build this step through `step` (an empty step is legal: nothing runs)."""
+
+    def observe(self, executed: ExecutedBatch) -> None:
+        """Learn from a finished step (policies with online latency profiles)."""

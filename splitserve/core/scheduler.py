@@ -1,0 +1,515 @@
+"""A worker's step scheduler: the one place that decides what a step runs (pure).
+
+The contract, shaped like vLLM v1's scheduler interface:
+
+    scheduler.add_stage(spec)                      # queue a stage (StageSpec)
+    out = scheduler.schedule()                     # what the next step computes
+    ... the driver executes `out` ...              # a forward pass, a sleep, or virtual time
+    events = scheduler.update_from_output(out, sampled_tokens, latency_s)
+    scheduler.abort(key) / scheduler.release(key)  # outside changes between steps
+
+Drivers (`workers.engine.Engine`, the emulated engine, the simulator's worker) only
+execute what `schedule()` returns and feed the results back; finishing, token appending,
+KV accounting and step shape exist here once.
+
+One token budget per step for prefill and decode together; chunked prefill; preemption
+by recompute when blocks run out. Which requests run, in which order and with how many
+tokens is the `BatchPolicy`'s choice, made through a `StepBuilder` (`splitserve.core.policy`);
+this module keeps the queues and the memory.
+
+Every new stage waits, including one whose KV arrived from another worker (a later stage:
+its blocks are already in its table). Such a stage is admitted, as any other, only under
+`max_num_seqs`, so a decode worker fed by prefill workers never runs a larger batch than
+configured; it waits holding its KV. That held KV is the one memory no step frees, so
+where it would stop all progress (nothing else running, or the only running sequence
+about to preempt itself) it is dropped, newest first, and those stages recompute
+(`_drop_waiting_kv`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Callable, Mapping
+
+from splitserve.core.block_manager import BlockManager
+from splitserve.core.policy import BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget
+from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
+from splitserve.core.stage import KvInBlocks, StageSpec
+from splitserve.core.step_cost import StepShape
+from splitserve.state_records import PrefillTask, WorkerLoad
+
+
+class KvCapacityError(RuntimeError):
+    """Not enough free KV blocks for a reservation right now (retry later or recompute)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one worker's scheduler and the model facts it checks requests against."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    # None: the token ids are not a model's (the simulator's stand-ins), so not range-checked.
+    vocab_size: int | None
+    eos_token_ids: frozenset[int] = frozenset()
+    seed: int = 0  # draws the seeds of requests that bring none
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {self.vocab_size}")
+
+
+@dataclass(slots=True)
+class ScheduledEntry:
+    """One sequence's share of a step: tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int  # KV of [0, start) is in place before the step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces the sequence's next token."""
+        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the entries to compute, who was preempted, and when to look again."""
+
+    entries: list[ScheduledEntry] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # The policy held work back until this clock time: schedule again by then.
+    hold_until: float | None = None
+    shape: StepShape = StepShape()
+
+    @classmethod
+    def of(cls, entries: list[ScheduledEntry], preempted: list[Sequence] | None = None,
+           hold_until: float | None = None) -> SchedulerOutput:
+        """An output of these entries, with their step shape."""
+        shape = StepShape.of((e.start, e.num_new_tokens, e.seq.prompt_len) for e in entries)
+        return cls(entries, preempted or [], hold_until, shape)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape.num_tokens
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New output of one stage after a step; `finish_reason` set on its last event."""
+
+    key: StageKey
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    """Owns one worker's waiting and running queues and its KV blocks; decides each step."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: BatchPolicy,
+                 clock: Callable[[], float]):
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy
+        self.budget = StepBudget(config.max_num_batched_tokens, config.max_num_seqs)
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[StageKey, Sequence] = {}
+        self.num_preemptions = 0
+        self._seed_rng = random.Random(config.seed)
+
+    # ---- stages ------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def add_stage(self, spec: StageSpec, text: OutputText | None = None) -> Sequence:
+        """Queue a stage; ValueError naming the field for anything it cannot run.
+
+        `text` detokenises the output and matches stop strings (it has seen the prompt and
+        any earlier stages' output); without it, stop strings cannot be honoured.
+        """
+        if spec.key in self.sequences:
+            raise ValueError(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
+                             "is already in the engine")
+        if spec.kv is not None and not isinstance(spec.kv, KvInBlocks):
+            raise ValueError(f"kv: the scheduler takes KV already in blocks, got {type(spec.kv).__name__}")
+        params = spec.sampling
+        prompt, outputs = list(spec.prompt_ids), list(spec.output_ids)
+        self._validate(prompt, outputs, spec, text)
+        total = len(prompt) + params.max_tokens
+        now = self.clock()
+        arrival = now if spec.arrival_time is None else spec.arrival_time
+        seq = Sequence(
+            key=spec.key, token_ids=prompt + outputs, prompt_len=len(prompt), params=params,
+            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            arrival_time=arrival, keep_kv=spec.holds_kv_after_finish,
+            stop_at=spec.end if spec.end is not None and spec.end < total else None,
+            priority=spec.priority,
+            ttft_deadline=arrival + spec.slo.ttft_s if spec.slo.ttft_s else None,
+            itl_slo_s=spec.slo.itl_s or None, text=text,
+        )
+        if isinstance(spec.kv, KvInBlocks):
+            self.block_manager.adopt(seq, list(spec.kv.block_ids), spec.kv.num_tokens)
+        self.sequences[seq.key] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark finished and free its KV unless it is held for export."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not seq.keep_kv:
+            self.release(seq.key)
+
+    def abort(self, key: StageKey) -> bool:
+        """Drop a stage and free its KV at once (kept KV too); False if it is unknown."""
+        seq = self.sequences.get(key)
+        if seq is None:
+            return False
+        if not seq.is_finished:
+            self.finish(seq, FinishReason.ABORT)
+        self.release(key)
+        return True
+
+    def release(self, key: StageKey) -> None:
+        """Forget a finished stage and free its blocks (the KV a push or pull was reading)."""
+        seq = self.sequences.pop(key, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
+    def keys_of(self, request_id: str) -> list[StageKey]:
+        """Every stage of a request held here, in flight or finished with kept KV."""
+        return [key for key in self.sequences if key.request_id == request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- KV held for transfers -----------------------------------------------------------
+    def reserve_kv(self, num_tokens: int) -> list[int]:
+        """Blocks for `num_tokens` tokens of KV another worker will write (Worker.PrepareKv)."""
+        bm = self.block_manager
+        n = bm.blocks_for_tokens(num_tokens)
+        if n > bm.num_free_blocks:
+            raise KvCapacityError(f"need {n} free KV blocks for {num_tokens} tokens, have {bm.num_free_blocks}")
+        return bm.reserve(n)
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        self.block_manager.release_reserved(block_ids)
+
+    def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
+        """A stage's block table and how many tokens of it hold computed KV."""
+        seq = self.sequences.get(key)
+        if seq is None:
+            raise KeyError(f"stage {key} is not in the engine")
+        return list(seq.block_table), seq.num_computed_tokens
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """The next step, as the batch policy builds it (see `splitserve.core.policy`)."""
+        step = _Step(self)
+        self.policy.next_batch(step, self.clock())
+        return SchedulerOutput.of(step.entries, step.preempted, step.held_until)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int],
+                           latency_s: float) -> list[TokenEvent]:
+        """Apply an executed step: KV computed, tokens appended, stages finished; their events."""
+        events: list[TokenEvent] = []
+        sequences, bm = self.sequences, self.block_manager
+        for e in out.entries:
+            seq = e.seq
+            if sequences.get(seq.key) is not seq:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = e.start + e.num_new_tokens
+            bm.commit_computed(seq)
+            token = sampled.get(seq.key)
+            if token is not None:
+                events.append(self._append_token(seq, token))
+            elif seq.reached_stage_end:  # a prefill-only stage: KV done, nothing sampled
+                self.finish(seq, FinishReason.STAGE_END)
+                events.append(TokenEvent(seq.key, [], "", FinishReason.STAGE_END.value, seq.prompt_len,
+                                         seq.num_output_tokens))
+        self.policy.observe(ExecutedBatch(out.shape, latency_s))
+        return events
+
+    # ---- load -------------------------------------------------------------------------------
+    def load(self) -> WorkerLoad:
+        """This scheduler's load figures (the worker adds its identity, role and draining)."""
+        bm = self.block_manager
+        queued = 0
+        for s in self.waiting:
+            queued += len(s.token_ids) - s.num_computed_tokens
+        for s in self.running:
+            uncomputed = len(s.token_ids) - s.num_computed_tokens
+            if uncomputed > 1:  # still in prefill (prompt or recompute)
+                queued += uncomputed
+        queries = bm.prefix_queries_tokens
+        return WorkerLoad(
+            free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
+            running=len(self.running), waiting=len(self.waiting), queued_prefill_tokens=queued,
+            num_preemptions=self.num_preemptions,
+            prefix_hit_rate=bm.prefix_hits_tokens / queries if queries else 0.0,
+        )
+
+    def prefill_queue(self) -> list[PrefillTask]:
+        """Stages still prefilling, running ones first: (task, l_hist, l_incr, enqueue time)."""
+        prefilling = [s for s in self.running if s.in_prefill] + list(self.waiting)
+        return [PrefillTask(str(s.key), s.num_computed_tokens, s.num_uncomputed_tokens, s.arrival_time)
+                for s in prefilling]
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _validate(self, prompt: list[int], outputs: list[int], spec: StageSpec, text: OutputText | None) -> None:
+        cfg, params = self.config, spec.sampling
+        vocab = cfg.vocab_size
+        if not prompt:
+            raise ValueError("prompt must contain at least 1 token")
+        if vocab is not None:
+            for name, ids in (("prompt", prompt), ("output_token_ids", outputs)):
+                bad = _first_token_outside(ids, vocab)
+                if bad is not None:
+                    raise ValueError(f"{name} token id {ids[bad]!r} at index {bad} is outside the vocabulary "
+                                     f"[0, {vocab})")
+        params.validate(vocab if vocab is not None else 1 << 63)
+        if params.stop and text is None:
+            raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
+        total = len(prompt) + params.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len ({cfg.max_model_len})")
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"output_token_ids ({len(outputs)}) must be fewer than max_tokens ({params.max_tokens})")
+        if total > self.kv_capacity_tokens:
+            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity "
+                             f"({self.kv_capacity_tokens} tokens)")
+        known, supplied = len(prompt) + len(outputs), spec.kv_tokens
+        if spec.kv is not None and not 0 < supplied < known:
+            raise ValueError(f"kv covers {supplied} tokens; it must cover 1..{known - 1} of the {known} known tokens")
+        if spec.end is not None and spec.end < total and spec.end <= supplied:
+            raise ValueError(f"end ({spec.end}) must be beyond the supplied KV ({supplied} tokens)")
+
+    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+        seq.token_ids.append(token)
+        params = seq.params
+        reason = None
+        if not params.ignore_eos and token in self.config.eos_token_ids:
+            reason = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(seq.token_ids) - seq.prompt_len >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        elif seq.reached_stage_end:
+            reason = FinishReason.STAGE_END
+        text = ""
+        if seq.text is not None:
+            text = seq.text.push([token], final=reason is not None)
+            if seq.text.stopped:
+                reason = FinishReason.STOP
+        if reason is not None:
+            self.finish(seq, reason)
+        return TokenEvent(seq.key, [token], text, reason.value if reason else None, seq.prompt_len,
+                          seq.num_output_tokens)
+
+    def _admit(self, seq: Sequence, wanted: int) -> int | None:
+        """Move a waiting sequence to running with blocks for its next tokens (at most `wanted`);
+        how many it computes this step, or None when the blocks are not there."""
+        bm = self.block_manager
+        may_drop = not self.running  # nothing running: no step will free a block
+        if seq.block_table:  # its KV is in place (from another worker): only grow it
+            need = bm.blocks_to_grow(seq, wanted)
+            if need > bm.num_free_blocks and not (may_drop and self._drop_waiting_kv(need, keep=seq)):
+                return None
+            bm.grow(seq, wanted)
+            n = wanted
+        else:
+            hits, n = self._admission(seq, wanted)
+            need = bm.admission_cost(seq, hits, n)
+            if need > bm.num_free_blocks:
+                if not (may_drop and self._drop_waiting_kv(need)):
+                    return None
+                hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
+                if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
+                    return None
+            bm.admit(seq, hits, n)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        return n
+
+    def _admission(self, seq: Sequence, wanted: int) -> tuple[list[int], int]:
+        """Cached prefix blocks and new tokens (at most `wanted`) to admit a sequence without blocks."""
+        bm = self.block_manager
+        # Looked up at admission: growing running sequences may have evicted cached blocks.
+        hits = bm.cached_prefix_blocks(seq)
+        return hits, min(wanted, seq.end - len(hits) * bm.block_size)
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[StageKey], preempted: list[Sequence]) -> bool:
+        """Preempt the newest running sequences not in this step until `seq` can grow by n."""
+        bm = self.block_manager
+        while not bm.can_grow(seq, n):
+            victim = next((s for s in reversed(self.running) if s is not seq and s.key not in scheduled), None)
+            if victim is None:
+                # Alone and preempting itself, it would come back to the same wall (a livelock)
+                # while waiting stages' KV holds the blocks it needs.
+                if len(self.running) == 1 and self._drop_waiting_kv(bm.blocks_to_grow(seq, n)):
+                    return True
+                self._preempt(seq)
+                preempted.append(seq)
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+        return True
+
+    def _drop_waiting_kv(self, need: int, keep: Sequence | None = None) -> bool:
+        """Drop the KV waiting stages hold (newest first, never `keep`'s) until `need` blocks are
+        free; whether they are. Nothing is dropped when even all of it would not be enough
+        (the rest held by reservations or KV kept for export): that would only waste it.
+
+        Only where no step would ever free a block otherwise; the dropped stages recompute.
+        """
+        bm = self.block_manager
+        if bm.num_free_blocks >= need:
+            return True
+        holders = [s for s in reversed(self.waiting) if s is not keep and s.block_table]
+        references = Counter(b for s in holders for b in s.block_table)
+        freeable = sum(bm.blocks[b].ref_count == count for b, count in references.items())
+        if bm.num_free_blocks + freeable < need:
+            return False
+        for other in holders:
+            if bm.num_free_blocks >= need:
+                break
+            bm.free(other)
+            other.num_preemptions += 1
+            self.num_preemptions += 1
+        return bm.num_free_blocks >= need
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute-style preemption: KV is dropped (cached full blocks may still be hit
+        # on re-admission) and the sequence re-enters at the head of the waiting queue.
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+
+class _Step:
+    """The `StepBuilder` of one `Scheduler.schedule` call: each `add` takes effect at once."""
+
+    __slots__ = ("_scheduler", "running", "waiting", "budget", "entries", "preempted", "held_until",
+                 "_waiting_views", "_scheduled", "_tokens_left")
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        bm = scheduler.block_manager
+        self.budget = budget = scheduler.budget
+        self.running = [_view(s, s.num_computed_tokens) for s in scheduler.running]
+        waiting = []
+        for s in islice(scheduler.waiting, budget.max_num_seqs):
+            # A waiting sequence holding blocks got its KV from another worker: no lookup.
+            computed = s.num_computed_tokens if s.block_table else len(bm.cached_prefix_blocks(s)) * bm.block_size
+            waiting.append(_view(s, computed))
+        self.waiting = waiting
+        self._waiting_views = {v.key: v for v in waiting}
+        self.entries: list[ScheduledEntry] = []
+        self.preempted: list[Sequence] = []
+        self.held_until: float | None = None
+        self._scheduled: set[StageKey] = set()
+        self._tokens_left = budget.max_num_batched_tokens
+
+    @property
+    def tokens_left(self) -> int:
+        return self._tokens_left
+
+    @property
+    def seqs_left(self) -> int:
+        return self.budget.max_num_seqs - len(self._scheduler.running)
+
+    @property
+    def preempted_any(self) -> bool:
+        return bool(self.preempted)
+
+    def add(self, key: StageKey, num_tokens: int) -> int:
+        scheduler = self._scheduler
+        seq = scheduler.sequences.get(key)
+        if key in self._scheduled:
+            raise PolicyContractError(f"stage {key} is already in this step")
+        if seq is not None and seq in self.preempted:
+            return 0  # preempted earlier in this step (a running request's victim)
+        if seq is not None and seq.status is SequenceStatus.RUNNING:
+            remaining = seq.num_schedulable_tokens  # as its view shows: nothing changed it since
+        else:
+            view = self._waiting_views.get(key)
+            if view is None:
+                raise PolicyContractError(f"stage {key} is not in this step's queues")
+            remaining = view.num_remaining_tokens
+        if not 1 <= num_tokens <= remaining:
+            raise PolicyContractError(f"stage {key}: num_tokens must be in [1, {remaining}], got {num_tokens}")
+        if num_tokens > self._tokens_left:
+            raise PolicyContractError(f"stage {key}: {num_tokens} tokens exceed the {self._tokens_left} left "
+                                      f"in this step's budget")
+        if seq.status is SequenceStatus.RUNNING:
+            if not scheduler._make_room(seq, num_tokens, self._scheduled, self.preempted):
+                return 0
+            scheduler.block_manager.grow(seq, num_tokens)
+        else:
+            if self.seqs_left <= 0:
+                raise PolicyContractError(f"stage {key}: admitting it exceeds max_num_seqs "
+                                          f"({self.budget.max_num_seqs})")
+            if self.preempted:
+                return 0  # memory is short this step: admitting now would only thrash
+            admitted = scheduler._admit(seq, num_tokens)
+            if admitted is None:
+                return 0
+            num_tokens = admitted
+        self.entries.append(ScheduledEntry(seq, seq.num_computed_tokens, num_tokens))
+        self._scheduled.add(key)
+        self._tokens_left -= num_tokens
+        return num_tokens
+
+    def preempt(self, key: StageKey) -> None:
+        seq = self._scheduler.sequences.get(key)
+        if seq is None or seq.status is not SequenceStatus.RUNNING or key in self._scheduled:
+            raise PolicyContractError(f"stage {key}: only a running stage not in this step can be preempted")
+        self._scheduler._preempt(seq)
+        self.preempted.append(seq)
+
+    def hold_until(self, t: float) -> None:
+        self.held_until = t if self.held_until is None else min(self.held_until, t)
+
+
+def _first_token_outside(ids: list[int], vocab: int) -> int | None:
+    """Index of the first id that is not an int in [0, vocab), else None (checked in C first:
+    prompts run to tens of thousands of tokens)."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+        return None
+    return next(i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab)
+
+
+def _view(seq: Sequence, num_computed_tokens: int) -> QueuedRequest:
+    return QueuedRequest(seq.key, seq.arrival_time, seq.prompt_len, seq.end, num_computed_tokens, seq.priority,
+                         seq.ttft_deadline, seq.itl_slo_s, seq.num_preemptions)

@@ -1,0 +1,54 @@
+"""Reading a fitted performance model: from a JSON file, or from Redis where `splitserve profile` stored it.
+
+`splitserve simulate --perf-model` reads through here. A JSON file, the usual case, needs
+nothing but :mod:`splitserve.perf_model`; only the Redis reader imports
+:mod:`splitserve.state` (and with it redis), inside the function, so the simulator runs
+where redis is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from splitserve.perf_model import PerfModel
+
+__all__ = ["REDIS_SOURCE_PREFIX", "load_perf_model", "read_stored_perf_model"]
+
+REDIS_SOURCE_PREFIX = "redis:"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_REDIS_PREFIX = "ss:"
+
+
+def load_perf_model(source: str, redis_url: str | None = None, redis_prefix: str | None = None) -> PerfModel:
+    """A fitted model from a JSON path, or from Redis as ``redis:WORKER_ID`` (what `splitserve profile` stored).
+
+    Redis is `redis_url` with keys under `redis_prefix`; when not given, SPLITSERVE_REDIS_URL
+    and SPLITSERVE_REDIS_PREFIX, else the defaults every splitserve service uses.
+    """
+    if source.startswith(REDIS_SOURCE_PREFIX):
+        if redis_url is None:
+            redis_url = os.environ.get("SPLITSERVE_REDIS_URL", DEFAULT_REDIS_URL)
+        if redis_prefix is None:
+            redis_prefix = os.environ.get("SPLITSERVE_REDIS_PREFIX", DEFAULT_REDIS_PREFIX)
+        return read_stored_perf_model(source[len(REDIS_SOURCE_PREFIX):], redis_url, redis_prefix)
+    return PerfModel.load(source)
+
+
+def read_stored_perf_model(worker_id: str, redis_url: str, redis_prefix: str) -> PerfModel:
+    """The model `splitserve profile` stored in Redis for `worker_id`; ValueError when there is
+    none or Redis does not answer (the message names the URL)."""
+    from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError  # redis: only here
+
+    async def read() -> dict[str, Any] | None:
+        async with StateStore(redis_url, redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
+            return await store.get_perf(worker_id)
+
+    try:
+        data = asyncio.run(read())
+    except StateUnavailableError as err:
+        raise ValueError(f"--perf-model redis:{worker_id}: {err}") from None
+    if data is None:
+        raise ValueError(f"no perf model in Redis for worker {worker_id!r} (prefix {redis_prefix!r})")
+    return PerfModel.from_dict(data)

@@ -1,0 +1,46 @@
+"""Plain records to and from their wire messages, each in one place.
+
+Services speak protobuf at their edges and plain dataclasses inside; the conversions
+live here so that a field added to a record is added to its message once.
+"""
+
+from __future__ import annotations
+
+from splitserve.core.sampling import SamplingParams
+from splitserve.proto import types_pb2
+from splitserve.state_records import WorkerLoad
+
+
+def load_to_proto(load: WorkerLoad) -> types_pb2.WorkerLoad:
+    return types_pb2.WorkerLoad(
+        worker_id=load.worker_id, role=load.role, engine_kind=load.engine_kind, free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks, block_size=load.block_size, running=load.running, waiting=load.waiting,
+        queued_prefill_tokens=load.queued_prefill_tokens, draining=load.draining,
+        num_preemptions=load.num_preemptions, prefix_hit_rate=load.prefix_hit_rate,
+        updated_unix_ms=round(load.updated_unix * 1000),
+    )
+
+
+def load_from_proto(message: types_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        worker_id=message.worker_id, role=message.role, engine_kind=message.engine_kind,
+        free_blocks=message.free_blocks, total_blocks=message.total_blocks, block_size=message.block_size,
+        running=message.running, waiting=message.waiting, queued_prefill_tokens=message.queued_prefill_tokens,
+        num_preemptions=message.num_preemptions, prefix_hit_rate=message.prefix_hit_rate,
+        draining=message.draining, updated_unix=message.updated_unix_ms / 1000,
+    )
+
+
+def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
+    """Sampling parameters from the wire message (unset optionals take the engine defaults)."""
+    params = SamplingParams(top_k=message.top_k, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
+                            ignore_eos=message.ignore_eos)
+    if message.HasField("max_tokens"):
+        params.max_tokens = message.max_tokens
+    if message.HasField("temperature"):
+        params.temperature = message.temperature
+    if message.HasField("top_p"):
+        params.top_p = message.top_p
+    if message.HasField("seed"):
+        params.seed = message.seed
+    return params
