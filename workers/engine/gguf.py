@@ -224,18 +224,18 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     arch = check_gguf_architecture(gguf_path)
     meta = read_gguf_metadata(gguf_path, _TOKEN_KEYS | {f"{arch}.context_length"})
-    with _parse_gguf_once(), _no_progress_bars():
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        quantized = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                         dtype=torch.float32)
-    model = _plain_model(quantized, gguf_path)
-    del quantized
-
-    eos = _end_of_generation_ids(meta, tokenizer)
-    model.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos,
-        pad_token_id=model.config.pad_token_id)
-    model.save_pretrained(out_dir)
+    with _no_progress_bars():
+        with _parse_gguf_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            quantized = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                             dtype=torch.float32)
+        model = _plain_model(quantized, gguf_path)
+        del quantized
+        eos = _end_of_generation_ids(meta, tokenizer)
+        model.generation_config = GenerationConfig(
+            bos_token_id=model.config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos,
+            pad_token_id=model.config.pad_token_id)
+        model.save_pretrained(out_dir)
 
     _restore_pre_tokenizer(tokenizer, str(meta.get("tokenizer.ggml.pre", "")))
     context = meta.get(f"{arch}.context_length")
@@ -243,6 +243,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         tokenizer.model_max_length = context
     # Decoded text must be exactly the tokens' bytes, as the original HF tokenizers say.
     tokenizer.clean_up_tokenization_spaces = False
+    for how_it_was_loaded in ("local_files_only", "is_local"):  # not the tokenizer's; varies by environment
+        tokenizer.init_kwargs.pop(how_it_was_loaded, None)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -309,16 +311,22 @@ def _restore_pre_tokenizer(tokenizer, pre: str) -> None:
 
 @contextlib.contextmanager
 def _no_progress_bars():
-    """transformers draws a per-tensor progress bar; callers print one line of their own instead
-    (a worker's log is JSON lines, not a terminal)."""
+    """transformers draws a per-tensor progress bar with tqdm, which its own switch does not reach;
+    callers print one line of their own instead (a worker's log is JSON lines, not a terminal)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    original = getattr(gguf_loading, "tqdm", None)
+    if original is not None:
+        gguf_loading.tqdm = functools.partial(original, disable=True)
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading and saving weights
     try:
         yield
     finally:
-        if was_enabled:
+        if original is not None:
+            gguf_loading.tqdm = original
+        if bars_were_enabled:
             hf_logging.enable_progress_bar()
 
 
