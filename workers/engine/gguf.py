@@ -119,7 +119,8 @@ def read_gguf_metadata(path: str | os.PathLike, keys: Iterator[str] | set[str] |
                 raise ValueError(f"{path}: unknown GGUF metadata value type {kind}")
             return scalar(_SCALAR_FORMATS[kind])
 
-        _tensor_count, kv_count = scalar("Q"), scalar("Q")
+        scalar("Q")  # the tensor count: tensors are transformers' to read
+        kv_count = scalar("Q")
         for _ in range(kv_count):
             key = string()
             values[key] = value(scalar("I"))
@@ -153,6 +154,11 @@ def file_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def converted_dir_for(sha256: str, cache_root: Path | None = None) -> Path:
+    """Where the dequantized directory of the GGUF file with this SHA-256 lives (present or not)."""
+    return (cache_root or model_cache_root()) / "gguf" / f"{sha256[:16]}-v{BUILDER_VERSION}"
 
 
 def _remembered_sha256(path: Path, memo_dir: Path) -> str:
@@ -192,7 +198,7 @@ def dequantized_model_dir(gguf_path: str | os.PathLike, *, sha256: str | None = 
     check_gguf_architecture(gguf_path)  # before hashing or converting gigabytes
     root = (cache_root or model_cache_root()) / "gguf"
     digest = sha256 or _remembered_sha256(gguf_path, root / "digests")
-    final = root / f"{digest[:16]}-v{BUILDER_VERSION}"
+    final = converted_dir_for(digest, cache_root)
     wanted = {"builder_version": BUILDER_VERSION, "gguf_sha256": digest}
     if marker_matches(final, wanted):
         return final
