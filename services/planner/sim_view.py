@@ -9,10 +9,9 @@ scheduler's own `build_cluster_view` and `InflightCounters`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Sequence
 
-from services.global_scheduler.policy import ClusterView
+from services.global_scheduler.policy import ClusterView, WorkerView
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from services.planner.sim_worker import SimWorker, published
 from splitserve.state_records import WorkerInfo
@@ -55,7 +54,8 @@ class SimClusterView:
         for worker_id in set(worker_ids):
             index = self._position.get(worker_id)
             if index is not None:
-                views[index] = dataclasses.replace(views[index], inflight_assigned=counts.get(worker_id, 0))
+                view = views[index]
+                views[index] = WorkerView(view.worker_id, view.address, view.load, counts.get(worker_id, 0))
         self._view = ClusterView(tuple(views), self._view.taken_at)
 
     def _refresh(self, tick: int) -> None:

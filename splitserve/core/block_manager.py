@@ -67,6 +67,15 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def ref_counts(self, block_ids: list[int]) -> list[int]:
+        """The reference counts of these blocks."""
+        blocks = self.blocks
+        return [blocks[b].ref_count for b in block_ids]
+
+    def indexes_any(self, hashes: list[int]) -> bool:
+        """Whether any of these hashes is in the prefix index."""
+        return not self._hash_to_block.keys().isdisjoint(hashes)
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -81,31 +81,78 @@ class DecodeRun:
         """Apply the run's steps before `done` (done < steps: the last one runs for real), once.
 
         Stepping grows every sequence by one token per step (entry order) and then commits
-        every sequence's computed blocks to the prefix cache (entry order). Between steps
-        where a sequence needs a new block, fills one, or an allocation evicts a cached
-        block that may free a hash a sequence's block waits for, those do nothing, so only
-        such steps are replayed, in order: the same blocks, taken and indexed in the same
-        order as stepping. `latencies_s[i]` is step i's time, for `policy.observe`.
+        every sequence's computed blocks to the prefix cache (entry order). The result here
+        is the same, block for block: the same blocks taken in the same order and indexed
+        under the same hashes. `latencies_s[i]` is step i's time, for `policy.observe`.
         """
         if self.applied or not 0 <= done < self.steps:
             raise ValueError(f"apply once, with done in [0, {self.steps}); applied {self.applied}, done {done}")
         self.applied = done
         if done == 0:
             return
-        scheduler, bm = self.scheduler, self.scheduler.block_manager
-        bs = bm.block_size
         entries = self.out.entries
         tokens = [self.token_id] * done
         for e in entries:
-            e.seq.token_ids += tokens  # hashes of blocks not yet computed are never indexed early
-        # Step i's schedule grows a sequence when its new token starts a block (step 0's was
-        # grown when scheduled); step i's update fills a block when its KV ends one.
+            e.seq.token_ids += tokens  # hashes of blocks not computed yet are never indexed early
+        if not self._apply_in_bulk(done):
+            self._replay(done)
+        for e in entries:
+            e.seq.num_computed_tokens = e.start + done
+        policy = self.scheduler.policy
+        if getattr(policy, "observes_steps", True):
+            batch = len(entries)
+            for i in range(done):
+                shape = StepShape((), batch, self.first_context_tokens + i * batch)
+                policy.observe(ExecutedBatch(shape, float(latencies_s[i])))
+
+    def _grow_events(self, done: int) -> list[tuple[int, int]]:
+        """(step, entry index) of every block the steps after the first take, in stepping's order:
+        step i's schedule grows a sequence whose new token starts a block (step 0's was grown
+        when it was scheduled)."""
+        bs = self.scheduler.block_manager.block_size
+        events = []
+        for index, e in enumerate(self.out.entries):
+            events += [(i, index) for i in range((-e.start) % bs or bs, done, bs)]
+        events.sort()
+        return events
+
+    def _apply_in_bulk(self, done: int) -> bool:
+        """Every block the steps take in one allocation, and each sequence's new full blocks
+        indexed at once, where that cannot differ from stepping: no block waits for a hash's
+        holder, and the blocks the run fills have hashes that no block holds, before or
+        after an eviction, and that no two of them share. False (nothing done) otherwise."""
+        bm = self.scheduler.block_manager
+        bs = bm.block_size
+        entries = self.out.entries
+        filled: list[int] = []
+        for e in entries:
+            seq = e.seq
+            if seq.commit_state is not None and seq.commit_state[2]:
+                return False  # a block waits for its hash's holder to be evicted
+            filled += bm.update_block_hashes(seq)[e.start // bs:(e.start + done) // bs]
+        if len(set(filled)) != len(filled) or bm.indexes_any(filled):
+            return False
+        events = self._grow_events(done)
+        taken = bm.reserve(len(events)) if events else []
+        for block_id, (_, index) in zip(taken, events):
+            entries[index].seq.block_table.append(block_id)
+        for e in entries:
+            e.seq.num_computed_tokens = e.start + done
+            bm.commit_computed(e.seq)
+        return True
+
+    def _replay(self, done: int) -> None:
+        """The steps where a sequence needs a block, fills one, or an allocation evicts a cached
+        block whose hash a waiting block may take, one by one in stepping's order (between
+        them stepping changes no block)."""
+        bm = self.scheduler.block_manager
+        bs = bm.block_size
+        entries = self.out.entries
         grows: dict[int, list[int]] = {}
+        for i, index in self._grow_events(done):
+            grows.setdefault(i, []).append(index)
         fills: dict[int, list[int]] = {}
         for index, e in enumerate(entries):
-            first_grow = (-e.start) % bs or bs
-            for i in range(first_grow, done, bs):
-                grows.setdefault(i, []).append(index)
             for i in range((-(e.start + 1)) % bs, done, bs):
                 fills.setdefault(i, []).append(index)
         evictions = bm.num_evictions - 1  # step 0's schedule may have evicted: look at waiting blocks
@@ -123,14 +170,6 @@ class DecodeRun:
                 e = entries[index]
                 e.seq.num_computed_tokens = e.start + i + 1
                 bm.commit_computed(e.seq)
-        for e in entries:
-            e.seq.num_computed_tokens = e.start + done
-        policy = scheduler.policy
-        if getattr(policy, "observes_steps", True):
-            batch = len(entries)
-            for i in range(done):
-                shape = StepShape((), batch, self.first_context_tokens + i * batch)
-                policy.observe(ExecutedBatch(shape, float(latencies_s[i])))
 
     def load_at_step(self, scheduled: int) -> WorkerLoad:
         """The scheduler's load once the run's first `scheduled` steps hold their blocks

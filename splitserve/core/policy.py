@@ -27,7 +27,7 @@ that did not fit, another may skip it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 from splitserve.core.sequence import StageKey
 from splitserve.core.step_cost import StepShape
@@ -37,9 +37,9 @@ class PolicyContractError(ValueError):
     """A batch policy asked for a step the scheduler must not run (a bug in the policy)."""
 
 
-@dataclass(frozen=True, slots=True)
-class QueuedRequest:
-    """What a policy may know about one stage in the scheduler's queues."""
+class QueuedRequest(NamedTuple):
+    """What a policy may know about one stage in the scheduler's queues (immutable: a tuple,
+    built for every queued stage at every step, so it must be cheap to make)."""
 
     key: StageKey
     arrival_time: float

@@ -395,7 +395,8 @@ class Scheduler:
             return True
         holders = [s for s in reversed(self.waiting) if s is not keep and s.block_table]
         references = Counter(b for s in holders for b in s.block_table)
-        freeable = sum(bm.blocks[b].ref_count == count for b, count in references.items())
+        held = list(references)
+        freeable = sum(ref == references[b] for b, ref in zip(held, bm.ref_counts(held)))
         if bm.num_free_blocks + freeable < need:
             return False
         for other in holders:

@@ -50,6 +50,9 @@ class ReferenceBlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free_plain) + len(self._free_cached)
 
+    def indexes_any(self, hashes: list[int]) -> bool:
+        return any(h in self._hash_to_block for h in hashes)
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
