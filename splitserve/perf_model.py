@@ -182,6 +182,30 @@ class PerfModel:
                 hist += h
         return max(self._lines(tok, pairs, hist, decode_batch, decode_batch * decode_ctx))
 
+    def step_times(self, prefill_tokens, prefill_history, decode_batch, decode_context_tokens,
+                   prefill_pairs=None) -> np.ndarray:
+        """`step_time` of many steps at once: arrays of equal length (numpy broadcasting). Each
+        step has prefill chunks of `prefill_tokens` in all, on `prefill_history` tokens in all
+        (the formula's T and R), and `decode_batch` decodes reading `decode_context_tokens` KV
+        in all (B and B*C). `prefill_pairs` is the formula's A = sum L_i (H_i + L_i / 2); by
+        default one chunk's, T (R + T / 2). Equals `step_time(((R, T),), B, BC / B)` element by
+        element for one chunk."""
+        import numpy as np
+
+        tok = np.asarray(prefill_tokens, dtype=np.float64)
+        hist = np.asarray(prefill_history, dtype=np.float64)
+        b = np.asarray(decode_batch, dtype=np.float64)
+        bctx = np.asarray(decode_context_tokens, dtype=np.float64)
+        p, d = self.prefill, self.decode
+        has_p, has_d = tok > 0, b > 0
+        c0 = np.where(has_p & has_d, max(p.c0, d.c0), np.where(has_p, p.c0, d.c0))
+        m0 = np.where(has_p & has_d, max(p.m0, d.m0), np.where(has_p, p.m0, d.m0))
+        pairs = tok * (hist + tok / 2) if prefill_pairs is None else np.asarray(prefill_pairs, dtype=np.float64)
+        hist = np.where(has_p, hist, 0.0)
+        compute = c0 + p.c_tok * tok + p.c_attn * pairs + d.c_seq * b + d.c_ctx * bctx
+        memory = m0 + p.m_tok * tok + p.m_hist * hist + d.m_seq * b + d.m_ctx * bctx
+        return np.where(has_p | has_d, np.maximum(compute, memory), 0.0)
+
     def prefill_time(self, l_hist: int, l_incr: int) -> float:
         """Seconds to prefill `l_incr` new tokens on `l_hist` cached ones:
         max(c0 + c_tok*L + c_attn*L*(H + L/2), m0 + m_tok*L + m_hist*H); 0 if L == 0."""

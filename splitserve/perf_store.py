@@ -14,7 +14,7 @@ from typing import Any
 
 from splitserve.perf_model import PerfModel
 
-__all__ = ["REDIS_SOURCE_PREFIX", "load_perf_model", "read_stored_perf_model"]
+__all__ = ["REDIS_SOURCE_PREFIX", "load_perf_model", "read_stored_perf_model", "resolve_perf_model"]
 
 REDIS_SOURCE_PREFIX = "redis:"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -52,3 +52,21 @@ def read_stored_perf_model(worker_id: str, redis_url: str, redis_prefix: str) ->
     if data is None:
         raise ValueError(f"no perf model in Redis for worker {worker_id!r} (prefix {redis_prefix!r})")
     return PerfModel.from_dict(data)
+
+
+def resolve_perf_model(spec: str) -> PerfModel:
+    """A model named the way every `--perf-model`-like option names one: a JSON path,
+    `redis:WORKER_ID` (what `splitserve profile` stored), or a roofline preset `GPU/MODEL[/TP]`
+    (e.g. `A100/qwen2.5-14b/2`). ValueError names what was expected."""
+    if spec.startswith(REDIS_SOURCE_PREFIX) or spec.endswith(".json") or os.path.isfile(spec):
+        return load_perf_model(spec)
+    parts = spec.split("/")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"perf model: expected a JSON file, redis:WORKER_ID or GPU/MODEL[/TP], got {spec!r}")
+    from splitserve.perf_presets import preset
+
+    try:
+        tp = int(parts[2]) if len(parts) == 3 else 1
+    except ValueError:
+        raise ValueError(f"perf model {spec!r}: TP must be an integer, got {parts[2]!r}") from None
+    return preset(parts[0], parts[1], tp)

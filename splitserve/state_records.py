@@ -112,6 +112,8 @@ class RequestRecord:
     stages: list[dict[str, Any]] = field(default_factory=list)
     emitted_token_ids: list[int] = field(default_factory=list)
     updated: float = field(default_factory=time.time)
+    # The placement policy's numbers behind its plan (e.g. dynaserve's phi and predicted drain times).
+    decision: dict[str, float] = field(default_factory=dict)
 
 
 @functools.cache
@@ -156,6 +158,7 @@ def request_to_hash(request: RequestRecord) -> dict[str, str]:
         "emitted": ",".join(str(int(t)) for t in request.emitted_token_ids),
         "num_emitted": str(len(request.emitted_token_ids)),
         "updated": repr(float(request.updated)),
+        "decision": json.dumps(request.decision),
     }
 
 
@@ -168,4 +171,5 @@ def request_from_hash(raw: dict[str, str]) -> RequestRecord:
         stages=json.loads(raw.get("stages") or "[]"),
         emitted_token_ids=[int(t) for t in emitted.split(",")] if emitted else [],
         updated=float(raw.get("updated", 0.0)),
+        decision=json.loads(raw.get("decision") or "{}"),
     )

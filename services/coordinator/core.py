@@ -87,7 +87,8 @@ class Coordinator:
                 # reservations for this request; free them now rather than at their TTL.
                 for worker_id in {s.worker_id for s in plan.stages[1:]}:
                     self._spawn(self._cancel_on(worker_id, request_id))
-            self.records.put(RequestRecord(request_id, outcome, stages=_stage_dicts(plan), emitted_token_ids=emitted))
+            self.records.put(RequestRecord(request_id, outcome, stages=_stage_dicts(plan), emitted_token_ids=emitted,
+                                           decision=dict(plan.decision) if plan is not None else {}))
             if plan is not None and plan.report_completion:
                 self._spawn(self._report(request, request_id, outcome, plan, len(emitted), started))
 
@@ -118,7 +119,7 @@ class Coordinator:
                                                    end=last.end, emit=True))
             plan_holder.append(plan)
             self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
-                                           emitted_token_ids=list(emitted)))
+                                           emitted_token_ids=list(emitted), decision=dict(plan.decision)))
             try:
                 async for chunk in self._execute(request, request_id, plan, deadline, emitted):
                     yield chunk
@@ -180,7 +181,7 @@ class Coordinator:
             stage.sampling.CopyFrom(request.sampling)
             stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
             stage.priority = request.priority
-            if index + 1 < len(stages):
+            if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
                 await self._wire_kv(request_id, stage, stages[index + 1], deadline)
             stub = await self.workers.stub(stage.worker_id)
             call = stub.Execute(stage, timeout=_remaining(deadline), metadata=outgoing_metadata(request_id))
@@ -251,4 +252,5 @@ def _remaining(deadline: float) -> float:
 def _stage_dicts(plan: types_pb2.Plan | None) -> list[dict]:
     if plan is None:
         return []
-    return [{"worker_id": s.worker_id, "start": s.start, "end": s.end, "emit": s.emit} for s in plan.stages]
+    return [{"worker_id": s.worker_id, "start": s.start, "end": s.end, "emit": s.emit, "push_kv": s.push_kv}
+            for s in plan.stages]

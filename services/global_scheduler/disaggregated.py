@@ -18,6 +18,7 @@ from services.global_scheduler.policy import (
     PlacementRequest,
     StagePlacement,
     WorkerView,
+    worker_rank,
 )
 
 
@@ -80,6 +81,8 @@ class SplitPolicy:
         if len(pool) == 1 or request.total_len < 2:
             return Placement.single_stage(pool[0], request, self.name, "one eligible worker: colocated")
         split = self.split_point(request.total_len)
-        return two_stage(pool[0], pool[1], split, request, self.name,
+        # The first stage on the lower-ranked worker: its KV may only be pushed up the order.
+        alpha, beta = sorted(pool[:2], key=worker_rank)
+        return two_stage(alpha, beta, split, request, self.name,
                          f"phi={self.split_ratio} split at {split} of {request.total_len}")
 

@@ -8,8 +8,8 @@ policies with a `ClusterView` and an injected `now`.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
 from splitserve.state_records import WorkerLoad
@@ -115,6 +115,8 @@ class StagePlacement:
     address: str
     start: int
     end: int
+    # This stage's KV goes to the next stage's worker (see `orient_kv_transfers`).
+    push_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class Placement:
     stages: tuple[StagePlacement, ...]
     policy: str
     reason: str = ""
+    # The numbers behind the decision (e.g. dynaserve's phi, probes, predicted drain times).
+    decision: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -150,6 +154,42 @@ class Placement:
         """The colocated plan: the whole sequence on one worker."""
         stage = StagePlacement(worker.worker_id, worker.address, 0, request.total_len)
         return cls((stage,), policy, reason)
+
+
+# Role ranks for the direction KV may flow between the stages of one request.
+ROLE_RANK = {"prefill": 0, "both": 1, "decode": 2}
+
+
+def worker_rank(worker: WorkerView) -> tuple[int, str]:
+    """A total order on workers: by role (prefill, both, decode), then by id."""
+    return ROLE_RANK.get(worker.role, 1), worker.worker_id
+
+
+def orient_kv_transfers(placement: Placement, view: ClusterView) -> Placement:
+    """The placement with each stage's KV pushed to the next stage only up the worker order.
+
+    A push reserves KV blocks on the next worker before this stage runs, and the
+    reservation waits there until this stage is done. If reservations could point both
+    ways, two workers could each hold memory for the other's waiting stage while their
+    own stages wait for memory: a deadlock (the simulator found it with the `split`
+    policy under overload). Reservations only ever made on a higher-ranked worker for a
+    stage of a lower-ranked one cannot form a cycle: the lowest-ranked worker's stages
+    wait for nothing but its own work, and by induction every worker's do. A stage
+    boundary pointing down recomputes instead (no transfer); policies that want a
+    transfer put their first stage on the lower-ranked worker. Applied where every plan
+    is made (the scheduler's view and the simulator), whatever the policy.
+    """
+    stages = placement.stages
+    if len(stages) < 2:
+        return placement
+    ranks = {w.worker_id: worker_rank(w) for w in view.workers}
+    oriented = []
+    for index, stage in enumerate(stages):
+        following = stages[index + 1] if index + 1 < len(stages) else None
+        up = following is not None and stage.worker_id != following.worker_id and \
+            ranks.get(stage.worker_id, (1, stage.worker_id)) < ranks.get(following.worker_id, (1, following.worker_id))
+        oriented.append(stage if stage.push_kv == up else replace(stage, push_kv=up))
+    return replace(placement, stages=tuple(oriented))
 
 
 @dataclass(frozen=True)
@@ -208,6 +248,7 @@ _BUILTIN_POLICIES: dict[str, str] = {
     "least_loaded": "services.global_scheduler.baselines:LeastLoadedPolicy",
     "pd_disaggregated": "services.global_scheduler.disaggregated:PdDisaggregatedPolicy",
     "split": "services.global_scheduler.disaggregated:SplitPolicy",
+    "dynaserve": "services.global_scheduler.dynaserve:DynaServePolicy",
 }
 _REGISTERED: dict[str, Callable[..., PlacementPolicy]] = {}
 
@@ -222,14 +263,21 @@ def known_policies() -> list[str]:
     return sorted(set(_BUILTIN_POLICIES) | set(_REGISTERED))
 
 
-def make_policy(name: str, **params: Any) -> PlacementPolicy:
-    """Build a placement policy by name; ValueError names unknown policies or bad params."""
+def make_policy(name: str, *, deployment_perf_model: Any = None, **params: Any) -> PlacementPolicy:
+    """Build a placement policy by name; ValueError names unknown policies or bad params.
+
+    `deployment_perf_model`: the deployment's performance model (the simulator's, an
+    emulated cluster's preset), handed to a policy that predicts with one
+    (`uses_perf_model`) unless its params name another (`perf_model`)."""
     factory = _REGISTERED.get(name)
     if factory is None and name in _BUILTIN_POLICIES:
         module_name, attribute = _BUILTIN_POLICIES[name].split(":")
         factory = getattr(importlib.import_module(module_name), attribute)
     if factory is None:
         raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(known_policies())}")
+    if deployment_perf_model is not None and getattr(factory, "uses_perf_model", False) \
+            and "perf_model" not in params:
+        params = {**params, "perf_model": deployment_perf_model}
     try:
         return factory(**params)
     except TypeError as err:  # unexpected keyword: report it as bad input, not a crash

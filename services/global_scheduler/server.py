@@ -73,10 +73,12 @@ def placement_to_plan(request_id: str, placement: Placement) -> types_pb2.Plan:
     last = len(placement.stages) - 1
     stages = [
         types_pb2.Stage(request_id=request_id, stage_index=index, worker_id=stage.worker_id,
-                        start=stage.start, end=stage.end, emit=index == last)
+                        start=stage.start, end=stage.end, emit=index == last,
+                        push_kv=stage.push_kv and index < last)
         for index, stage in enumerate(placement.stages)
     ]
-    return types_pb2.Plan(stages=stages, policy=placement.policy, reason=placement.reason)
+    return types_pb2.Plan(stages=stages, policy=placement.policy, reason=placement.reason,
+                          decision=dict(placement.decision))
 
 
 def completion_from_proto(report: scheduler_pb2.CompletionReport) -> CompletionReport:

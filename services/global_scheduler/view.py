@@ -13,7 +13,8 @@ import time
 from typing import Callable, Iterable
 
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
-from services.global_scheduler.policy import ClusterView, NoWorkerAvailable, Placement, PlacementPolicy, PlacementRequest
+from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
+                                             PlacementRequest, orient_kv_transfers)
 from splitserve.errors import Unavailable
 from splitserve.state import StateStore, WorkerInfo, WorkerLoad
 
@@ -115,13 +116,15 @@ class ClusterViewSource:
         between reading a view and noting the placement, so concurrent callers each see
         the placements made before them.
         """
+        view = await self.current(timeout_s)
         try:
-            placement = policy.place(request, await self.current(timeout_s), now())
+            placement = policy.place(request, view, now())
         except NoWorkerAvailable:
             await self.refresh()
-            placement = policy.place(request, await self.current(timeout_s), now())
+            view = await self.current(timeout_s)
+            placement = policy.place(request, view, now())
         self.note_placed(placement.worker_ids)
-        return placement
+        return orient_kv_transfers(placement, view)
 
     def note_placed(self, worker_ids: Iterable[str]) -> None:
         """Record a placement so the next view shows it before the workers' loads do."""

@@ -25,8 +25,8 @@ import numpy as np
 from loadgen.metrics import RequestResult
 from loadgen.runner import CUT_OFF
 from loadgen.sessions import Session
-from services.global_scheduler.policy import (CompletionReport, NoWorkerAvailable, learns_from_completions,
-                                              PlacementRequest, make_policy)
+from services.global_scheduler.policy import (CompletionReport, NoWorkerAvailable, PlacementRequest,
+                                              learns_from_completions, make_policy, orient_kv_transfers)
 from services.planner.sim_config import SimulatorConfig, worker_id
 from services.planner.sim_view import SimClusterView
 from services.planner.sim_worker import SimWorker, StageRun
@@ -127,7 +127,7 @@ class SimRun:
             for i, role in enumerate(config.worker_roles)
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.policy = make_policy(config.placement_policy, **config.policy_params)
+        self.policy = make_policy(config.placement_policy, deployment_perf_model=config.perf_model, **config.policy_params)
         self.policy_learns = learns_from_completions(self.policy)  # a Protocol isinstance costs ~25 us
         self.view = SimClusterView(self.workers, config.view_refresh_s)
         self.latency = config.latency
@@ -247,14 +247,15 @@ class SimRun:
             session_id=request.session_id or "", slo_ttft_ms=self.config.slo_ttft_ms,
             slo_itl_ms=self.config.slo_itl_ms)
         try:
-            placement = self.policy.place(placement_request, self.view.current(self.now), self.now)
+            view = self.view.current(self.now)
+            placement = orient_kv_transfers(self.policy.place(placement_request, view, self.now), view)
         except NoWorkerAvailable as err:
             self._fail(request, f"UNAVAILABLE: {err}")
             return
         self.view.note_placed(placement.worker_ids)
         for index, sp in enumerate(placement.stages):
             request.stages.append(StageRun(StageKey(request.request_id, index), sp.start, sp.end,
-                                           self.by_id[sp.worker_id], request.token_times, request))
+                                           self.by_id[sp.worker_id], request.token_times, request, push_kv=sp.push_kv))
         self._push(self.now + self.latency.dispatch_s, _STAGE_START, request.stages[0])
 
     # ---- stages ------------------------------------------------------------------------------
@@ -264,9 +265,9 @@ class SimRun:
             return
         worker = stage.worker
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
-        if following is not None:
+        if following is not None and stage.push_kv:
             # The coordinator reserves the next stage's KV before running this one; with no
-            # room there, the next stage recomputes this range from tokens.
+            # room there (or no push up the worker order), the next stage recomputes this range.
             following.reserved_blocks = following.worker.reserve_kv(stage.end, self.now)
             self._kick(following.worker)
         if stage.index == 0:

@@ -52,6 +52,7 @@ class StageRun:
     worker: SimWorker
     token_times: array  # the request's token times (s); every stage appends to the same one
     owner: object = None  # the simulator's record of the request
+    push_kv: bool = True  # the plan lets this stage push its KV to the next stage's worker
     seq: Sequence | None = None
     push: KvPushPlan | None = None  # set when a later stage continues from this stage's KV
     push_done_at: float = 0.0  # when this stage's last queued chunk has arrived

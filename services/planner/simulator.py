@@ -99,7 +99,7 @@ class Simulator:
             kv_chunk_tokens=kv_chunk_tokens, enable_prefix_caching=enable_prefix_caching,
             fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
         # Build the policies once now, so bad names and parameters fail before any run.
-        make_policy(placement_policy, **self.config.policy_params)
+        make_policy(placement_policy, deployment_perf_model=perf_model, **self.config.policy_params)
         make_batch_policy(batch_policy, **self.config.batch_policy_options)
 
     @classmethod

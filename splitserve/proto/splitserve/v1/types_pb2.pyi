@@ -87,7 +87,7 @@ class KvSink(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv", "slo", "priority")
+    __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv", "slo", "priority", "push_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Stage(_message.Message):
     KEEP_KV_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     stage_index: int
     worker_id: str
@@ -116,19 +117,29 @@ class Stage(_message.Message):
     keep_kv: bool
     slo: Slo
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    push_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., push_kv: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("stages", "policy", "reason", "report_completion")
+    __slots__ = ("stages", "policy", "reason", "report_completion", "decision")
+    class DecisionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STAGES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REPORT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[Stage]
     policy: str
     reason: str
     report_completion: bool
-    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., report_completion: _Optional[bool] = ...) -> None: ...
+    decision: _containers.ScalarMap[str, float]
+    def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., report_completion: _Optional[bool] = ..., decision: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "first_token_unix_ns", "emitted_unix_ns", "stage_index", "worker_id", "kv_block_ids", "kv_tokens")

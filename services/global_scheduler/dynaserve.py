@@ -1,0 +1,264 @@
+"""DynaServe's global scheduler: split each request where its worker pair is balanced.
+
+Paper: DynaServe §4.1, Algorithm 1 (`../shared/papers/dynaserve.txt`). A request of
+prompt P and predicted output D (L = P + D) is cut at s = ⌈φL⌉ into α = [0, s) on one
+worker and β = [s, L) on another; φ = P / (P + D) is plain prefill/decode disaggregation,
+φ = 1 runs it all on α's worker, φ = 0 all on β's. Neither worker should idle while the
+other is saturated, so φ is chosen by a bounded binary search (at most `max_probes`
+probes) for predicted drain times T1 ≈ T2 (|T1 − T2| within `tolerance`), each probe
+asking the pair's timelines (`services.global_scheduler.timeline`: the execution
+predictor) what the worker would do with its queued micro-requests plus this one.
+
+Differences from the paper, and why:
+
+* the pair: the `candidate_workers` workers that drain soonest, every pair of them,
+  oriented so that α runs on the lower-ranked worker (KV may only be pushed up the
+  worker order, which keeps reservations deadlock-free; see `orient_kv_transfers`);
+  among pairs, the one whose best probe meets the request's TTFT/ITL objectives, then the
+  smallest makespan max(T1, T2) (the paper picks by "balance and SLO");
+* the probes keep the best split seen (by makespan), not only the last, and φ = 0 or 1
+  (no split) is a legal answer: the search converges to the edge when one worker is the
+  bottleneck whatever the split;
+* cold start (both workers idle) returns the disaggregated split, as the paper's
+  ColdStart does, without probing;
+* the timelines are corrected by what the workers report: an idle worker resets its
+  timeline, and a finished request (ReportCompletion) is taken out of both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.global_scheduler.baselines import colocated_candidates
+from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement, PlacementRequest,
+                                              StagePlacement, WorkerView, worker_rank)
+from services.global_scheduler.timeline import MicroRequest, Prediction, WorkerTimeline
+from splitserve.perf_model import PerfModel
+
+DEFAULT_PERF_MODEL = "H100/llama-3-8b"
+
+
+@dataclass(frozen=True)
+class SplitOption:
+    """One probe's answer: the split point and what the pair's timelines predict for it."""
+
+    phi: float
+    split: int  # s: alpha runs [0, s), beta [s, L); 0: all on beta, L_total: all on alpha
+    t_alpha: float  # alpha's worker drains (scheduler clock)
+    t_beta: float
+    first_token: float  # when the request's first token is predicted
+    longest_gap_s: float  # its worst predicted gap between tokens (the stage hand-off included)
+    alpha_request: MicroRequest | None
+    beta_request: MicroRequest | None
+    beta_not_before: float | None
+
+    @property
+    def makespan(self) -> float:
+        return max(self.t_alpha, self.t_beta)
+
+
+class DynaServePolicy:
+    """`dynaserve` placement: per-request split point from the predicted load of a worker pair."""
+
+    name = "dynaserve"
+    uses_perf_model = True  # make_policy hands it the deployment's model when none is named
+
+    def __init__(self, perf_model: PerfModel | str | None = None, token_budget: int | str = 2048,
+                 max_probes: int | str = 6, tolerance: float | str = 0.02, candidate_workers: int | str = 2,
+                 kv_chunk_tokens: int | str = 64, output_len_prior: int | str = 256, output_len_margin: int | str = 20,
+                 length_predictor=None):
+        if perf_model is None or isinstance(perf_model, str):
+            from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
+
+            perf_model = resolve_perf_model(perf_model or DEFAULT_PERF_MODEL)
+        self.perf_model = perf_model
+        self.token_budget = _positive_int(token_budget, "token_budget")
+        self.max_probes = _positive_int(max_probes, "max_probes")
+        self.tolerance = float(tolerance)
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+        self.candidate_workers = max(2, _positive_int(candidate_workers, "candidate_workers"))
+        self.kv_chunk_tokens = _positive_int(kv_chunk_tokens, "kv_chunk_tokens")
+        self.output_len_prior = _positive_int(output_len_prior, "output_len_prior")
+        self.output_len_margin = int(output_len_margin)
+        self.length_predictor = length_predictor
+        self.timelines: dict[str, WorkerTimeline] = {}
+        self._placed: dict[str, list[tuple[str, str]]] = {}  # request id -> (worker id, micro-request key)
+        self._last_placed: dict[str, float] = {}  # worker id -> when it was last given work
+
+    # ---- the policy ------------------------------------------------------------------------
+    def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:
+        candidates = colocated_candidates(view)  # NoWorkerAvailable when none is eligible
+        self._sync(view, candidates, now)
+        output_len = self.predicted_output_len(request)
+        if len(candidates) == 1 or request.total_len < 2:
+            return self._commit_single(candidates[0], request, output_len, now, "one eligible worker: colocated")
+        ranked = sorted(candidates, key=lambda w: (self.timelines[w.worker_id].drain_time, w.worker_id))
+        pool = ranked[: self.candidate_workers]
+        best: tuple[tuple, SplitOption, WorkerView, WorkerView, int] | None = None
+        for i, first in enumerate(pool):
+            for second in pool[i + 1:]:
+                alpha, beta = sorted((first, second), key=worker_rank)  # KV flows up the order only
+                option, probes = self._search(request, output_len, alpha, beta, now)
+                key = (not self._meets_slo(request, option, now), option.makespan)
+                if best is None or key < best[0]:
+                    best = (key, option, alpha, beta, probes)
+        _, option, alpha, beta, probes = best
+        return self._commit(request, output_len, option, alpha, beta, probes, now)
+
+    def on_completion(self, report: CompletionReport) -> None:
+        """A request ended: its micro-requests leave the timelines; the length model learns."""
+        for worker_id, key in self._placed.pop(report.request_id, ()):
+            timeline = self.timelines.get(worker_id)
+            if timeline is not None:
+                timeline.remove(key)
+        if self.length_predictor is not None and report.output_tokens > 0:
+            self.length_predictor.observe(report.prompt_tokens, report.output_tokens)
+
+    def predicted_output_len(self, request: PlacementRequest) -> int:
+        """D: the client's hint, else the length model (plus margin), within [1, max_tokens]."""
+        if request.predicted_output_len > 0:
+            predicted = request.predicted_output_len
+        elif self.length_predictor is not None:
+            predicted = self.length_predictor.predict(request.prompt_len) + self.output_len_margin
+        else:
+            predicted = self.output_len_prior + self.output_len_margin
+        return max(1, min(predicted, request.max_tokens))
+
+    # ---- Algorithm 1 -------------------------------------------------------------------------
+    def _search(self, request: PlacementRequest, output_len: int, alpha: WorkerView, beta: WorkerView,
+                now: float) -> tuple[SplitOption, int]:
+        """The bounded binary search over phi for this pair: (best option, probes made)."""
+        P, L = request.prompt_len, request.prompt_len + output_len
+        phi = P / L  # start from prefill/decode disaggregation
+        a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
+        if a.drain_time <= now and b.drain_time <= now:  # cold start: both idle
+            return self._evaluate(request, output_len, phi, a, b, now), 1
+        lo, hi = 0.0, 1.0
+        best: SplitOption | None = None
+        probes = 0
+        for _ in range(self.max_probes):
+            option = self._evaluate(request, output_len, phi, a, b, now)
+            probes += 1
+            if best is None or option.makespan < best.makespan:
+                best = option
+            horizon = max(option.makespan - now, 1e-3)
+            if abs(option.t_alpha - option.t_beta) <= self.tolerance * horizon:
+                break  # balanced
+            if option.t_alpha > option.t_beta:
+                hi = phi  # alpha's worker is the bottleneck: give it less
+            else:
+                lo = phi
+            phi = (lo + hi) / 2
+            if hi - lo < 1.0 / (2 * L):
+                break  # one token's resolution
+        else:
+            # Every probe moved the same way: the pair is out of balance whatever the split;
+            # the edge it was heading to (no split at all) is one more candidate.
+            edge = 0.0 if lo == 0.0 else 1.0 if hi == 1.0 else None
+            if edge is not None:
+                option = self._evaluate(request, output_len, edge, a, b, now)
+                probes += 1
+                if option.makespan < best.makespan:
+                    best = option
+        return best, probes
+
+    def _evaluate(self, request: PlacementRequest, output_len: int, phi: float, a: WorkerTimeline,
+                  b: WorkerTimeline, now: float) -> SplitOption:
+        """Predict both workers' drain times if the request is cut at s = ceil(phi * L)."""
+        P, D = request.prompt_len, output_len
+        L, total = P + D, request.total_len
+        split = math.ceil(phi * L)
+        if split <= 0:  # all on beta
+            micro = MicroRequest(f"{request.request_id}/0", P, 0, D)
+            p = b.predict(micro)
+            return SplitOption(0.0, 0, a.drain_time, p.drain_time, p.first_token_time, p.longest_pass_s,
+                               None, micro, None)
+        alpha_samples = max(0, split - P + 1)
+        if split >= L or alpha_samples >= D:  # all on alpha (beta would sample nothing)
+            micro = MicroRequest(f"{request.request_id}/0", P, 0, D)
+            p = a.predict(micro)
+            return SplitOption(1.0, total, p.drain_time, b.drain_time, p.first_token_time, p.longest_pass_s,
+                               micro, None, None)
+        alpha = MicroRequest(f"{request.request_id}/0", min(split, P), 0, alpha_samples)
+        beta = MicroRequest(f"{request.request_id}/1", max(0, P - split), split, D - alpha_samples)
+        pa = a.predict(alpha)
+        # Chunked push hides all but the last chunk's transfer behind alpha's compute (§4.3).
+        handoff = self.perf_model.kv_transfer_time(min(split, self.kv_chunk_tokens))
+        not_before = pa.finish_time + handoff
+        pb = b.predict(beta, not_before=not_before)
+        first_token = pa.first_token_time if alpha_samples else pb.first_token_time
+        gap = max(pa.longest_pass_s, pb.longest_pass_s)
+        if alpha_samples:  # the hand-off between alpha's last token and beta's first is a gap too
+            gap = max(gap, pb.first_token_time - pa.finish_time)
+        return SplitOption(phi, split, pa.drain_time, pb.drain_time, first_token, gap, alpha, beta, not_before)
+
+    def _meets_slo(self, request: PlacementRequest, option: SplitOption, now: float) -> bool:
+        if request.slo_ttft_ms and (option.first_token - now) * 1000 > request.slo_ttft_ms:
+            return False
+        if request.slo_itl_ms and option.longest_gap_s * 1000 > request.slo_itl_ms:
+            return False
+        return True
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def _sync(self, view: ClusterView, candidates: tuple[WorkerView, ...], now: float) -> None:
+        """Timelines for the candidates, advanced to `now`; a worker that reported itself idle
+        after its last placement is idle; workers gone from the view are forgotten."""
+        for w in candidates:
+            timeline = self.timelines.get(w.worker_id)
+            if timeline is None:
+                timeline = self.timelines[w.worker_id] = WorkerTimeline(self.perf_model, self.token_budget, now)
+            timeline.advance(now)
+            load = w.load
+            idle = load.running == 0 and load.waiting == 0 and w.inflight_assigned == 0
+            if idle and view.taken_at > self._last_placed.get(w.worker_id, float("-inf")):
+                timeline.reset(now)
+        known = {w.worker_id for w in view.workers}
+        for worker_id in [w for w in self.timelines if w not in known]:
+            del self.timelines[worker_id]
+
+    def _commit(self, request: PlacementRequest, output_len: int, option: SplitOption, alpha: WorkerView,
+                beta: WorkerView, probes: int, now: float) -> Placement:
+        decision = {"phi": option.phi, "split_point": float(option.split), "probes": float(probes),
+                    "predicted_output_len": float(output_len), "t1_s": option.t_alpha - now,
+                    "t2_s": option.t_beta - now, "predicted_ttft_s": option.first_token - now}
+        total = request.total_len
+        if option.split <= 0 or option.split >= total:
+            worker = beta if option.split <= 0 else alpha
+            micro = option.beta_request if option.split <= 0 else option.alpha_request
+            self._record(request.request_id, worker, micro, None, now)
+            return Placement((StagePlacement(worker.worker_id, worker.address, 0, total),), self.name,
+                             f"phi={option.phi:.3f}: all on {worker.worker_id} (T1={option.t_alpha - now:.3f}s, "
+                             f"T2={option.t_beta - now:.3f}s, {probes} probes)", decision)
+        self._record(request.request_id, alpha, option.alpha_request, None, now)
+        self._record(request.request_id, beta, option.beta_request, option.beta_not_before, now)
+        stages = (StagePlacement(alpha.worker_id, alpha.address, 0, option.split),
+                  StagePlacement(beta.worker_id, beta.address, option.split, total))
+        return Placement(stages, self.name,
+                         f"phi={option.phi:.3f}: split at {option.split} of {total} on {alpha.worker_id} -> "
+                         f"{beta.worker_id} (T1={option.t_alpha - now:.3f}s, T2={option.t_beta - now:.3f}s, "
+                         f"{probes} probes)", decision)
+
+    def _commit_single(self, worker: WorkerView, request: PlacementRequest, output_len: int, now: float,
+                       reason: str) -> Placement:
+        micro = MicroRequest(f"{request.request_id}/0", request.prompt_len, 0, output_len)
+        self._record(request.request_id, worker, micro, None, now)
+        return Placement.single_stage(worker, request, self.name, reason)
+
+    def _record(self, request_id: str, worker: WorkerView, micro: MicroRequest, not_before: float | None,
+                now: float) -> Prediction:
+        prediction = self.timelines[worker.worker_id].commit(micro, not_before)
+        self._placed.setdefault(request_id, []).append((worker.worker_id, micro.key))
+        self._last_placed[worker.worker_id] = now
+        return prediction
+
+
+def _positive_int(value: int | str, name: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return number

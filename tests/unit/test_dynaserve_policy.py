@@ -1,0 +1,133 @@
+"""The `dynaserve` placement policy (Alg. 1) over hand-made views: split points, balance,
+orientation, feedback."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.global_scheduler.dynaserve import DynaServePolicy
+from services.global_scheduler.policy import (ClusterView, CompletionReport, PlacementRequest, WorkerView,
+                                              make_policy, orient_kv_transfers)
+from services.global_scheduler.timeline import MicroRequest
+from splitserve.perf_presets import preset
+from splitserve.state_records import WorkerLoad
+
+PERF = preset("A100", "qwen2.5-14b")
+NOW = 1000.0
+
+
+def view(*worker_ids: str, role: str = "both", busy: bool = True) -> ClusterView:
+    # "busy": the snapshots show work, so the policy's own timelines are what it goes by.
+    return ClusterView(tuple(WorkerView(w, f"{w}:1", WorkerLoad(w, role=role, running=1 if busy else 0,
+                                                                   total_blocks=100, free_blocks=50))
+                             for w in worker_ids), NOW - 0.05)
+
+
+def request(rid: str = "r", prompt: int = 2048, max_tokens: int = 1024, hint: int = 512, **kw) -> PlacementRequest:
+    return PlacementRequest(rid, prompt, max_tokens, predicted_output_len=hint, **kw)
+
+
+def policy(**kw) -> DynaServePolicy:
+    return DynaServePolicy(perf_model=PERF, **kw)
+
+
+def load(p: DynaServePolicy, worker_id: str, n: int, prefill: int = 1024, decode: int = 256) -> None:
+    p.timelines.setdefault(worker_id, p.timelines.get(worker_id) or __import__(
+        "services.global_scheduler.timeline", fromlist=["WorkerTimeline"]).WorkerTimeline(PERF, p.token_budget, NOW))
+    for i in range(n):
+        p.timelines[worker_id].commit(MicroRequest(f"bg-{worker_id}-{i}", prefill, 0, decode))
+    p._last_placed[worker_id] = NOW
+
+
+def test_cold_start_is_prefill_decode_disaggregation():
+    p = policy()
+    placement = p.place(request(), view("w0", "w1"), NOW)
+    assert [(s.worker_id, s.start, s.end) for s in placement.stages] == [("w0", 0, 2048), ("w1", 2048, 3072)]
+    assert placement.decision["phi"] == pytest.approx(2048 / (2048 + 512))
+    assert placement.decision["probes"] == 1 and placement.policy == "dynaserve"
+    assert placement.decision["predicted_output_len"] == 512
+
+
+def test_the_split_moves_towards_the_idle_worker():
+    busy_alpha, busy_beta = policy(), policy()
+    load(busy_alpha, "w0", 12)
+    load(busy_beta, "w1", 12)
+    a = busy_alpha.place(request(), view("w0", "w1"), NOW)
+    b = busy_beta.place(request(), view("w0", "w1"), NOW)
+    # w0 (alpha's worker) loaded: less of the request there than when w1 is the loaded one.
+    assert a.decision["phi"] < b.decision["phi"]
+    assert a.decision["probes"] <= busy_alpha.max_probes + 1
+    for placement in (a, b):  # predicted drain times of the chosen plan come with it
+        assert placement.decision["t1_s"] > 0 and placement.decision["t2_s"] > 0
+
+
+def test_a_badly_overloaded_worker_gets_nothing_no_split():
+    p = policy()
+    load(p, "w0", 200, prefill=2048, decode=512)
+    placement = p.place(request(), view("w0", "w1"), NOW)
+    assert [(s.worker_id, s.start, s.end) for s in placement.stages] == [("w1", 0, 3072)]
+    assert placement.decision["phi"] == 0.0
+
+
+def test_alpha_runs_on_the_lower_ranked_worker_so_its_kv_can_be_pushed():
+    p = policy()
+    v = ClusterView((WorkerView("a-decode", "x:1", WorkerLoad("a-decode", role="decode", running=1)),
+                     WorkerView("z-prefill", "y:1", WorkerLoad("z-prefill", role="prefill", running=1))), NOW)
+    placement = p.place(request(), v, NOW)
+    assert placement.stages[0].worker_id == "z-prefill"
+    oriented = orient_kv_transfers(placement, v)
+    assert [s.push_kv for s in oriented.stages] == [True, False]
+
+
+def test_the_hint_wins_and_is_clamped_to_max_tokens():
+    p = policy()
+    assert p.predicted_output_len(request(hint=100)) == 100
+    assert p.predicted_output_len(request(hint=5000, max_tokens=300)) == 300
+    assert p.predicted_output_len(request(hint=0)) == 256 + 20  # the prior plus the margin
+
+
+def test_completions_take_the_request_out_of_the_timelines():
+    p = policy()
+    load(p, "w0", 3)
+    load(p, "w1", 3)
+    before = {w: t.drain_time for w, t in p.timelines.items()}
+    placement = p.place(request(), view("w0", "w1"), NOW)
+    assert any(p.timelines[w].drain_time > before[w] for w in before)
+    p.on_completion(CompletionReport("r", "length", prompt_tokens=2048, output_tokens=512,
+                                     worker_ids=placement.worker_ids))
+    for w, drain in before.items():
+        assert p.timelines[w].drain_time == pytest.approx(drain, rel=1e-9)
+
+
+def test_a_worker_that_reports_itself_idle_is_idle():
+    p = policy()
+    load(p, "w0", 30)
+    idle = ClusterView((WorkerView("w0", "w0:1", WorkerLoad("w0", running=0)),
+                        WorkerView("w1", "w1:1", WorkerLoad("w1", running=0))), NOW + 1)  # after the last placement
+    placement = p.place(request(), idle, NOW + 2)
+    assert placement.decision["probes"] == 1  # both idle again: the cold-start split
+
+
+def test_registered_and_built_with_the_deployments_perf_model():
+    built = make_policy("dynaserve", deployment_perf_model=PERF, max_probes="4")
+    assert isinstance(built, DynaServePolicy) and built.perf_model is PERF and built.max_probes == 4
+    named = make_policy("dynaserve", deployment_perf_model=None, perf_model="A100/qwen2.5-14b")
+    assert named.perf_model == PERF  # the same preset, named
+    with pytest.raises(ValueError, match="max_probes"):
+        make_policy("dynaserve", deployment_perf_model=PERF, max_probes="0")
+    with pytest.raises(ValueError, match="perf model"):
+        make_policy("dynaserve", perf_model="nonsense")
+
+
+def test_one_worker_serves_colocated():
+    placement = policy().place(request(), view("w0"), NOW)
+    assert [(s.worker_id, s.start, s.end) for s in placement.stages] == [("w0", 0, 3072)]
+
+
+def test_every_plan_tiles_the_request_and_respects_the_probe_budget():
+    p = policy(max_probes=3)
+    for i in range(40):
+        placement = p.place(request(f"r{i}", prompt=100 + 97 * i, max_tokens=50 + 31 * i, hint=20 + 17 * i),
+                            view("w0", "w1", "w2"), NOW + i * 0.05)
+        assert placement.stages[0].start == 0 and placement.stages[-1].end == 100 + 97 * i + 50 + 31 * i
+        assert placement.decision["probes"] <= 3 + 1
