@@ -291,6 +291,11 @@ class EmulatedEngine(Engine):
         """The model whose step and transfer times this engine emulates."""
         return self.runner.perf
 
+    def policy_perf_model(self) -> PerfModel:
+        """`config.perf_model` if given, else the emulated model itself (the preset's or
+        `emulation.perf_model_path`'s): slo_aware's table starts from the emulated times."""
+        return super().policy_perf_model() or self.runner.perf
+
     def add_stage(self, spec: StageSpec) -> None:
         if spec.sampling.stop:
             spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, stop=[]))

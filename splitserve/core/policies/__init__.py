@@ -45,7 +45,7 @@ def make_batch_policy(name: str, **options: Any) -> BatchPolicy:
         raise ValueError(f"unknown batch policy {name!r}; known: {known_batch_policies()}")
     try:
         return cls(**options)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"bad options for batch policy {name!r}: {err}") from None
 
 
