@@ -31,7 +31,12 @@ A prefill chunk on history (a later chunk of a long prompt, KV of an earlier sta
 reads that history's KV: `l_incr * l_hist` attention pairs. That cost is not a table
 axis; it is `history_cost_s_per_pair` (the prior's `c_attn`, 0 without a prior) times the
 pairs, added to the table's prediction and subtracted from an observation before it
-updates the table. Without a prior the table absorbs it on average.
+updates the table. It is not learned: learned with the corners (one more parameter of
+the same update) it traded off against cells not yet corrected and swung far from the
+truth (measured: from a model 2x too fast, to 7x the true coefficient, and steps 45% past
+the target). With a wrong prior, or none, the table absorbs the error on average: steps
+reading more history than the cell's average run a few percent long (measured: about
+5% past the target with a prior 2x off, inside the policy's default 10% margin).
 """
 
 from __future__ import annotations
