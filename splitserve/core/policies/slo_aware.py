@@ -117,15 +117,19 @@ class SloAwarePolicy:
         decodes = context = 0
         slo: float | None = None
         prefills: list[QueuedRequest] = []
+        add, left = step.add, step.tokens_left
         for r in step.running:  # oldest first
-            if not r.is_decode:
+            computed = r.num_computed_tokens
+            if r.num_tokens - computed != 1 or computed < r.prompt_len:  # not `r.is_decode`: per decode, inlined
                 prefills.append(r)
-            elif step.tokens_left and step.add(r.key, 1):  # 0: preempted for memory, not in the step
+            elif left and add(r.key, 1):  # 0: preempted for memory, not in the step
+                left -= 1
                 decodes += 1
-                context += r.num_computed_tokens + 1
-                if r.itl_slo_s is not None and (slo is None or r.itl_slo_s < slo):
-                    slo = r.itl_slo_s
-        if not step.tokens_left:
+                context += computed + 1
+                itl = r.itl_slo_s
+                if itl is not None and (slo is None or itl < slo):
+                    slo = itl
+        if not left:
             return
         waiting = step.waiting[:step.seqs_left] if not step.preempted_any else []
         if not prefills and not waiting:
