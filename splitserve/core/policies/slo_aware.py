@@ -30,8 +30,9 @@ queued request's TTFT is unbounded, and a table whose prior is too pessimistic n
 the mixed step that would correct it. One block of prefill costs a compute-bound step
 about 16 tokens' worth of linear layers (2.7 ms for Qwen2.5-14B on an A100, 3% of a
 100 ms objective; nothing when the step is memory-bound), which the default
-`target_fraction` of 0.9 covers: the floor eats into the margin, not into the objective.
-`min_prefill_tokens=0` is Algorithm 2 to the letter.
+`target_fraction` of 0.9 covers: while the decodes alone fit the objective, the floor eats
+into the margin, not into the objective (past it, the objective is missed with or without
+it). `min_prefill_tokens=0` is Algorithm 2 to the letter.
 
 **The table.** Seeded from `perf_model` (the simulator's and the emulated worker's own
 model, or `splitserve profile`'s fit for a real worker), otherwise from scratch
