@@ -70,7 +70,16 @@ class WorkerConfig(CommonConfig):
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
-    batch_policy: str = opt("fcfs", "Local batch policy (workers/policies).")
+    batch_policy: str = opt("fcfs", "Local batch policy (splitserve/core/policies): fcfs | slo_aware (DynaServe "
+                            "Alg. 2: decodes first, then prefill up to what the ITL SLO leaves room for, by a latency "
+                            "table seeded from --perf-model, the emulated preset, or learned from scratch).")
+    batch_policy_options: str = opt("", "JSON object of the batch policy's options, e.g. '{\"target_fraction\": 0.9, "
+                                    "\"min_prefill_tokens\": 16}' for slo_aware.")
+    itl_slo_ms: float = opt(0.0, "slo_aware: ITL objective (ms) for steps whose decodes carry none (requests sent "
+                            "without an SLO); 0: none, such steps get the whole step budget as fcfs does.")
+    perf_model: str = opt("", "Fitted performance model JSON (`splitserve profile --out`): the emulated backend's "
+                          "step and transfer times instead of the preset's, and the starting latency table of "
+                          "slo_aware (without it: the emulated preset's, or learned from scratch on a real engine).")
     num_threads: int = opt(0, "torch CPU threads of the engine; 0: all cores this process may use but one (that "
                            "one runs the gRPC event loop).")
     heartbeat_interval_s: float = opt(1.0, "How often the heartbeat is refreshed in Redis.")

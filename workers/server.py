@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from splitserve.config import WorkerConfig, default_worker_id, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, Unavailable, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, run
-from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent
+from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo, WorkerLoad
 from splitserve.telemetry import percentile_buckets, request_id_var
 from splitserve.wire import load_to_proto, sampling_from_proto
@@ -59,13 +60,36 @@ def resolve_num_threads(num_threads: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def batch_policy_options_from(config: WorkerConfig) -> dict:
+    """The batch policy's options: `--batch-policy-options` (a JSON object), plus `--itl-slo-ms`
+    as `itl_slo_ms` for a policy that takes it; ValueError naming the flag."""
+    options: dict = {}
+    if config.batch_policy_options.strip():
+        try:
+            options = json.loads(config.batch_policy_options)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"batch_policy_options: not JSON: {err}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"batch_policy_options must be a JSON object, got {config.batch_policy_options!r}")
+    if config.itl_slo_ms:
+        if config.itl_slo_ms < 0:
+            raise ValueError(f"itl_slo_ms must be >= 0, got {config.itl_slo_ms}")
+        if not takes_option(config.batch_policy, "itl_slo_ms"):
+            raise ValueError(f"itl_slo_ms: batch policy {config.batch_policy!r} takes no ITL objective")
+        if "itl_slo_ms" in options:
+            raise ValueError("itl_slo_ms is given twice: as --itl-slo-ms and in --batch-policy-options")
+        options["itl_slo_ms"] = config.itl_slo_ms
+    return options
+
+
 def engine_config_from(config: WorkerConfig) -> EngineConfig:
     return EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len or None, kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
-        batch_policy=config.batch_policy, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
+        batch_policy=config.batch_policy, batch_policy_options=batch_policy_options_from(config),
+        perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
     )
 
 
@@ -288,7 +312,8 @@ class WorkerServer:
         if self.config.backend == "emulated":
             from workers.engine.emulated import Emulation, build_emulated_engine
 
-            return build_emulated_engine(cfg, Emulation(self.config.gpu, self.config.model_preset, self.config.tp))
+            return build_emulated_engine(cfg, Emulation(self.config.gpu, self.config.model_preset, self.config.tp,
+                                                        perf_model_path=self.config.perf_model))
         return Engine(cfg)
 
     async def _start_kv_transfer(self) -> None:

@@ -46,6 +46,7 @@ class ClusterOptions:
     policy: str = "least_loaded"
     policy_params: dict[str, str] = field(default_factory=dict)
     batch_policy: str = "fcfs"
+    batch_policy_options: dict[str, str] = field(default_factory=dict)
     prefill_workers: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -76,7 +77,7 @@ def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: i
     latency = NetworkLatency(cluster.dispatch_ms / 1000, cluster.handoff_ms / 1000, cluster.stream_ms / 1000)
     return Simulator(cluster.workers, perf_model, num_kv_blocks=blocks, placement_policy=cluster.policy,
                      policy_params=cluster.policy_params, batch_policy=cluster.batch_policy,
-                     block_size=cluster.block_size, max_num_batched_tokens=cluster.max_num_batched_tokens,
+                     batch_policy_options=cluster.batch_policy_options, block_size=cluster.block_size, max_num_batched_tokens=cluster.max_num_batched_tokens,
                      max_num_seqs=cluster.max_num_seqs, roles=roles, view_refresh_s=cluster.view_refresh_ms / 1000,
                      latency=latency, kv_chunk_tokens=cluster.kv_chunk_tokens,
                      enable_prefix_caching=cluster.prefix_caching, fast_forward=cluster.fast_forward,
@@ -152,7 +153,13 @@ def simulate(
                                "pd_disaggregated | split | any registered)."),
     policy_param: Optional[List[str]] = typer.Option(None, "--policy-param", help="Placement policy parameter "
                                                      "key=value (repeatable), e.g. split_ratio=0.4."),
-    batch_policy: str = typer.Option("fcfs", "--batch-policy", help="Workers' local batch policy."),
+    batch_policy: str = typer.Option("fcfs", "--batch-policy", help="Workers' local batch policy: fcfs | slo_aware "
+                                     "(DynaServe Alg. 2: decodes first, prefill up to what the ITL SLO leaves room "
+                                     "for, by a latency table seeded from the simulated perf model) | any registered."),
+    batch_policy_option: Optional[List[str]] = typer.Option(None, "--batch-policy-option", help="Batch policy option "
+                                                            "key=value (repeatable), e.g. itl_slo_ms=100 (slo_aware's "
+                                                            "ITL target for requests sent without one, see "
+                                                            "--send-slo), target_fraction=0.9, min_prefill_tokens=16."),
     prefill_workers: Optional[int] = typer.Option(None, "--prefill-workers", help="The first N workers take role "
                                                   "prefill, the rest decode (for pd_disaggregated)."),
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Token budget of one step."),
@@ -177,7 +184,7 @@ def simulate(
     cluster = ClusterOptions(
         workers=workers, gpu=gpu, model_preset=model_preset, tp=tp, dtype=dtype, link=link, perf_model=perf_model,
         policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
-        prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        batch_policy_options=_key_values(batch_policy_option, "--batch-policy-option"), prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,
         kv_chunk_tokens=kv_chunk_tokens, prefix_caching=prefix_caching, fast_forward=fast_forward,
         dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)

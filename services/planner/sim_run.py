@@ -31,7 +31,7 @@ from services.planner.sim_config import SimulatorConfig, worker_id
 from services.planner.sim_view import SimClusterView
 from services.planner.sim_worker import SimWorker, StageRun
 from services.planner.sim_workload import PromptIds, SimItem
-from splitserve.core import FinishReason, StageKey
+from splitserve.core import FinishReason, StageKey, StageSlo
 
 __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 
@@ -131,6 +131,9 @@ class SimRun:
         self.policy_learns = learns_from_completions(self.policy)  # a Protocol isinstance costs ~25 us
         self.view = SimClusterView(self.workers, config.view_refresh_s)
         self.latency = config.latency
+        # Every stage carries the request's objectives, as the coordinator sends them (local
+        # policies schedule by them: slo_aware's ITL target).
+        self.stage_slo = StageSlo(config.slo_ttft_ms / 1000 or None, config.slo_itl_ms / 1000 or None)
         self.prompts = PromptIds()
         self.items = [_Item(item) for item in items]
         self.offsets = offsets
@@ -280,7 +283,8 @@ class SimRun:
                 self.stats.kv_recomputes += 1
         push_to = following if following is not None and following.reserved_blocks is not None else None
         try:
-            worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now, push_to)
+            worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now, push_to,
+                             self.stage_slo)
         except ValueError as err:  # what the worker answers INVALID_ARGUMENT to
             self._fail(request, f"InvalidArgument: {err}")
             return

@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 
 from splitserve.core import (BlockManager, DecodeRun, FinishReason, KvCapacityError, KvInBlocks, KvPushPlan, KvSink, SamplingParams,
-                             Scheduler, SchedulerConfig, SchedulerOutput, Sequence, StageKey, StageSpec,
-                             make_batch_policy, step_time, whole_block_chunk)
+                             Scheduler, SchedulerConfig, SchedulerOutput, Sequence, StageKey, StageSlo, StageSpec,
+                             build_batch_policy, step_time, whole_block_chunk)
 from splitserve.perf_model import PerfModel
 from splitserve.state_records import WorkerLoad
 
@@ -81,7 +81,8 @@ class SimWorker:
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         # The token ids are stand-ins naming prefix blocks (sim_workload), not a vocabulary's.
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len=_UNBOUNDED, vocab_size=None)
-        policy = make_batch_policy(batch_policy, **(batch_policy_options or {}))
+        # A policy that predicts step latency (slo_aware) starts from this worker's own model.
+        policy = build_batch_policy(batch_policy, batch_policy_options, perf_model=perf_model)
         self.scheduler = Scheduler(config, self.block_manager, policy, clock)
         self.kv_chunk_tokens = whole_block_chunk(kv_chunk_tokens, block_size)
         self.fast_forward = fast_forward
@@ -127,9 +128,10 @@ class SimWorker:
 
     # ---- stages -------------------------------------------------------------------------
     def add_stage(self, stage: StageRun, token_ids: list[int], prompt_len: int, max_tokens: int,
-                  prefix_len: int, now: float, push_to: StageRun | None = None) -> None:
+                  prefix_len: int, now: float, push_to: StageRun | None = None, slo: StageSlo = StageSlo()) -> None:
         """Queue a stage (ValueError as the engine rejects it); with reserved blocks its prefix
-        KV is in place; `push_to` is the next stage, whose reserved blocks this one fills."""
+        KV is in place; `push_to` is the next stage, whose reserved blocks this one fills; `slo`
+        is the request's objectives (the coordinator copies them into every stage)."""
         self._before_change(now)
         kv = KvInBlocks(tuple(stage.reserved_blocks), prefix_len) if stage.reserved_blocks is not None else None
         sink = None
@@ -137,7 +139,7 @@ class SimWorker:
             sink = KvSink(push_to.worker.worker_id, str(stage.key), tuple(push_to.reserved_blocks),
                           self.kv_chunk_tokens)
         spec = StageSpec(stage.key, token_ids[:prompt_len], SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0),
-                         output_ids=token_ids[prompt_len:], end=stage.end, kv=kv, sink=sink, arrival_time=now)
+                         output_ids=token_ids[prompt_len:], end=stage.end, kv=kv, sink=sink, arrival_time=now, slo=slo)
         stage.seq = self.scheduler.add_stage(spec)
         stage.reserved_blocks = None
         if sink is not None:

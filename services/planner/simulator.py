@@ -36,7 +36,7 @@ from services.global_scheduler.policy import make_policy
 from services.planner.sim_config import NetworkLatency, SimulatorConfig
 from services.planner.sim_run import SimRun, SimStats, gc_paused
 from services.planner.sim_workload import SimItem
-from splitserve.core import make_batch_policy
+from splitserve.core import build_batch_policy
 from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import max_kv_tokens, preset
 
@@ -72,7 +72,9 @@ class Simulator:
 
     num_kv_blocks: KV blocks per worker (`preset_kv_blocks` for a preset's memory);
     placement_policy / policy_params: a `make_policy` name and its parameters;
-    batch_policy / batch_policy_options: a `make_batch_policy` name and options;
+    batch_policy / batch_policy_options: a `make_batch_policy` name and options (JSON-able; a
+    policy that takes a `perf_model` and is given none gets `perf_model`, as the emulated
+    worker's gets its preset: slo_aware's latency table starts from it);
     roles: each worker's role ("both", "prefill", "decode"); view_refresh_s: how stale
     the placement view is (the workers' load publishing interval); slo_ttft_ms /
     slo_itl_ms: the SLO sent with every request, as `bench --send-slo` does;
@@ -100,7 +102,7 @@ class Simulator:
             fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
         # Build the policies once now, so bad names and parameters fail before any run.
         make_policy(placement_policy, deployment_perf_model=perf_model, **self.config.policy_params)
-        make_batch_policy(batch_policy, **self.config.batch_policy_options)
+        build_batch_policy(batch_policy, self.config.batch_policy_options, perf_model=perf_model)
 
     @classmethod
     def from_preset(cls, num_workers: int, gpu: str = "H100", model: str = "Llama-3-8B", tp: int = 1, *,

@@ -8,7 +8,8 @@ contract; `splitserve.core.scheduler` is where to start reading.
 
 from splitserve.core.block_manager import BlockManager
 from splitserve.core.decode_run import DecodeRun
-from splitserve.core.policies import (FcfsPolicy, known_batch_policies, make_batch_policy, register_batch_policy,
+from splitserve.core.policies import (FcfsPolicy, LatencyTable, SloAwarePolicy, build_batch_policy,
+                                      known_batch_policies, make_batch_policy, register_batch_policy, takes_option,
                                       unregister_batch_policy)
 from splitserve.core.policy import (BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget,
                                     StepBuilder)
@@ -20,7 +21,8 @@ from splitserve.core.stage import KvInBlocks, KvPayload, KvPushPlan, KvSink, Sta
 from splitserve.core.step_cost import StepShape, step_time
 
 __all__ = [
-    "BatchPolicy", "BlockManager", "DecodeRun", "FcfsPolicy", "ExecutedBatch", "FinishReason", "KvCapacityError", "KvInBlocks",
+    "BatchPolicy", "BlockManager", "DecodeRun", "FcfsPolicy", "ExecutedBatch", "LatencyTable", "SloAwarePolicy",
+    "build_batch_policy", "takes_option", "FinishReason", "KvCapacityError", "KvInBlocks",
     "KvPayload", "KvPushPlan", "KvSink", "OutputText", "PolicyContractError", "QueuedRequest", "SamplingParams",
     "ScheduledEntry", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "StageKey",
     "StageSlo", "StageSpec", "StepBudget", "StepBuilder", "StepShape", "TokenEvent", "known_batch_policies",

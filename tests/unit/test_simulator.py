@@ -22,7 +22,7 @@ from services.planner.sim_run import SimRun
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import NetworkLatency, Simulator, pd_roles
 from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from splitserve.core import BlockManager, FcfsPolicy, Scheduler, StageKey, make_batch_policy
+from splitserve.core import BlockManager, FcfsPolicy, Scheduler, StageKey, build_batch_policy
 
 # Round numbers, compute-bound everywhere (memory lines are 0): easy to check by hand.
 TOY = PerfModel(PrefillCoeffs(c0=1e-3, c_tok=1e-5), DecodeCoeffs(c0=2e-3, c_seq=1e-4, c_ctx=1e-7),
@@ -95,7 +95,7 @@ def test_split_plan_runs_both_stages_and_recomputes_nothing():
 
 def test_the_real_policies_are_called_unchanged(monkeypatch):
     assert sim_run.make_policy is policy_module.make_policy
-    assert sim_worker.make_batch_policy is make_batch_policy
+    assert sim_worker.build_batch_policy is build_batch_policy  # make_batch_policy, plus the perf model
     calls: list[tuple[PlacementRequest, ClusterView, float]] = []
     completions: list[str] = []
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitserve.core import make_batch_policy
+
 if TYPE_CHECKING:  # torch is imported on use: the emulated backend never loads it
     import torch
 
@@ -47,6 +49,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     batch_policy: str = "fcfs"
+    batch_policy_options: dict = field(default_factory=dict)  # JSON-able, as `make_batch_policy` takes them
+    # A fitted performance model's JSON (`splitserve profile --out`), given to a batch policy
+    # that predicts step latency (slo_aware); the emulated engine gives its own model without one.
+    perf_model: str = ""
     attention_backend: str = "auto"  # auto | sdpa | flash
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     seed: int = 0  # draws per-request seeds for requests that bring none
@@ -65,6 +71,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        # The batch policy and its options, before any weights are loaded (ValueError naming them).
+        if not isinstance(self.batch_policy_options, dict):
+            raise ValueError(f"batch_policy_options must be a JSON object, got {self.batch_policy_options!r}")
+        make_batch_policy(self.batch_policy, **self.batch_policy_options)
+        if self.perf_model and not self.perf_model.startswith("redis:") and not Path(self.perf_model).is_file():
+            raise ValueError(f"perf_model: {self.perf_model!r} is not a file")
 
 
 @dataclass

@@ -291,6 +291,11 @@ class EmulatedEngine(Engine):
         """The model whose step and transfer times this engine emulates."""
         return self.runner.perf
 
+    def policy_perf_model(self) -> PerfModel:
+        """`config.perf_model` if given, else the emulated model itself (the preset's or
+        `emulation.perf_model_path`'s): slo_aware's table starts from the emulated times."""
+        return super().policy_perf_model() or self.runner.perf
+
     def add_stage(self, spec: StageSpec) -> None:
         if spec.sampling.stop:
             spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, stop=[]))
@@ -317,8 +322,8 @@ def build_emulated_engine(config: EngineConfig, emulation: Emulation) -> Emulate
     """An emulated engine; ValueError for an unknown GPU/model/tp or a model that does not fit.
 
     Without `emulation.perf_model_path`, a fitted model's JSON named by the environment
-    variable SPLITSERVE_WORKER_PERF_MODEL (the worker option `--perf-model` once the
-    worker configuration has it) replaces the preset's times."""
+    variable SPLITSERVE_WORKER_PERF_MODEL (the worker option `--perf-model`, which the
+    worker passes as `perf_model_path`) replaces the preset's times."""
     if not emulation.perf_model_path and os.environ.get(PERF_MODEL_ENV):
         emulation = dataclasses.replace(emulation, perf_model_path=os.environ[PERF_MODEL_ENV])
     if emulation.perf_model_path and not Path(emulation.perf_model_path).is_file():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from splitserve.core import (BlockManager, KvCapacityError, KvInBlocks, KvPayload, Scheduler, SchedulerConfig,
-                             SchedulerOutput, StageKey, StageSpec, TokenEvent, make_batch_policy)
+                             SchedulerOutput, StageKey, StageSpec, TokenEvent, build_batch_policy)
 from splitserve.detokenizer import IncrementalDetokenizer
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.config import EngineConfig, load_model_spec
@@ -55,13 +55,23 @@ class Engine:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             self.spec.vocab_size, frozenset(self.spec.eos_token_ids), config.seed),
             BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching),
-            make_batch_policy(config.batch_policy), clock)
+            build_batch_policy(config.batch_policy, config.batch_policy_options, perf_model=self.policy_perf_model()),
+            clock)
         self.last_output = SchedulerOutput()  # the latest step's (empty after a step that found nothing to run)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s",
             self.spec.architecture, runner.device, runner.dtype, runner.num_blocks, config.block_size,
             runner.num_blocks * runner.bytes_per_block / 2**20, "flash" if runner.use_flash else "sdpa",
         )
+
+    def policy_perf_model(self):
+        """The performance model a latency-predicting batch policy (slo_aware) starts from: the
+        fitted one of `config.perf_model`, else none (the policy learns from scratch)."""
+        if not self.config.perf_model:
+            return None
+        from splitserve.perf_store import load_perf_model
+
+        return load_perf_model(self.config.perf_model)
 
     # ---- what the worker around it needs to know ------------------------------------------
     @property

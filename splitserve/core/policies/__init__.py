@@ -2,16 +2,27 @@
 
 They live in the core, not in `workers/`, because the real worker, the emulated worker
 and the simulator run the very same policy objects (ARCHITECTURE principle 1).
+
+`make_batch_policy(name, **options)` builds one from its options; drivers call
+`build_batch_policy(name, options, perf_model=...)`, which also hands their performance
+model (the emulated worker's preset, the simulator's model, a real worker's
+`--perf-model`) to a policy whose constructor takes a `perf_model` its options do not set.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any, Mapping
 
 from splitserve.core.policies.fcfs import FcfsPolicy
+from splitserve.core.policies.latency_table import LatencyTable
+from splitserve.core.policies.slo_aware import SloAwarePolicy
 from splitserve.core.policy import BatchPolicy
 
-_POLICIES: dict[str, type] = {"fcfs": FcfsPolicy}
+if TYPE_CHECKING:
+    from splitserve.perf_model import PerfModel
+
+_POLICIES: dict[str, type] = {"fcfs": FcfsPolicy, "slo_aware": SloAwarePolicy}
 
 
 def known_batch_policies() -> list[str]:
@@ -34,9 +45,31 @@ def make_batch_policy(name: str, **options: Any) -> BatchPolicy:
         raise ValueError(f"unknown batch policy {name!r}; known: {known_batch_policies()}")
     try:
         return cls(**options)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"bad options for batch policy {name!r}: {err}") from None
 
 
-__all__ = ["FcfsPolicy", "known_batch_policies", "make_batch_policy", "register_batch_policy",
-           "unregister_batch_policy"]
+def takes_option(name: str, option: str) -> bool:
+    """Whether the registered policy `name`'s constructor has a parameter `option`."""
+    cls = _POLICIES.get(name)
+    if cls is None:
+        return False
+    try:
+        return option in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a factory without an inspectable signature
+        return False
+
+
+def build_batch_policy(name: str, options: Mapping[str, Any] | None = None, *,
+                       perf_model: PerfModel | None = None) -> BatchPolicy:
+    """A driver's policy: `make_batch_policy(name, **options)`, given the driver's `perf_model`
+    when the policy takes one and `options` set none (policies that predict step latency
+    start from it; others never see it)."""
+    options = dict(options or {})
+    if perf_model is not None and options.get("perf_model") in (None, "") and takes_option(name, "perf_model"):
+        options["perf_model"] = perf_model
+    return make_batch_policy(name, **options)
+
+
+__all__ = ["FcfsPolicy", "LatencyTable", "SloAwarePolicy", "build_batch_policy", "known_batch_policies",
+           "make_batch_policy", "register_batch_policy", "takes_option", "unregister_batch_policy"]
