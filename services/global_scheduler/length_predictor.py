@@ -152,12 +152,14 @@ class OutputLengthPredictor:
         self.num_observed = 0
 
     def predict(self, prompt_len: int, tag: str = "", max_tokens: int | None = None) -> int:
-        """Predicted output tokens of a request with this prompt length: >= 1, and <= max_tokens when given."""
+        """Predicted output tokens of a request with this prompt length: >= 1; within [1, max_tokens] when given.
+
+        The caller passes the request's max_tokens (predicted_output_len below does): the
+        prediction is a population's, the budget is this request's own.
+        """
         estimate = self.estimate(prompt_len, tag)
         value = self.prior if estimate is None else estimate + self.margin
-        if max_tokens is not None:
-            value = min(value, max_tokens)
-        return max(1, value)
+        return max(1, value) if max_tokens is None else clamp_output_len(value, max_tokens)
 
     def estimate(self, prompt_len: int, tag: str = "") -> int | None:
         """The learned quantile (no margin, no clamp) at the finest level with enough samples; None: none has."""
@@ -237,7 +239,7 @@ def predicted_output_len(request: PlacementRequest, predictor: OutputLengthPredi
         return clamp_output_len(request.predicted_output_len, request.max_tokens)
     if predictor is None:
         return clamp_output_len(request.max_tokens, request.max_tokens)
-    return clamp_output_len(predictor.predict(request.prompt_len, tag, request.max_tokens), request.max_tokens)
+    return predictor.predict(request.prompt_len, tag, request.max_tokens)
 
 
 def observe_completion(predictor: OutputLengthPredictor, report: CompletionReport, tag: str = "") -> bool:

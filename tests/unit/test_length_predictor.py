@@ -137,6 +137,7 @@ def test_cold_start_answers_the_prior_as_is_clamped_to_the_budget():
     predictor = OutputLengthPredictor(prior=200, margin=20)
     assert predictor.predict(500) == 200  # no margin on the configured prior
     assert predictor.predict(500, max_tokens=64) == 64
+    assert predictor.predict(500, max_tokens=0) == 0  # a request that may generate nothing
     assert predictor.estimate(500) is None
 
 
