@@ -20,7 +20,12 @@ from gateway.admission import retry_after_header
 from gateway.coordinator_client import GenerationDelta
 from gateway.core import GatewayCore
 from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
-from gateway.validation import chat_request, completion_request, invalid_argument_from_pydantic
+from gateway.validation import (
+    PREDICTED_OUTPUT_LEN_HEADER,
+    chat_request,
+    completion_request,
+    invalid_argument_from_pydantic,
+)
 from splitserve.errors import Cancelled, InvalidArgument, Overloaded, SplitserveError, Unavailable
 from splitserve.telemetry import request_id_var
 
@@ -148,7 +153,9 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
     validate = chat_request if chat else completion_request
-    req = validate(body, core.tokenization, core.limits, request_id)
+    # A repeated header arrives as one comma-joined value (HTTP list semantics), which is refused.
+    hints = request.headers.getlist(PREDICTED_OUTPUT_LEN_HEADER)
+    req = validate(body, core.tokenization, core.limits, request_id, ", ".join(hints) if hints else None)
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage)
     headers = {"X-Request-Id": request_id}

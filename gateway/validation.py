@@ -2,6 +2,14 @@
 
 Pure: no I/O. Every error is `InvalidArgument(message, param=field)` (or `NotFound` for an
 unknown model) whose message names the field and the limit it broke.
+
+The output-length hint (what placement plans a request's decode with, DynaServe §3.1):
+`predicted_output_len` in a GenerateRequest, and over HTTP the `predicted_output_len` body
+field or the `x-predicted-output-len` header. The body wins when both are given: it is
+this request's own statement, while a header is often set once per client (the OpenAI
+SDK's `default_headers`) or by a proxy; both are checked either way. A hint is an integer
+in [0, 2^32 - 1] (the wire type's range; anything else is refused naming the field); one
+above max_tokens is clamped to max_tokens, which is all the request can generate.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ MAX_ID_CHARS = 256  # request and session ids
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
+PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
 
 
 class PromptEncoder(Protocol):
@@ -63,6 +72,7 @@ class GenerationRequest:
     priority: int = 0
     slo_ttft_ms: int = 0
     slo_itl_ms: int = 0
+    predicted_output_len: int | None = None  # the client's hint, <= max_tokens; None: no hint
 
     def sampling_params(self) -> types_pb2.SamplingParams:
         """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
@@ -77,11 +87,14 @@ class GenerationRequest:
         return params
 
     def submit_request(self) -> coordinator_pb2.SubmitRequest:
-        """The Coordinator.Submit message for this request."""
-        return coordinator_pb2.SubmitRequest(
+        """The Coordinator.Submit message for this request (the hint only when given: unset is "no hint")."""
+        submit = coordinator_pb2.SubmitRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, sampling=self.sampling_params(),
             slo=types_pb2.Slo(ttft_ms=self.slo_ttft_ms, itl_ms=self.slo_itl_ms), session_id=self.session_id,
             priority=self.priority, model=self.model)
+        if self.predicted_output_len is not None:
+            submit.predicted_output_len = self.predicted_output_len
+        return submit
 
 
 # --- OpenAI bodies: pydantic checks JSON types (strict: no "16" for 16, no true for 1); the
@@ -119,6 +132,7 @@ class _OpenAIBody(BaseModel):
     priority: int | None = None
     slo_ttft_ms: int | None = None
     slo_itl_ms: int | None = None
+    predicted_output_len: int | None = None  # the output-length hint (also a header)
 
 
 class CompletionBody(_OpenAIBody):
@@ -166,8 +180,9 @@ def _parse(model_cls: type[BaseModel], body: Any) -> Any:
         raise invalid_argument_from_pydantic(err.errors()) from None
 
 
-def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
-    """Validate a /v1/completions body."""
+def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str,
+                       predicted_output_len_header: str | None = None) -> GenerationRequest:
+    """Validate a /v1/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: CompletionBody = _parse(CompletionBody, body)
     if b.echo:
         _unsupported("echo", "echo=true")
@@ -179,11 +194,13 @@ def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, reques
     if b.logprobs is not None:
         _unsupported("logprobs", "logprobs")
     prompt_ids = _completion_prompt(b.prompt, encoder)
-    return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id)
+    return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id,
+                   predicted_output_len_header)
 
 
-def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
-    """Validate a /v1/chat/completions body."""
+def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str,
+                 predicted_output_len_header: str | None = None) -> GenerationRequest:
+    """Validate a /v1/chat/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: ChatCompletionBody = _parse(ChatCompletionBody, body)
     if b.logprobs not in (None, False):
         _unsupported("logprobs", "logprobs")
@@ -200,7 +217,7 @@ def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: 
         max_tokens, param = b.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = b.max_tokens, "max_tokens"
-    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id)
+    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header)
 
 
 def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, limits: Limits,
@@ -224,22 +241,26 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
     if seed is not None and seed >= SEED_LIMIT:
         raise InvalidArgument(f"seed must be in [0, 2^63), got {seed}", param="seed")
     stop = _stop_strings(list(s.stop))
+    max_tokens = _max_tokens(max_tokens, "max_tokens", len(prompt_ids), limits)
+    # uint32 on the wire: a negative or oversized hint cannot be encoded, so only the clamp is left.
+    hint = msg.predicted_output_len if msg.HasField("predicted_output_len") else None
     req = GenerationRequest(
-        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids,
-        max_tokens=_max_tokens(max_tokens, "max_tokens", len(prompt_ids), limits),
+        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         temperature=_temperature(s.temperature if s.HasField("temperature") else None),
         top_p=_top_p(s.top_p if s.HasField("top_p") else None), top_k=s.top_k, seed=seed, stop=stop,
         stop_token_ids=encoder.check_token_ids(s.stop_token_ids, "stop_token_ids"), ignore_eos=s.ignore_eos,
         stream=True, include_usage=True, echo_token_ids=msg.echo_token_ids,
         session_id=_id_string(msg.session_id, "session_id"), priority=msg.priority,
-        slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms)
+        slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
+        predicted_output_len=None if hint is None else min(hint, max_tokens))
     return req
 
 
 # --- shared checks
 
 def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_tokens_param: str,
-            encoder: PromptEncoder, limits: Limits, request_id: str) -> GenerationRequest:
+            encoder: PromptEncoder, limits: Limits, request_id: str,
+            predicted_output_len_header: str | None = None) -> GenerationRequest:
     _check_model(b.model, limits)
     if b.n not in (None, 1):
         raise InvalidArgument(f"n must be 1 (got {b.n}): one choice per request is supported", param="n")
@@ -261,15 +282,17 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
             raise InvalidArgument(f"{name} must be in [0, {UINT32_MAX}], got {value}", param=name)
     if b.priority is not None and not INT32_MIN <= b.priority <= INT32_MAX:
         raise InvalidArgument(f"priority must be a 32-bit integer, got {b.priority}", param="priority")
+    hint = _predicted_output_len(b.predicted_output_len, predicted_output_len_header)
+    max_tokens = _max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits)
     return GenerationRequest(
-        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids,
-        max_tokens=_max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits),
+        request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         temperature=_temperature(b.temperature), top_p=_top_p(b.top_p), top_k=max(top_k, 0), seed=b.seed,
         stop=_stop_strings(b.stop), stop_token_ids=encoder.check_token_ids(b.stop_token_ids or [], "stop_token_ids"),
         ignore_eos=bool(b.ignore_eos), stream=bool(b.stream),
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
-        slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0)
+        slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
+        predicted_output_len=None if hint is None else min(hint, max_tokens))
 
 
 def _unsupported(param: str, what: str) -> None:
@@ -298,6 +321,33 @@ def _max_tokens(value: int | None, param: str, prompt_len: int, limits: Limits) 
         raise InvalidArgument(
             f"{param} ({value}) + prompt tokens ({prompt_len}) = {value + prompt_len} exceeds the model's maximum "
             f"length of {limits.max_model_len} tokens (max_model_len); {param} can be at most {room}", param=param)
+    return value
+
+
+def _predicted_output_len(body_value: int | None, header: str | None) -> int | None:
+    """The hint from the body, else from the header; each checked when present (None: no hint)."""
+    from_header = None if header is None else _hint_from_header(header)
+    if body_value is None:
+        return from_header
+    if not 0 <= body_value <= UINT32_MAX:
+        raise InvalidArgument(f"predicted_output_len must be an integer in [0, {UINT32_MAX}] (output tokens), "
+                              f"got {body_value}", param="predicted_output_len")
+    return body_value
+
+
+def _hint_from_header(raw: str) -> int:
+    name = PREDICTED_OUTPUT_LEN_HEADER
+    text = raw.strip()
+    shown = text if len(text) <= 32 else text[:32] + "..."
+    # Digits only: no sign, exponent, fraction or thousands separator (int() would take "+5" and "1_0").
+    if not (text.isascii() and text.isdigit()):
+        detail = "negative" if text.startswith("-") and text[1:].isdigit() else "not an integer"
+        raise InvalidArgument(f"{name} header must be an integer in [0, {UINT32_MAX}] (output tokens), got "
+                              f"{shown!r} ({detail}; several values count as one malformed value)", param=name)
+    value = int(text) if len(text) <= 20 else UINT32_MAX + 1  # int() of a huge digit string is slow
+    if value > UINT32_MAX:
+        raise InvalidArgument(f"{name} header must be an integer in [0, {UINT32_MAX}] (output tokens), got "
+                              f"{shown!r}", param=name)
     return value
 
 

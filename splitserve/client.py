@@ -6,7 +6,7 @@
             print(chunk.text, end="")
 
 A request's options are one `GenerateOptions` (sampling, stop conditions, session, SLO,
-priority, request id, deadline): pass one to reuse it, and/or any of its fields by
+priority, output-length hint, request id, deadline): pass one to reuse it, and/or any of its fields by
 keyword, as above; keywords override the options' fields.
 
 `Client` has the same methods, blocking, and `stream` is a plain iterator. It uses gRPC's
@@ -38,6 +38,7 @@ from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
 DEFAULT_TARGET = "127.0.0.1:50051"
 RETRY_AFTER_KEY = "retry-after-ms"
 MAX_BACKOFF_S = 5.0
+_UINT32_MAX = 2**32 - 1
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                     ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
 
@@ -184,7 +185,10 @@ class GenerateOptions:
 
     Sampling options left None take the server's defaults (temperature 0 is greedy);
     `stop` is one string or several, kept as a tuple; `timeout_s` bounds the call, retries
-    included (None: the client's). Frozen, so one instance can serve many calls:
+    included (None: the client's). `predicted_output_len` tells the scheduler how many
+    tokens the request is expected to generate (it plans the split with it instead of its
+    own prediction; None: no hint; above max_tokens counts as max_tokens). Frozen, so one
+    instance can serve many calls:
 
         greedy = GenerateOptions(temperature=0.0, ignore_eos=True)
         client.generate("Hello", greedy, max_tokens=8)
@@ -202,6 +206,7 @@ class GenerateOptions:
     slo_ttft_ms: int | None = None
     slo_itl_ms: int | None = None
     priority: int = 0
+    predicted_output_len: int | None = None
     request_id: str | None = None
     timeout_s: float | None = None
 
@@ -251,6 +256,13 @@ def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions
         sampling=sampling, slo=types_pb2.Slo(ttft_ms=opts.slo_ttft_ms or 0, itl_ms=opts.slo_itl_ms or 0),
         session_id=opts.session_id or "", request_id=opts.request_id or uuid.uuid4().hex, priority=opts.priority,
         echo_token_ids=True)
+    hint = opts.predicted_output_len
+    if hint is not None:
+        # Named here: protobuf would only say "Value out of range" for the uint32 field.
+        if isinstance(hint, bool) or not isinstance(hint, int) or not 0 <= hint <= _UINT32_MAX:
+            raise ValueError(f"predicted_output_len must be an integer in [0, {_UINT32_MAX}] (output tokens) or "
+                             f"None, got {hint!r}")
+        request.predicted_output_len = hint
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -147,6 +147,8 @@ class Coordinator:
             max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else 16,
             slo=request.slo, priority=request.priority, arrival_unix_ms=time.time_ns() // 1_000_000,
         )
+        if request.HasField("predicted_output_len"):  # absent stays absent: the scheduler then predicts
+            meta.predicted_output_len = request.predicted_output_len
         t = time.monotonic()
         plan = await self.placer.place(meta, _remaining(deadline))
         PLACE_SECONDS.observe(time.monotonic() - t)

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from services.global_scheduler.baselines import colocated_candidates
+from services.global_scheduler.length_predictor import OutputLengthPredictor, observe_completion, predicted_output_len
 from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement, PlacementRequest,
                                               StagePlacement, WorkerView, worker_rank)
 from services.global_scheduler.timeline import MicroRequest, Prediction, WorkerTimeline
@@ -66,8 +67,8 @@ class DynaServePolicy:
 
     def __init__(self, perf_model: PerfModel | str | None = None, token_budget: int | str = 2048,
                  max_probes: int | str = 6, tolerance: float | str = 0.02, candidate_workers: int | str = 2,
-                 kv_chunk_tokens: int | str = 64, output_len_prior: int | str = 256, output_len_margin: int | str = 20,
-                 length_predictor=None):
+                 kv_chunk_tokens: int | str = 64, output_len_prior: int | str = 128, output_len_margin: int | str = 20,
+                 output_len_quantile: float | str = 0.75):
         if perf_model is None or isinstance(perf_model, str):
             from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
 
@@ -80,9 +81,11 @@ class DynaServePolicy:
             raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
         self.candidate_workers = max(2, _positive_int(candidate_workers, "candidate_workers"))
         self.kv_chunk_tokens = _positive_int(kv_chunk_tokens, "kv_chunk_tokens")
-        self.output_len_prior = _positive_int(output_len_prior, "output_len_prior")
-        self.output_len_margin = int(output_len_margin)
-        self.length_predictor = length_predictor
+        # D when the client gives no hint: learned from finished requests (paper: a length
+        # predictor plus a 20-token margin).
+        self.length_predictor = OutputLengthPredictor(prior=_positive_int(output_len_prior, "output_len_prior"),
+                                                      margin=int(output_len_margin),
+                                                      quantile=float(output_len_quantile))
         self.timelines: dict[str, WorkerTimeline] = {}
         self._placed: dict[str, list[tuple[str, str]]] = {}  # request id -> (worker id, micro-request key)
         self._last_placed: dict[str, float] = {}  # worker id -> when it was last given work
@@ -113,18 +116,11 @@ class DynaServePolicy:
             timeline = self.timelines.get(worker_id)
             if timeline is not None:
                 timeline.remove(key)
-        if self.length_predictor is not None and report.output_tokens > 0:
-            self.length_predictor.observe(report.prompt_tokens, report.output_tokens)
+        observe_completion(self.length_predictor, report)
 
     def predicted_output_len(self, request: PlacementRequest) -> int:
-        """D: the client's hint, else the length model (plus margin), within [1, max_tokens]."""
-        if request.predicted_output_len > 0:
-            predicted = request.predicted_output_len
-        elif self.length_predictor is not None:
-            predicted = self.length_predictor.predict(request.prompt_len) + self.output_len_margin
-        else:
-            predicted = self.output_len_prior + self.output_len_margin
-        return max(1, min(predicted, request.max_tokens))
+        """D: the client's hint, else the length model (with its margin), within [1, max_tokens]."""
+        return predicted_output_len(request, self.length_predictor)
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def _search(self, request: PlacementRequest, output_len: int, alpha: WorkerView, beta: WorkerView,

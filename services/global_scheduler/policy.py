@@ -88,7 +88,9 @@ class PlacementRequest:
     max_tokens: int  # output budget: the plan covers [0, prompt_len + max_tokens)
     session_id: str = ""
     history_len: int = 0  # prefix already held as KV by the session's decode worker
-    predicted_output_len: int = 0  # 0: unknown
+    # The client's hint of its output length; None: no hint given (a policy then predicts:
+    # services.global_scheduler.length_predictor.predicted_output_len does both).
+    predicted_output_len: int | None = None
     slo_ttft_ms: int = 0  # 0: no objective
     slo_itl_ms: int = 0
     priority: int = 0
@@ -100,6 +102,8 @@ class PlacementRequest:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.history_len <= self.prompt_len:
             raise ValueError(f"history_len must be in [0, prompt_len], got {self.history_len}")
+        if self.predicted_output_len is not None and self.predicted_output_len < 0:
+            raise ValueError(f"predicted_output_len must be >= 0 or None, got {self.predicted_output_len}")
 
     @property
     def total_len(self) -> int:

@@ -55,13 +55,15 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
         raise InvalidArgument(
             f"history_len {meta.history_len} exceeds prompt_len {meta.prompt_len}", param="history_len"
         )
+    # Presence, not the value, tells a client's hint (0 included) from no hint.
+    hint = meta.predicted_output_len if meta.HasField("predicted_output_len") else None
     return PlacementRequest(
         request_id=meta.request_id,
         session_id=meta.session_id,
         prompt_len=meta.prompt_len,
         history_len=meta.history_len,
-        predicted_output_len=meta.predicted_output_len,
-        max_tokens=meta.max_tokens or meta.predicted_output_len or DEFAULT_MAX_TOKENS,
+        predicted_output_len=hint,
+        max_tokens=meta.max_tokens or hint or DEFAULT_MAX_TOKENS,
         slo_ttft_ms=meta.slo.ttft_ms,
         slo_itl_ms=meta.slo.itl_ms,
         priority=meta.priority,

@@ -83,7 +83,10 @@ def test_the_hint_wins_and_is_clamped_to_max_tokens():
     p = policy()
     assert p.predicted_output_len(request(hint=100)) == 100
     assert p.predicted_output_len(request(hint=5000, max_tokens=300)) == 300
-    assert p.predicted_output_len(request(hint=0)) == 256 + 20  # the prior plus the margin
+    assert p.predicted_output_len(request(hint=None)) == 128  # cold: the prior (the predictor's default)
+    for i in range(50):  # it learns from finished requests
+        p.on_completion(CompletionReport(f"done{i}", "stop", prompt_tokens=2048, output_tokens=300))
+    assert p.predicted_output_len(request(hint=None)) == 300 + 20
 
 
 def test_completions_take_the_request_out_of_the_timelines():

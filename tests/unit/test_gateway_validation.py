@@ -269,3 +269,65 @@ def test_read_model_limits(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="max length"):
         read_model_limits(tmp_path)
+
+
+# --- the output-length hint: body field, x-predicted-output-len header, GenerateRequest field
+
+HINT_HEADER = "x-predicted-output-len"
+
+
+def completion_with_header(header: str | None, **body):
+    return completion_request(body, TOK, LIMITS, "r1", header)
+
+
+@pytest.mark.parametrize("body,header,param,fragments", [
+    ({"predicted_output_len": -1}, None, "predicted_output_len", ["[0, 4294967295]", "-1"]),
+    ({"predicted_output_len": 2**32}, None, "predicted_output_len", ["4294967296"]),
+    ({"predicted_output_len": "12"}, None, "predicted_output_len", ["integer"]),
+    ({"predicted_output_len": 12.0}, None, "predicted_output_len", ["integer"]),
+    ({"predicted_output_len": True}, None, "predicted_output_len", ["integer"]),
+    ({}, "-5", HINT_HEADER, ["negative", "'-5'"]),
+    ({}, "abc", HINT_HEADER, ["not an integer", "'abc'"]),
+    ({}, "", HINT_HEADER, ["not an integer"]),
+    ({}, "1.5", HINT_HEADER, ["not an integer"]),
+    ({}, "1e3", HINT_HEADER, ["not an integer"]),
+    ({}, "+5", HINT_HEADER, ["not an integer"]),
+    ({}, "1_000", HINT_HEADER, ["not an integer"]),
+    ({}, "5, 6", HINT_HEADER, ["several values"]),  # a repeated header, comma-joined
+    ({}, "٣", HINT_HEADER, ["not an integer"]),  # a non-ASCII digit
+    ({}, "4294967296", HINT_HEADER, ["[0, 4294967295]"]),
+    ({}, "9" * 5000, HINT_HEADER, ["..."]),  # shown shortened, refused without converting it
+    ({"predicted_output_len": 10}, "x", HINT_HEADER, []),  # the body wins, yet a bad header is still refused
+])
+def test_bad_hint_is_refused_naming_the_body_field_or_the_header(body, header, param, fragments):
+    bad(lambda: completion_with_header(header, prompt="hi", **body), {}, param, *fragments)
+    bad(lambda: chat_request({"messages": [{"role": "user", "content": "hi"}], **body}, TOK, LIMITS, "r1", header),
+        {}, param, *fragments)
+
+
+def test_hint_absent_zero_given_clamped_and_the_body_wins():
+    absent = completion(prompt="hi")
+    assert absent.predicted_output_len is None
+    assert not absent.submit_request().HasField("predicted_output_len")  # absent stays absent downstream
+    zero = completion(prompt="hi", predicted_output_len=0).submit_request()
+    assert zero.HasField("predicted_output_len") and zero.predicted_output_len == 0  # 0 is a hint, not "none"
+    assert completion(prompt="hi", max_tokens=30, predicted_output_len=12).submit_request().predicted_output_len == 12
+    # Above max_tokens it is clamped: the request can generate no more (the default budget included).
+    assert completion(prompt="hi", max_tokens=8, predicted_output_len=2**32 - 1).predicted_output_len == 8
+    assert completion(prompt="hi", predicted_output_len=500).predicted_output_len == 16
+    assert completion_with_header(" 25 ", prompt="hi", max_tokens=30).predicted_output_len == 25
+    assert completion_with_header("25", prompt="hi", max_tokens=30, predicted_output_len=7).predicted_output_len == 7
+    chat_req = chat_request({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 20},
+                            TOK, LIMITS, "r1", "300")
+    assert chat_req.predicted_output_len == 20
+
+
+def test_generate_request_hint_is_optional_and_clamped():
+    assert generate_request(proto(text="hi"), TOK, LIMITS, "r").predicted_output_len is None
+    zero = generate_request(proto(text="hi", predicted_output_len=0), TOK, LIMITS, "r")
+    assert zero.predicted_output_len == 0 and zero.submit_request().HasField("predicted_output_len")
+    hinted = generate_request(proto(text="hi", sampling={"max_tokens": 30}, predicted_output_len=12), TOK, LIMITS, "r")
+    assert hinted.submit_request().predicted_output_len == 12
+    big = generate_request(proto(text="hi", sampling={"max_tokens": 30}, predicted_output_len=2**32 - 1), TOK,
+                           LIMITS, "r")
+    assert big.predicted_output_len == 30

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "slo", "session_id", "priority", "model")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "slo", "session_id", "priority", "model", "predicted_output_len")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class SubmitRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
@@ -23,4 +24,5 @@ class SubmitRequest(_message.Message):
     session_id: str
     priority: int
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    predicted_output_len: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., predicted_output_len: _Optional[int] = ...) -> None: ...

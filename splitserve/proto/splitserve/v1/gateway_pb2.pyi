@@ -14,7 +14,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "sampling", "slo", "session_id", "request_id", "priority", "echo_token_ids")
+    __slots__ = ("model", "text", "token_ids", "sampling", "slo", "session_id", "request_id", "priority", "echo_token_ids", "predicted_output_len")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ECHO_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -33,7 +34,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     priority: int
     echo_token_ids: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., echo_token_ids: _Optional[bool] = ...) -> None: ...
+    predicted_output_len: int
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., echo_token_ids: _Optional[bool] = ..., predicted_output_len: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage")
