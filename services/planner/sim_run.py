@@ -248,7 +248,8 @@ class SimRun:
         placement_request = PlacementRequest(
             request_id=request.request_id, prompt_len=request.prompt_len, max_tokens=request.max_tokens,
             session_id=request.session_id or "", slo_ttft_ms=self.config.slo_ttft_ms,
-            slo_itl_ms=self.config.slo_itl_ms)
+            slo_itl_ms=self.config.slo_itl_ms,
+            predicted_output_len=None if isinstance(spec, Session) else spec.predicted_output_len)
         try:
             view = self.view.current(self.now)
             placement = orient_kv_transfers(self.policy.place(placement_request, view, self.now), view)

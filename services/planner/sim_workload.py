@@ -44,6 +44,9 @@ class SimRequestSpec:
     output_len: int
     prefix_block_ids: tuple[int, ...] = ()
     block_tokens: int = 0
+    # The client's output-length hint sent with the request (PlacementRequest.predicted_output_len,
+    # as `bench` sends one); None: no hint, a policy that needs one predicts it.
+    predicted_output_len: int | None = None
 
 
 SimItem = Union[SimRequestSpec, Session]
