@@ -101,8 +101,12 @@ class SchedulerConfig(CommonConfig):
     """The global scheduler: placement of requests onto workers."""
 
     port: int = opt(50071, "gRPC port of the GlobalScheduler service.")
-    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split.")
+    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split | "
+                      "dynaserve (DynaServe Alg. 1: a split point per request from the worker pair's predicted load).")
     split_ratio: float = opt(0.5, "split policy: phi, the fraction of prompt + max_tokens run on the first worker.")
+    policy_params: str = opt("", "The placement policy's parameters: a JSON object or key=value pairs separated by "
+                             "commas, e.g. 'perf_model=A100/qwen2.5-14b,max_probes=6' for dynaserve (perf_model: a "
+                             "preset GPU/MODEL[/TP], a `splitserve profile` JSON file or redis:WORKER_ID).")
     view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
 
     SERVICE: typing.ClassVar[str] = "scheduler"
@@ -122,8 +126,10 @@ class CoordinatorConfig(CommonConfig):
                          "SetPolicy, one view for all coordinators) | local (the same policy in this process: one "
                          "gRPC hop less per request).")
     policy: str = opt("least_loaded", "placement=local: the policy (round_robin | least_loaded | pd_disaggregated | "
-                      "split).")
+                      "split | dynaserve).")
     split_ratio: float = opt(0.5, "placement=local, policy split: phi.")
+    policy_params: str = opt("", "placement=local: the policy's parameters (JSON object or key=value,...), as the "
+                             "scheduler's --policy-params.")
     view_refresh_s: float = opt(0.05, "placement=local: how often the cluster view is re-read from Redis.")
     record_flush_interval_s: float = opt(0.02, "Request records are written to Redis in one batch per interval.")
 
