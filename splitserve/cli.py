@@ -302,7 +302,9 @@ def up(
             _dequantize_before_start(model)
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend,
-                   "batch_policy": batch_policy, "itl_slo_ms": itl_slo_ms}
+                   "batch_policy": batch_policy}
+    if itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
+        worker_args["itl_slo_ms"] = itl_slo_ms
     if backend == "emulated":
         worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp)
     policy_params = _key_value_options(policy_param, "--policy-param")
