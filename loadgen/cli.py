@@ -68,9 +68,9 @@ async def _run_once(opts: BenchOptions, model: str | None, items: list, arrival:
 
 
 def _measure(opts: BenchOptions, info: dict[str, Any], workload: Workload, vocab_size: int,
-             arrival: ArrivalProcess | None, title: str) -> list[RequestResult]:
+             arrival: ArrivalProcess | None, title: str, count: int | None = None) -> list[RequestResult]:
     # A fresh run tag per run: session ids never collide with an earlier run's on the server.
-    items = workload.make_items(uuid.uuid4().hex[:8], vocab_size)
+    items = workload.make_items(uuid.uuid4().hex[:8], vocab_size, count)
     return asyncio.run(_run_once(opts, info.get("model"), items, arrival, title))
 
 
@@ -92,10 +92,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         results = _measure(opts, info, workload, vocab_size, arrival, "bench")
         return report_run(opts, config, slo, "bench", results, "benchmark summary")
 
-    def at_rate(rate: float, arrival_now: ArrivalProcess) -> tuple[list[RequestResult], dict[str, Any], str]:
-        return _measure(opts, info, workload, vocab_size, arrival_now, f"rate {rate:g}/s"), {}, ""
+    def at_rate(rate: float, arrival_now: ArrivalProcess, count: int) -> tuple[list[RequestResult], dict[str, Any], str]:
+        return _measure(opts, info, workload, vocab_size, arrival_now, f"rate {rate:g}/s", count), {}, ""
 
-    return run_rates(opts, config, slo, arrival, at_rate)
+    return run_rates(opts, config, slo, arrival, at_rate, workload)
 
 
 @with_shared_options
