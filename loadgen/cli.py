@@ -30,7 +30,7 @@ from loadgen.metrics import RequestResult
 from loadgen.options import build_slo, check_rate_options, report_run, run_command, run_rates, with_shared_options
 from loadgen.report import LiveProgress, compare, write_json
 from loadgen.runner import run_benchmark
-from loadgen.targets import make_target, vocab_size_of_model
+from loadgen.targets import check_reachable, make_target, parse_target, vocab_size_of_model
 
 __all__ = ["bench_app", "run_bench"]
 
@@ -79,8 +79,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     # Options are checked before the target is contacted.
     check_rate_options(opts)
     slo = build_slo(opts)
+    target = parse_target(opts.target)
     workload = build_workload(opts)
     arrival = resolve_arrival(opts, workload)
+    check_reachable(target)  # seconds, not a whole run of failed requests, when nothing is there
     info = asyncio.run(_target_info(opts))
     if "error" in info:
         console.print(f"[yellow]warning: cannot describe the target: {info['error']}[/]")
@@ -102,8 +104,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 def bench(
     ctx: typer.Context,
     *,
-    target: str = typer.Option("127.0.0.1:50051", "--target", help="gRPC gateway host:port, or an http(s) URL "
-                               "ending in /v1 for any OpenAI-compatible server."),
+    target: str = typer.Option("127.0.0.1:50051", "--target", help="gRPC gateway host:port (or grpc://host:port), "
+                               "or an http(s) URL ending in /v1 for any OpenAI-compatible server. Checked before "
+                               "the run: nothing answering there in 2 s is an error."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPLITSERVE_API_KEY", help="Bearer API key."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id (default: the first the server lists)."),
     opts: BenchOptions,  # the options shared with `splitserve simulate` (loadgen.options) stand here
