@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from loadgen.arrivals import ArrivalProcess
 from loadgen.bench_config import (
@@ -375,7 +376,7 @@ def run_command(run: Callable[[], dict[str, Any]]) -> None:
     try:
         record = run()
     except (ValueError, OSError) as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}")  # error texts hold brackets: [::1], [/v1]
         raise typer.Exit(2) from None
     summaries = [record["summary"]] if "summary" in record else [p["summary"] for p in record.get("points", [])]
     if summaries and all(s["n_ok"] == 0 for s in summaries):

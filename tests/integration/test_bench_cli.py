@@ -100,3 +100,10 @@ def test_bench_against_a_closed_port_fails_at_once(scheme):
     assert f"--target 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in output
     # The interpreter and CLI imports take a few seconds on a busy machine; the check itself <= 2 s.
     assert elapsed < 20, elapsed
+
+
+def test_bench_refuses_an_unknown_target_scheme_naming_the_accepted_forms():
+    result = CliRunner().invoke(bench_app, ["--target", "ftp://127.0.0.1:7000", "--no-progress"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, output
+    assert "unknown scheme 'ftp://'" in output and "grpc://host:port" in output and "http://host[:port][/v1]" in output
