@@ -53,7 +53,8 @@ class WorkerConfig(CommonConfig):
     advertise_address: str = opt("", "host:port other services dial; default: host:port.")
     role: str = opt("both", "both | prefill | decode")
     model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer); with --backend "
-                     "emulated optional: only its config.json's vocabulary, max length and EOS are used.")
+                     "emulated optional: only its config.json's vocabulary and EOS are used (the max length is the "
+                     "preset model's context).")
     backend: str = opt("real", "real: the engine on CPU/CUDA | emulated: the real service, scheduler and block manager, "
                        "each forward pass replaced by sleeping the performance model's time (no weights).")
     gpu: str = opt("H100", "emulated: GPU of the performance-model preset (A100 | H100 | H200 | L40S | RTX4090).")
@@ -65,7 +66,8 @@ class WorkerConfig(CommonConfig):
     block_size: int = opt(16, "Tokens per KV block.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step (prefill + decode).")
     max_num_seqs: int = opt(64, "Most requests running at once.")
-    max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
+    max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings (emulated: "
+                             "the preset model's context length, e.g. 8192 for Llama-3-8B).")
     kv_cache_memory_bytes: int = opt(0, "KV cache size on CPU; 0: enough for max_num_seqs full sequences, at most 2 GiB "
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
