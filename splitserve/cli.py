@@ -223,6 +223,16 @@ _SERVICE_MAINS = {
 }
 
 
+def _emulated_gateway_args(backend: str, model_preset: str) -> dict[str, object]:
+    """An emulated cluster's gateway accepts what its workers do: the preset model's context,
+    not the small tokenizer model's max_position_embeddings."""
+    if backend != "emulated":
+        return {}
+    from splitserve.perf_presets import model_spec
+
+    return {"max_model_len": model_spec(model_preset).context_len}
+
+
 def _key_value_options(items: list[str] | None, flag: str) -> dict[str, str]:
     """Repeatable key=value options -> dict; BadParameter names the flag."""
     params: dict[str, str] = {}
@@ -322,6 +332,7 @@ def up(
         prefill_workers=prefill_workers,
         worker_args=worker_args,
         scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
+        gateway_args=_emulated_gateway_args(backend, model_preset),
         coordinator=coordinator, placement=placement,
     )
     what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"

@@ -149,6 +149,8 @@ class GatewayConfig(CommonConfig):
     model: str = opt("", "Model directory: its tokenizer and config (max length) are used here.")
     served_model_name: str = opt("", "Model id clients send; default: the model directory's name.")
     api_keys: list[str] = opt(list, "Accepted API keys (comma-separated in the env var); empty: no auth.")
+    max_model_len: int = opt(0, "Longest prompt + output accepted; 0: the model directory's config (an emulated "
+                             "cluster's gateway takes the preset model's context, as its workers do).")
     max_tokens_limit: int = opt(4096, "Largest max_tokens a request may ask for.")
     default_max_tokens: int = opt(16, "max_tokens when a request sets none.")
     max_concurrent_requests: int = opt(256, "Requests in flight before new ones wait in the admission queue.")
