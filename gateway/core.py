@@ -32,7 +32,7 @@ class GatewayCore:
         self.tokenization = tokenization
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
-        self.limits = Limits(served_model=self.model_name, max_model_len=tokenization.max_model_len,
+        self.limits = Limits(served_model=self.model_name, max_model_len=config.max_model_len or tokenization.max_model_len,
                              default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
         self.sessions = SessionTable()

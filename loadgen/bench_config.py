@@ -17,10 +17,12 @@ from loadgen.sessions import generate_sessions, parse_tool_delay, session_stats
 from loadgen.traces import limit, read_trace, scale_lengths
 from loadgen.workloads import parse_shapes
 
-__all__ = ["BenchOptions", "Workload", "build_workload", "resolve_arrival", "arrival_at_rate", "describe_arrival",
-           "DEFAULT_SHAPE"]
+__all__ = ["BenchOptions", "Workload", "build_workload", "resolve_arrival", "arrival_at_rate", "probe_arrival",
+           "describe_arrival", "DEFAULT_SHAPE", "DEFAULT_NUM_REQUESTS", "DEFAULT_NUM_SESSIONS"]
 
 DEFAULT_SHAPE = "P256/D64"
+DEFAULT_NUM_REQUESTS = 100  # -n when not given: requests of one run (trace: its first rows)
+DEFAULT_NUM_SESSIONS = 10  # --num-sessions when not given
 DEFAULT_VOCAB_SIZE = 256  # byte-level demo tokenizers decode ids 0..255
 
 
@@ -33,11 +35,11 @@ class BenchOptions:
     model: str | None = None
     trace: Path | None = None
     length_scale: float = 1.0
-    num_requests: int = 100
+    num_requests: int | None = None  # None: DEFAULT_NUM_REQUESTS (one run) or --probe-window sizing (rate modes)
     trace_time_scale: float = 1.0
     shapes: list[str] = field(default_factory=list)
     sessions: str | None = None
-    num_sessions: int = 10
+    num_sessions: int | None = None  # None: DEFAULT_NUM_SESSIONS (one run) or --probe-window sizing (rate modes)
     tool_delay: str = "exponential:mean=1"
     arrival: str | None = None
     concurrency: int | None = None
@@ -56,6 +58,8 @@ class BenchOptions:
     rate_tol: float = 0.25
     max_probes: int = 8
     sweep_rates: list[float] = field(default_factory=list)
+    probe_window_s: float = 60.0  # rate modes: seconds of arrivals per probe; 0: a fixed count per probe
+    min_requests: int = 100  # rate modes: fewest requests (sessions) per probe
     out_dir: Path | None = None
     per_request: bool = False
     seed: int = 0
@@ -71,12 +75,20 @@ class BenchOptions:
 
 @dataclass
 class Workload:
-    """The items to send, built afresh per run (``make_items(run_tag, vocab_size)``), and what they are."""
+    """The items to send, built afresh per run, and what they are.
 
-    make_items: Callable[[str, int], list[WorkItem]]
+    ``make_items(run_tag, vocab_size, count=None)`` builds ``count`` items (requests, or
+    sessions for a sessions workload; None: ``count`` of the workload, what one run sends).
+    A trace holds only so many rows: ``max_count`` (None: no limit), and ``count`` above it
+    makes them all. ``trace_timestamps`` are every row's arrival; a run replays its first items'.
+    """
+
+    make_items: Callable[..., list[WorkItem]]
     kind: str
     description: dict[str, Any]
     trace_timestamps: list[float] | None = None
+    count: int = DEFAULT_NUM_REQUESTS
+    max_count: int | None = None
 
 
 def build_workload(opts: BenchOptions) -> Workload:
@@ -85,45 +97,55 @@ def build_workload(opts: BenchOptions) -> Workload:
                                        ("--shape", opts.shapes)) if given]
     if len(chosen) > 1:
         raise ValueError(f"workload: choose one of {', '.join(chosen)}")
-    if opts.num_requests < 1:
-        raise ValueError(f"num_requests: must be >= 1, got {opts.num_requests}")
+    for flag, value in (("--num-requests", opts.num_requests), ("--num-sessions", opts.num_sessions)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
+    num_requests = opts.num_requests or DEFAULT_NUM_REQUESTS
     seed = opts.seed
 
     if opts.sessions:
         tool_delay = parse_tool_delay(opts.tool_delay)
-        sessions = generate_sessions(opts.sessions, opts.num_sessions, np.random.default_rng([seed, 0]),
+        num_sessions = opts.num_sessions or DEFAULT_NUM_SESSIONS
+        sessions = generate_sessions(opts.sessions, num_sessions, np.random.default_rng([seed, 0]),
                                      length_scale=opts.length_scale, tool_delay=tool_delay)
-        description = {"sessions": opts.sessions, "num_sessions": opts.num_sessions, "tool_delay": opts.tool_delay,
+        description = {"sessions": opts.sessions, "num_sessions": num_sessions, "tool_delay": opts.tool_delay,
                        "length_scale": opts.length_scale, "stats": session_stats(sessions).to_dict(),
                        "num_requests": sum(len(s.rounds) for s in sessions)}
 
-        def make_sessions(run_tag: str, vocab_size: int) -> list[WorkItem]:
-            return list(plan_sessions(sessions, np.random.default_rng([seed, 1]), vocab_size, run_tag))
+        def make_sessions(run_tag: str, vocab_size: int, count: int | None = None) -> list[WorkItem]:
+            chosen = sessions if count in (None, num_sessions) else generate_sessions(
+                opts.sessions, count, np.random.default_rng([seed, 0]), length_scale=opts.length_scale,
+                tool_delay=tool_delay)
+            return list(plan_sessions(chosen, np.random.default_rng([seed, 1]), vocab_size, run_tag))
 
-        return Workload(make_sessions, "sessions", description)
+        return Workload(make_sessions, "sessions", description, count=num_sessions)
 
     if opts.trace:
-        rows = limit(scale_lengths(read_trace(opts.trace), opts.length_scale), n=opts.num_requests)
+        all_rows = scale_lengths(read_trace(opts.trace), opts.length_scale)
+        rows = limit(all_rows, n=num_requests)
         if not rows:
             raise ValueError(f"trace: {opts.trace} holds no requests")
         description = {"trace": str(opts.trace), "length_scale": opts.length_scale, "num_requests": len(rows),
                        "mean_prompt_len": float(np.mean([r.prompt_len for r in rows])),
                        "mean_output_len": float(np.mean([r.output_len for r in rows]))}
 
-        def make_trace(run_tag: str, vocab_size: int) -> list[WorkItem]:
-            return list(requests_from_trace(rows, np.random.default_rng([seed, 1]), vocab_size, seed))
+        def make_trace(run_tag: str, vocab_size: int, count: int | None = None) -> list[WorkItem]:
+            chosen = rows if count is None else limit(all_rows, n=count)
+            return list(requests_from_trace(chosen, np.random.default_rng([seed, 1]), vocab_size, seed))
 
-        return Workload(make_trace, "trace", description, [r.arrival_s for r in rows])
+        return Workload(make_trace, "trace", description, [r.arrival_s for r in all_rows], count=len(rows),
+                        max_count=len(all_rows))
 
     shapes = [s.scaled(opts.length_scale) if opts.length_scale != 1.0 else s
               for spec in (opts.shapes or [DEFAULT_SHAPE]) for s in parse_shapes(spec)]
     description = {"shapes": [str(s) for s in shapes], "length_scale": opts.length_scale,
-                   "num_requests": opts.num_requests}
+                   "num_requests": num_requests}
 
-    def make_shapes(run_tag: str, vocab_size: int) -> list[WorkItem]:
-        return list(requests_from_shapes(shapes, opts.num_requests, np.random.default_rng([seed, 1]), vocab_size))
+    def make_shapes(run_tag: str, vocab_size: int, count: int | None = None) -> list[WorkItem]:
+        n = num_requests if count is None else count
+        return list(requests_from_shapes(shapes, n, np.random.default_rng([seed, 1]), vocab_size))
 
-    return Workload(make_shapes, "shapes", description)
+    return Workload(make_shapes, "shapes", description, count=num_requests)
 
 
 def resolve_arrival(opts: BenchOptions, workload: Workload) -> ArrivalProcess | None:
@@ -134,7 +156,7 @@ def resolve_arrival(opts: BenchOptions, workload: Workload) -> ArrivalProcess | 
     if spec.strip().lower() == "trace":
         if workload.trace_timestamps is None:
             raise ValueError("arrival: 'trace' replays --trace timestamps; give --trace PATH")
-        return arrivals.trace(workload.trace_timestamps, opts.trace_time_scale)
+        return arrivals.trace(workload.trace_timestamps[:workload.count], opts.trace_time_scale)
     return arrivals.parse_arrival(spec)
 
 
@@ -152,6 +174,15 @@ def arrival_at_rate(process: ArrivalProcess | None, rate: float) -> ArrivalProce
         natural_rate = (ts.size - 1) / span
         return arrivals.TraceArrivals(process.timestamps, rate / natural_rate)
     return arrivals.PoissonArrivals(rate)
+
+
+def probe_arrival(process: ArrivalProcess | None, rate: float, count: int, workload: Workload) -> ArrivalProcess:
+    """A rate probe's process: ``process`` at ``rate`` for ``count`` arrivals. A trace replay takes
+    the first ``count`` of the workload's timestamps (more than one run's) and is rescaled so that
+    they arrive at ``rate`` on average."""
+    if isinstance(process, arrivals.TraceArrivals) and workload.trace_timestamps is not None:
+        process = arrivals.TraceArrivals(tuple(workload.trace_timestamps[:count]), process.time_scale)
+    return arrival_at_rate(process, rate)
 
 
 def describe_arrival(process: ArrivalProcess | None, concurrency: int | None = None) -> str:

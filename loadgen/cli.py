@@ -30,7 +30,7 @@ from loadgen.metrics import RequestResult
 from loadgen.options import build_slo, check_rate_options, report_run, run_command, run_rates, with_shared_options
 from loadgen.report import LiveProgress, compare, write_json
 from loadgen.runner import run_benchmark
-from loadgen.targets import make_target, vocab_size_of_model
+from loadgen.targets import check_reachable, make_target, parse_target, vocab_size_of_model
 
 __all__ = ["bench_app", "run_bench"]
 
@@ -68,9 +68,9 @@ async def _run_once(opts: BenchOptions, model: str | None, items: list, arrival:
 
 
 def _measure(opts: BenchOptions, info: dict[str, Any], workload: Workload, vocab_size: int,
-             arrival: ArrivalProcess | None, title: str) -> list[RequestResult]:
+             arrival: ArrivalProcess | None, title: str, count: int | None = None) -> list[RequestResult]:
     # A fresh run tag per run: session ids never collide with an earlier run's on the server.
-    items = workload.make_items(uuid.uuid4().hex[:8], vocab_size)
+    items = workload.make_items(uuid.uuid4().hex[:8], vocab_size, count)
     return asyncio.run(_run_once(opts, info.get("model"), items, arrival, title))
 
 
@@ -79,8 +79,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     # Options are checked before the target is contacted.
     check_rate_options(opts)
     slo = build_slo(opts)
+    target = parse_target(opts.target)
     workload = build_workload(opts)
     arrival = resolve_arrival(opts, workload)
+    check_reachable(target)  # seconds, not a whole run of failed requests, when nothing is there
     info = asyncio.run(_target_info(opts))
     if "error" in info:
         console.print(f"[yellow]warning: cannot describe the target: {info['error']}[/]")
@@ -92,18 +94,19 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         results = _measure(opts, info, workload, vocab_size, arrival, "bench")
         return report_run(opts, config, slo, "bench", results, "benchmark summary")
 
-    def at_rate(rate: float, arrival_now: ArrivalProcess) -> tuple[list[RequestResult], dict[str, Any], str]:
-        return _measure(opts, info, workload, vocab_size, arrival_now, f"rate {rate:g}/s"), {}, ""
+    def at_rate(rate: float, arrival_now: ArrivalProcess, count: int) -> tuple[list[RequestResult], dict[str, Any], str]:
+        return _measure(opts, info, workload, vocab_size, arrival_now, f"rate {rate:g}/s", count), {}, ""
 
-    return run_rates(opts, config, slo, arrival, at_rate)
+    return run_rates(opts, config, slo, arrival, at_rate, workload)
 
 
 @with_shared_options
 def bench(
     ctx: typer.Context,
     *,
-    target: str = typer.Option("127.0.0.1:50051", "--target", help="gRPC gateway host:port, or an http(s) URL "
-                               "ending in /v1 for any OpenAI-compatible server."),
+    target: str = typer.Option("127.0.0.1:50051", "--target", help="gRPC gateway host:port (or grpc://host:port), "
+                               "or an http(s) URL ending in /v1 for any OpenAI-compatible server. Checked before "
+                               "the run: nothing answering there in 2 s is an error."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPLITSERVE_API_KEY", help="Bearer API key."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id (default: the first the server lists)."),
     opts: BenchOptions,  # the options shared with `splitserve simulate` (loadgen.options) stand here

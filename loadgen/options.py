@@ -21,16 +21,26 @@ from typing import Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from loadgen.arrivals import ArrivalProcess
-from loadgen.bench_config import DEFAULT_SHAPE, BenchOptions, arrival_at_rate, describe_arrival
+from loadgen.bench_config import (
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_NUM_SESSIONS,
+    DEFAULT_SHAPE,
+    BenchOptions,
+    Workload,
+    describe_arrival,
+    probe_arrival,
+)
 from loadgen.metrics import RequestResult, Slo, find_capacity, summarize
+from loadgen.probes import probe_count, steady_state
 from loadgen.report import machine_info, run_record, summary_table, write_csv, write_json
 
 __all__ = [
     "SharedOption", "WORKLOAD_OPTIONS", "ARRIVAL_OPTIONS", "SLO_OPTIONS", "RATE_OPTIONS", "OUTPUT_OPTIONS",
     "SHARED_OPTIONS", "with_shared_options", "parse_rates", "build_slo", "check_rate_options", "RateRun",
-    "report_run", "run_rates", "write_run", "print_written", "run_command",
+    "report_run", "probe_size", "run_rates", "write_run", "print_written", "run_command",
 ]
 
 console = Console()
@@ -75,8 +85,10 @@ WORKLOAD_OPTIONS = (
         None, "--trace", help="Azure CSV or Mooncake JSONL trace: lengths (and, with --arrival trace, timestamps).")),
     SharedOption("length_scale", float, typer.Option(
         1.0, "--length-scale", help="Multiply prompt/output lengths (reported).")),
-    SharedOption("num_requests", int, typer.Option(
-        100, "--num-requests", "-n", help="Requests to send (trace: first N rows).")),
+    SharedOption("num_requests", Optional[int], typer.Option(
+        None, "--num-requests", "-n", help=f"Requests to send (trace: first N rows; default {DEFAULT_NUM_REQUESTS}). "
+        "A rate sweep or capacity search sizes each probe by --probe-window instead: there -n needs "
+        "--probe-window 0 (exactly N requests per probe).")),
     SharedOption("trace_time_scale", float, typer.Option(
         1.0, "--trace-time-scale", help="Trace replay speed-up (2 = 2x faster).")),
     SharedOption("shapes", Optional[List[str]], typer.Option(
@@ -84,7 +96,9 @@ WORKLOAD_OPTIONS = (
         f"(default {DEFAULT_SHAPE})."), parse=_shapes),
     SharedOption("sessions", Optional[str], typer.Option(
         None, "--sessions", help="Multi-round session preset: toolbench | gaia | hotpotqa | dureader.")),
-    SharedOption("num_sessions", int, typer.Option(10, "--num-sessions", help="Sessions to run with --sessions.")),
+    SharedOption("num_sessions", Optional[int], typer.Option(
+        None, "--num-sessions", help=f"Sessions to run with --sessions (default {DEFAULT_NUM_SESSIONS}); in a rate "
+        "sweep or capacity search, as -n.")),
     SharedOption("tool_delay", str, typer.Option(
         "exponential:mean=1", "--tool-delay", help="Delay between session rounds: exponential:mean=S | "
         "constant:mean=S | none.")),
@@ -136,6 +150,14 @@ RATE_OPTIONS = (
     SharedOption("sweep_rates", Optional[str], typer.Option(
         None, "--sweep-rates", help="Comma list of rates, one run each (attainment-vs-rate plot)."),
         parse=_sweep_rates),
+    SharedOption("probe_window_s", float, typer.Option(
+        60.0, "--probe-window", envvar="SPLITSERVE_PROBE_WINDOW", show_envvar=True, help="Rate sweep / capacity "
+        "search: seconds of arrivals each probe offers; a probe at rate R sends max(--min-requests, ceil(R x S)) "
+        "requests (sessions with --sessions; a trace: its first rows, at most all of them). 0: every probe sends "
+        "-n requests, a window that shrinks as the rate grows.")),
+    SharedOption("min_requests", int, typer.Option(
+        100, "--min-requests", envvar="SPLITSERVE_MIN_REQUESTS", show_envvar=True, help="Rate sweep / capacity "
+        "search: the fewest requests a probe sends, however low its rate.")),
 )
 
 OUTPUT_OPTIONS = (
@@ -209,6 +231,19 @@ def check_rate_options(opts: BenchOptions) -> None:
             raise ValueError("--rate-max bounds the capacity search: give --find-capacity too")
         if not (math.isfinite(opts.rate_max) and opts.rate_max >= opts.rate_hi):
             raise ValueError(f"--rate-max: must be finite and >= --rate-hi ({opts.rate_hi:g}), got {opts.rate_max:g}")
+    if not (opts.probe_window_s >= 0 and math.isfinite(opts.probe_window_s)):
+        raise ValueError(f"--probe-window: must be a finite number of seconds >= 0, got {opts.probe_window_s:g}")
+    if opts.min_requests < 1:
+        raise ValueError(f"--min-requests: must be >= 1, got {opts.min_requests}")
+    if (opts.sweep_rates or opts.find_capacity) and opts.probe_window_s > 0:
+        # Each probe's count follows its rate; a fixed count asked for too is a contradiction, not a hint.
+        for flag, given in (("-n/--num-requests", opts.num_requests), ("--num-sessions", opts.num_sessions)):
+            if given is not None:
+                raise ValueError(
+                    f"{flag} {given}: a rate sweep or capacity search sends max(--min-requests, ceil(rate x "
+                    f"--probe-window)) per probe (now max({opts.min_requests}, ceil(rate x "
+                    f"{opts.probe_window_s:g} s))); for exactly {given} per probe give --probe-window 0, for at "
+                    f"least {given} give --min-requests {given} instead of {flag}")
 
 
 def write_run(out_dir: Path, stem: str, results: list[RequestResult], record: dict[str, Any], slo: Slo,
@@ -242,30 +277,62 @@ def report_run(opts: BenchOptions, config: dict[str, Any], slo: Slo, stem: str, 
     return record
 
 
-# One run at (rate, its arrival process): its results, extra fields for its JSON record, a note for its console line.
-RateRun = Callable[[float, ArrivalProcess], "tuple[list[RequestResult], dict[str, Any], str]"]
+# One run at (rate, its arrival process, how many requests -- or sessions -- to send): its results, extra fields
+# for its JSON record, a note for its console line.
+RateRun = Callable[[float, ArrivalProcess, int], "tuple[list[RequestResult], dict[str, Any], str]"]
+
+
+def probe_size(opts: BenchOptions, rate: float, default_count: int, max_count: int | None) -> tuple[int, bool]:
+    """Requests (sessions) a probe at `rate` sends, and whether the trace's length cut them short.
+
+    --probe-window 0: `default_count` (what -n asks for) at every rate; else
+    :func:`~loadgen.probes.probe_count`. At most `max_count` (a trace's rows; None: no limit).
+    """
+    wanted = default_count if opts.probe_window_s == 0 else probe_count(rate, opts.probe_window_s, opts.min_requests)
+    if max_count is not None and wanted > max_count:
+        return max_count, True
+    return wanted, False
 
 
 def run_rates(opts: BenchOptions, config: dict[str, Any], slo: Slo, arrival: ArrivalProcess | None,
-              run_at: RateRun) -> dict[str, Any]:
+              run_at: RateRun, workload: Workload) -> dict[str, Any]:
     """A rate sweep or a capacity search (DynaServe's serving capacity) over `run_at`; returns the JSON record.
 
-    `splitserve bench` runs for real and `splitserve simulate` in virtual time; both write
-    the same points, files and plots through here.
+    Each probe sends :func:`probe_size` requests (sessions) and records how many
+    (``probe``) and whether it reached a steady state (``steady_state``,
+    :func:`loadgen.probes.steady_state`); a probe meeting the target attainment without
+    one is warned about. `splitserve bench` runs for real and `splitserve simulate` in
+    virtual time; both write the same points, files and plots through here.
     """
     points: list[dict[str, Any]] = []
     written: list[Path] = []
+    unsteady_passes: list[float] = []
 
     def measure(rate: float) -> float:
-        results, extra, note = run_at(rate, arrival_at_rate(arrival, rate))
+        count, cut_short = probe_size(opts, rate, workload.count, workload.max_count)
+        process = probe_arrival(arrival, rate, count, workload)
+        results, extra, note = run_at(rate, process, count)
         summary = summarize(results, slo)
+        steady = steady_state(results, slo)
+        probe = {"count": count, "window_s": opts.probe_window_s or None, "min_requests": opts.min_requests,
+                 "cut_short_by_trace": cut_short}
         points.append({"rate": rate, "attainment": summary.slo_attainment,
-                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "summary": summary.to_dict(), **extra})
+                       "goodput_tokens_per_s": summary.goodput_tokens_per_s, "probe": probe,
+                       "steady_state": steady.to_dict(), "summary": summary.to_dict(), **extra})
         console.print(f"rate {rate:g}/s: attainment {summary.slo_attainment:.1%}, "
-                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed{note}")
+                      f"goodput {summary.goodput_tokens_per_s:,.1f} tok/s, {summary.n_failed} failed, "
+                      f"{count} sent{note}")
+        if cut_short:
+            console.print(f"[yellow]warning: rate {rate:g}/s: the trace holds only {workload.max_count} requests, fewer than "
+                          f"--probe-window {opts.probe_window_s:g} s asks for[/]")
+        if not steady.steady and summary.slo_attainment >= opts.target_attainment:
+            unsteady_passes.append(rate)
+            console.print(f"[yellow]warning: rate {rate:g}/s meets {opts.target_attainment:.0%} attainment but did "
+                          f"not reach a steady state ({steady.describe()}): a longer --probe-window may fail it[/]")
         if opts.out_dir:
-            run_config = {**config, "arrival": describe_arrival(arrival_at_rate(arrival, rate)), "rate": rate}
-            record = run_record(summary, run_config, results if opts.per_request else None, **extra)
+            run_config = {**config, "arrival": describe_arrival(process), "rate": rate, "probe": probe}
+            record = run_record(summary, run_config, results if opts.per_request else None,
+                                steady_state=steady.to_dict(), **extra)
             written.extend(write_run(opts.out_dir, f"rate-{rate:g}", results, record, slo, plots=False))
         return summary.slo_attainment
 
@@ -274,6 +341,11 @@ def run_rates(opts: BenchOptions, config: dict[str, Any], slo: Slo, arrival: Arr
         capacity = find_capacity(measure, opts.target_attainment, opts.rate_lo, opts.rate_hi, opts.rate_tol,
                                  opts.max_probes, max_rate=opts.rate_max)
         extra["capacity"] = capacity.to_dict()
+        # The capacity is only as good as the probe that passed there.
+        extra["capacity"]["steady_state"] = capacity.rate not in unsteady_passes if capacity.rate > 0 else None
+        if capacity.rate in unsteady_passes:
+            console.print(f"[yellow]warning: the capacity probe ({capacity.rate:g} req/s) did not reach a steady "
+                          "state: treat the capacity as an upper bound[/]")
         if capacity.capped:
             console.print(f"[bold]capacity[/]: at least {capacity.rate:g} req/s: it still meets "
                           f"{opts.target_attainment:.0%} attainment at --rate-max")
@@ -304,7 +376,7 @@ def run_command(run: Callable[[], dict[str, Any]]) -> None:
     try:
         record = run()
     except (ValueError, OSError) as err:
-        console.print(f"[red]error:[/] {err}")
+        console.print(f"[red]error:[/] {escape(str(err))}")  # error texts hold brackets: [::1], [/v1]
         raise typer.Exit(2) from None
     summaries = [record["summary"]] if "summary" in record else [p["summary"] for p in record.get("points", [])]
     if summaries and all(s["n_ok"] == 0 for s in summaries):

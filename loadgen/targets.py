@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,10 +26,16 @@ import httpx
 
 from loadgen.plan import BenchRequest, StreamedResult
 
-__all__ = ["GrpcTarget", "OpenAITarget", "make_target", "synthetic_text", "vocab_size_of_model"]
+__all__ = ["GrpcTarget", "OpenAITarget", "TargetAddress", "TargetUnreachable", "ACCEPTED_TARGETS", "parse_target",
+           "check_reachable", "make_target", "synthetic_text", "vocab_size_of_model"]
 
 DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 600.0
+# A local or LAN server accepts a TCP connection in milliseconds; 2 s leaves room for a
+# slow DNS answer while a mistyped --target still fails at once rather than after a run.
+CONNECT_TIMEOUT_S = 2.0
+ACCEPTED_TARGETS = ("host:port or grpc://host:port (the splitserve gateway over gRPC), "
+                    "http://host[:port][/v1] or https://... (any OpenAI-compatible server)")
 
 # Common English words that are one token in most BPE vocabularies: the text stand-in
 # for token ids when a server refuses token-id prompts, so lengths stay roughly right.
@@ -321,12 +329,69 @@ def synthetic_text(token_ids: list[int]) -> str:
     return " ".join(_WORDS[t % len(_WORDS)] for t in token_ids)
 
 
+@dataclass(frozen=True)
+class TargetAddress:
+    """A parsed ``--target``: which kind of server, what its client dials, and the TCP endpoint."""
+
+    kind: str  # "grpc" | "http"
+    address: str  # gRPC: host:port (grpc.aio has no grpc:// scheme); HTTP: the URL as given
+    host: str
+    port: int
+
+
+class TargetUnreachable(ConnectionError):
+    """Nothing accepted a connection at the target."""
+
+
+def parse_target(text: str) -> TargetAddress:
+    """``host:port``, ``grpc://host:port`` (an alias: gRPC itself knows no such scheme and would fail
+    every request with "address lookup failed"), or an ``http(s)://`` URL; anything else is a
+    ValueError naming the accepted forms."""
+    given = text.strip()
+    scheme, sep, rest = given.partition("://")
+    scheme = scheme.lower() if sep else ""
+    if scheme not in ("", "grpc", "http", "https"):
+        raise ValueError(f"--target {text!r}: unknown scheme {scheme + '://'!r}; accepted: {ACCEPTED_TARGETS}")
+    if scheme in ("http", "https"):
+        parts = urlsplit(given)
+        default_port = 80 if scheme == "http" else 443
+    else:
+        parts = urlsplit("//" + (rest if sep else given))
+        default_port = None
+        if parts.path.strip("/") or parts.query or parts.fragment:
+            raise ValueError(f"--target {text!r}: a gRPC target is host:port, without a path; "
+                             f"accepted: {ACCEPTED_TARGETS}")
+    try:
+        port = parts.port if parts.port is not None else default_port
+    except ValueError:
+        port = -1
+    if not parts.hostname or port is None or not 0 < port < 65536:
+        raise ValueError(f"--target {text!r}: expected a host and a port 1..65535; accepted: {ACCEPTED_TARGETS}")
+    if scheme in ("http", "https"):
+        return TargetAddress("http", given, parts.hostname, port)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return TargetAddress("grpc", f"{host}:{port}", parts.hostname, port)
+
+
+def check_reachable(target: TargetAddress, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`TargetUnreachable` unless something accepts a TCP connection at the target
+    within `timeout_s`: a run against nothing would otherwise send every request to fail."""
+    try:
+        with socket.create_connection((target.host, target.port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        reason = "no answer within {:g} s".format(timeout_s) if isinstance(err, TimeoutError) else str(err)
+        raise TargetUnreachable(f"--target {target.address}: nothing answers at {target.host}:{target.port} "
+                                f"({reason}); is the server running there?") from None
+
+
 def make_target(address: str, api_key: str | None = None, model: str | None = None,
                 slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None) -> GrpcTarget | OpenAITarget:
-    """An OpenAI target for an ``http(s)://`` URL, else a gRPC target for ``host:port``."""
-    if address.startswith(("http://", "https://")):
-        return OpenAITarget(address, model=model, api_key=api_key)
-    return GrpcTarget(address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
+    """An OpenAI target for an ``http(s)://`` URL, else a gRPC target (see :func:`parse_target`)."""
+    parsed = parse_target(address)
+    if parsed.kind == "http":
+        return OpenAITarget(parsed.address, model=model, api_key=api_key)
+    return GrpcTarget(parsed.address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
 
 
 def vocab_size_of_model(model: str | None) -> int | None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -222,6 +223,27 @@ _SERVICE_MAINS = {
 }
 
 
+def _emulated_gateway_args(backend: str, model_preset: str) -> dict[str, object]:
+    """An emulated cluster's gateway accepts what its workers do: the preset model's context,
+    not the small tokenizer model's max_position_embeddings."""
+    if backend != "emulated":
+        return {}
+    from splitserve.perf_presets import model_spec
+
+    return {"max_model_len": model_spec(model_preset).context_len}
+
+
+def _key_value_options(items: list[str] | None, flag: str) -> dict[str, str]:
+    """Repeatable key=value options -> dict; BadParameter names the flag."""
+    params: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint=flag)
+        params[key.strip()] = value.strip()
+    return params
+
+
 @app.command()
 def up(
     workers: int = typer.Option(2, help="Number of worker processes."),
@@ -235,7 +257,14 @@ def up(
     model_cache: Optional[Path] = typer.Option(
         None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
         help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
-    policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | split."),
+    policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | "
+                               "split | dynaserve (a split point per request from the worker pair's predicted load)."),
+    policy_param: Optional[List[str]] = typer.Option(
+        None, "--policy-param", help="Placement policy parameter key=value (repeatable), e.g. max_probes=6 or "
+        "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "
+        "`splitserve profile`)."),
+    batch_policy: str = typer.Option("fcfs", help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2)."),
+    itl_slo_ms: float = typer.Option(0.0, help="slo_aware: ITL objective (ms) for requests sent without one."),
     prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
     split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),
     kv_transport: str = typer.Option("auto", help="KV transfer between workers: auto | nixl | grpc."),
@@ -282,9 +311,19 @@ def up(
         if model.suffix.lower() == ".gguf" and backend != "emulated":
             _dequantize_before_start(model)
     log_dir.mkdir(parents=True, exist_ok=True)
-    worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend}
+    worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend,
+                   "batch_policy": batch_policy}
+    if itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
+        worker_args["itl_slo_ms"] = itl_slo_ms
     if backend == "emulated":
         worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp)
+    policy_params = _key_value_options(policy_param, "--policy-param")
+    if policy == "dynaserve" and backend == "emulated":
+        # The scheduler predicts with the times the emulated workers sleep.
+        policy_params.setdefault("perf_model", f"{gpu}/{model_preset}/{tp}")
+    elif policy == "dynaserve" and "perf_model" not in policy_params:
+        console.print("dynaserve predicts load with the H100/llama-3-8b preset: its split points balance by that "
+                      "model's shape, not this machine's; `splitserve profile` fits one (--policy-param perf_model=...)")
     if kv_cache_memory_bytes is not None or backend != "emulated":
         worker_args["kv_cache_memory_bytes"] = 256 << 20 if kv_cache_memory_bytes is None else kv_cache_memory_bytes
     spec = ClusterSpec(
@@ -292,7 +331,8 @@ def up(
         redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,
         prefill_workers=prefill_workers,
         worker_args=worker_args,
-        scheduler_args={"split_ratio": split_ratio},
+        scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
+        gateway_args=_emulated_gateway_args(backend, model_preset),
         coordinator=coordinator, placement=placement,
     )
     what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"

@@ -53,7 +53,8 @@ class WorkerConfig(CommonConfig):
     advertise_address: str = opt("", "host:port other services dial; default: host:port.")
     role: str = opt("both", "both | prefill | decode")
     model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer); with --backend "
-                     "emulated optional: only its config.json's vocabulary, max length and EOS are used.")
+                     "emulated optional: only its config.json's vocabulary and EOS are used (the max length is the "
+                     "preset model's context).")
     backend: str = opt("real", "real: the engine on CPU/CUDA | emulated: the real service, scheduler and block manager, "
                        "each forward pass replaced by sleeping the performance model's time (no weights).")
     gpu: str = opt("H100", "emulated: GPU of the performance-model preset (A100 | H100 | H200 | L40S | RTX4090).")
@@ -65,7 +66,8 @@ class WorkerConfig(CommonConfig):
     block_size: int = opt(16, "Tokens per KV block.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step (prefill + decode).")
     max_num_seqs: int = opt(64, "Most requests running at once.")
-    max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings.")
+    max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings (emulated: "
+                             "the preset model's context length, e.g. 8192 for Llama-3-8B).")
     kv_cache_memory_bytes: int = opt(0, "KV cache size on CPU; 0: enough for max_num_seqs full sequences, at most 2 GiB "
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
@@ -101,8 +103,12 @@ class SchedulerConfig(CommonConfig):
     """The global scheduler: placement of requests onto workers."""
 
     port: int = opt(50071, "gRPC port of the GlobalScheduler service.")
-    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split.")
+    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split | "
+                      "dynaserve (DynaServe Alg. 1: a split point per request from the worker pair's predicted load).")
     split_ratio: float = opt(0.5, "split policy: phi, the fraction of prompt + max_tokens run on the first worker.")
+    policy_params: str = opt("", "The placement policy's parameters: a JSON object or key=value pairs separated by "
+                             "commas, e.g. 'perf_model=A100/qwen2.5-14b,max_probes=6' for dynaserve (perf_model: a "
+                             "preset GPU/MODEL[/TP], a `splitserve profile` JSON file or redis:WORKER_ID).")
     view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
 
     SERVICE: typing.ClassVar[str] = "scheduler"
@@ -122,8 +128,10 @@ class CoordinatorConfig(CommonConfig):
                          "SetPolicy, one view for all coordinators) | local (the same policy in this process: one "
                          "gRPC hop less per request).")
     policy: str = opt("least_loaded", "placement=local: the policy (round_robin | least_loaded | pd_disaggregated | "
-                      "split).")
+                      "split | dynaserve).")
     split_ratio: float = opt(0.5, "placement=local, policy split: phi.")
+    policy_params: str = opt("", "placement=local: the policy's parameters (JSON object or key=value,...), as the "
+                             "scheduler's --policy-params.")
     view_refresh_s: float = opt(0.05, "placement=local: how often the cluster view is re-read from Redis.")
     record_flush_interval_s: float = opt(0.02, "Request records are written to Redis in one batch per interval.")
 
@@ -141,6 +149,8 @@ class GatewayConfig(CommonConfig):
     model: str = opt("", "Model directory: its tokenizer and config (max length) are used here.")
     served_model_name: str = opt("", "Model id clients send; default: the model directory's name.")
     api_keys: list[str] = opt(list, "Accepted API keys (comma-separated in the env var); empty: no auth.")
+    max_model_len: int = opt(0, "Longest prompt + output accepted; 0: the model directory's config (an emulated "
+                             "cluster's gateway takes the preset model's context, as its workers do).")
     max_tokens_limit: int = opt(4096, "Largest max_tokens a request may ask for.")
     default_max_tokens: int = opt(16, "max_tokens when a request sets none.")
     max_concurrent_requests: int = opt(256, "Requests in flight before new ones wait in the admission queue.")

@@ -124,8 +124,8 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     scheduler_options = {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0, **spec.scheduler_args}
     coordinator_options = {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}",
                            "metrics_port": 0, "placement": spec.placement, "policy": spec.policy,
-                           **({"split_ratio": spec.scheduler_args["split_ratio"]}
-                              if "split_ratio" in spec.scheduler_args else {}),
+                           **{key: spec.scheduler_args[key] for key in ("split_ratio", "policy_params")
+                              if key in spec.scheduler_args},
                            **spec.coordinator_args}
     plan: list[tuple[str, str, dict[str, object]]] = [("scheduler", f"{spec.host}:{sched_port}", scheduler_options)]
     gateway_env: dict[str, str] = {}

@@ -62,6 +62,7 @@ class ModelSpec:
     tied_embeddings: bool
     kind: str  # "ar" or "diffusion" (bidirectional, every position gets logits)
     source: str
+    context_len: int  # longest prompt + output the model was trained for: an emulated worker's max_model_len
 
     @property
     def linear_params(self) -> int:
@@ -144,18 +145,19 @@ GPU_SPECS: Mapping[str, GpuSpec] = MappingProxyType({
 _HF = "https://huggingface.co/{}/blob/main/config.json"
 MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "Llama-3-8B": ModelSpec("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", 32, 4096, 32, 8, 128,
-                            14336, 128256, False, "ar", _HF.format("meta-llama/Meta-Llama-3-8B")),
+                            14336, 128256, False, "ar", _HF.format("meta-llama/Meta-Llama-3-8B"), 8192),
+    # Qwen2.5: max_position_embeddings 131072 in config.json, but natively 32,768 (beyond it needs YaRN).
     "Qwen2.5-14B": ModelSpec("Qwen2.5-14B", "Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 128, 13824,
                              152064, False, "ar", _HF.format("Qwen/Qwen2.5-14B")
-                             + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1"),
+                             + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1", 32768),
     "Qwen2.5-32B": ModelSpec("Qwen2.5-32B", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648,
                              152064, False, "ar", _HF.format("Qwen/Qwen2.5-32B")
-                             + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1"),
+                             + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1", 32768),
     "Llama-3.1-70B": ModelSpec("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 128,
-                               28672, 128256, False, "ar", _HF.format("meta-llama/Llama-3.1-70B")),
+                               28672, 128256, False, "ar", _HF.format("meta-llama/Llama-3.1-70B"), 131072),
     "LLaDA-8B": ModelSpec("LLaDA-8B", "GSAI-ML/LLaDA-8B-Base", 32, 4096, 32, 32, 128, 12288,
                           126464, False, "diffusion", _HF.format("GSAI-ML/LLaDA-8B-Base")
-                          + "; LLaDA paper (arXiv:2502.09992) Table 5: 8.02B params, MHA"),
+                          + "; LLaDA paper (arXiv:2502.09992) Table 5: 8.02B params, MHA", 4096),
 })
 
 LINK_SPECS: Mapping[str, LinkSpec] = MappingProxyType({

@@ -17,7 +17,8 @@ from typing import Protocol
 import grpc
 
 from services.global_scheduler import metrics as scheduler_metrics
-from services.global_scheduler.policy import NoWorkerAvailable, PlacementPolicy, learns_from_completions, make_policy
+from services.global_scheduler.policy import (NoWorkerAvailable, PlacementPolicy, configured_policy_params,
+                                              learns_from_completions, make_policy)
 from services.global_scheduler.server import (
     completion_from_proto,
     placement_request_from_meta,
@@ -75,9 +76,9 @@ class LocalPlacer:
 
     @classmethod
     def from_config(cls, store: StateStore, policy_name: str, split_ratio: float,
-                    view_refresh_s: float) -> "LocalPlacer":
-        """ValueError for an unknown policy, before any I/O."""
-        params = {"split_ratio": split_ratio} if policy_name == "split" else {}
+                    view_refresh_s: float, policy_params: str = "") -> "LocalPlacer":
+        """ValueError for an unknown policy or bad parameters, before any I/O."""
+        params = configured_policy_params(policy_name, split_ratio, policy_params)
         return cls(store, make_policy(policy_name, **params), view_refresh_s)
 
     async def start(self) -> None:
@@ -92,6 +93,7 @@ class LocalPlacer:
             scheduler_metrics.NO_WORKER.labels(self.policy.name).inc()
             raise
         scheduler_metrics.PLACE_SECONDS.labels(self.policy.name).observe(time.perf_counter() - started)
+        scheduler_metrics.observe_decision(self.policy.name, placement.decision)
         plan = placement_to_plan(meta.request_id, placement)
         plan.report_completion = learns_from_completions(self.policy)
         return plan

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from prometheus_client import Counter, Histogram
 
 PLACEMENTS = Counter(
@@ -30,6 +32,42 @@ POLICY_SWITCHES = Counter(
     "SetPolicy calls that installed a policy, by the policy installed.",
     ["policy"],
 )
+
+# DynaServe's decisions (Alg. 1, `services.global_scheduler.dynaserve`), from the numbers a
+# policy attaches to its placement (`Placement.decision`): where requests are cut, how many
+# probes the bounded binary search took, and the drain times it predicted for the pair.
+DECISION_PHI = Histogram(
+    "splitserve_scheduler_decision_phi",
+    "phi chosen per request: the first stage's share of prompt + predicted output (0 or 1: not split).",
+    ["policy"],
+    buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.999, 1.0),
+)
+DECISION_PROBES = Histogram(
+    "splitserve_scheduler_decision_probes",
+    "Timeline probes one placement took (all candidate pairs together).",
+    ["policy"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+DECISION_PREDICTED_SECONDS = Histogram(
+    "splitserve_scheduler_decision_predicted_seconds",
+    "Predicted time from the decision until the pair drains (t1: the first stage's worker, t2: the second's) "
+    "and until the request's first token (ttft).",
+    ["policy", "prediction"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+_PREDICTIONS = {"t1_s": "t1", "t2_s": "t2", "predicted_ttft_s": "ttft"}
+
+
+def observe_decision(policy: str, decision: Mapping[str, float]) -> None:
+    """Record what a placement's `decision` carries (policies without one record nothing)."""
+    if "phi" in decision:
+        DECISION_PHI.labels(policy).observe(decision["phi"])
+    if "probes" in decision:
+        DECISION_PROBES.labels(policy).observe(decision["probes"])
+    for key, label in _PREDICTIONS.items():
+        if key in decision:
+            DECISION_PREDICTED_SECONDS.labels(policy, label).observe(max(0.0, decision[key]))
+
 
 # Finish reasons come from callers; anything else is counted as "other" so a buggy or
 # hostile caller cannot create unbounded label values.

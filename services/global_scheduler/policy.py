@@ -8,6 +8,7 @@ policies with a `ClusterView` and an injected `now`.
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -265,6 +266,39 @@ def register_policy(name: str, factory: Callable[..., PlacementPolicy]) -> None:
 def known_policies() -> list[str]:
     """Names `make_policy` accepts, sorted."""
     return sorted(set(_BUILTIN_POLICIES) | set(_REGISTERED))
+
+
+def parse_policy_params(text: str, field_name: str = "policy_params") -> dict[str, str]:
+    """A service option's placement parameters: a JSON object (`{"max_probes": 6}`) or
+    comma-separated `key=value` pairs (`max_probes=6,perf_model=A100/qwen2.5-14b`); values
+    stay strings, as `SetPolicy` receives them. ValueError names `field_name`."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{field_name}: not a JSON object: {err}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{field_name}: expected a JSON object, got {text!r}")
+        return {str(key): str(value) for key, value in parsed.items()}
+    params: dict[str, str] = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{field_name}: expected key=value pairs separated by commas, got {item.strip()!r}")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def configured_policy_params(policy: str, split_ratio: float, policy_params: str,
+                             field_name: str = "policy_params") -> dict[str, Any]:
+    """The parameters a service builds its placement policy with: `policy_params`, plus the
+    older `split_ratio` option for `split` (an explicit `split_ratio` in `policy_params` wins)."""
+    params: dict[str, Any] = {"split_ratio": split_ratio} if policy == "split" else {}
+    params.update(parse_policy_params(policy_params, field_name))
+    return params
 
 
 def make_policy(name: str, *, deployment_perf_model: Any = None, **params: Any) -> PlacementPolicy:

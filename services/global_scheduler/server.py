@@ -23,6 +23,7 @@ from services.global_scheduler.policy import (
     Placement,
     PlacementPolicy,
     PlacementRequest,
+    configured_policy_params,
     known_policies,
     learns_from_completions,
     make_policy,
@@ -121,6 +122,7 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             started = time.perf_counter()
             placement = await self.views.place(policy, placement_request, self.clock, self.view_timeout_s)
             metrics.PLACE_SECONDS.labels(policy.name).observe(time.perf_counter() - started)
+            metrics.observe_decision(policy.name, placement.decision)
         except NoWorkerAvailable as err:
             metrics.NO_WORKER.labels(policy.name).inc()
             await abort(context, err)
@@ -210,7 +212,7 @@ class SchedulerHandle:
 async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
     """Connect to Redis, load the first cluster view, start serving; raises StateUnavailableError."""
     runtime = ServiceRuntime(SERVICE_NAME, config, config.port, GRPC_SERVICE_NAME)  # first: it configures logging
-    params = {"split_ratio": config.split_ratio} if config.policy == "split" else {}
+    params = configured_policy_params(config.policy, config.split_ratio, config.policy_params)
     policy = make_policy(config.policy, **params)  # ValueError before touching Redis
     store = StateStore(config.redis_url, config.redis_prefix,
                        retry_policy=RedisRetryPolicy(attempts=config.redis_connect_attempts))

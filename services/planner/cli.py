@@ -84,8 +84,8 @@ def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: i
                      slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
 
 
-def _simulate(sim: Simulator, opts: BenchOptions, workload: SimWorkload, arrival: Any) -> SimulationOutcome:
-    return sim.run(workload.items, arrival, seed=opts.seed, max_concurrency=opts.max_concurrency,
+def _simulate(sim: Simulator, opts: BenchOptions, items: list, arrival: Any) -> SimulationOutcome:
+    return sim.run(items, arrival, seed=opts.seed, max_concurrency=opts.max_concurrency,
                    concurrency=opts.concurrency, duration_limit_s=opts.duration_limit_s)
 
 
@@ -111,15 +111,16 @@ def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any
               "arrival": describe_arrival(arrival, opts.concurrency)}
 
     if not (opts.sweep_rates or opts.find_capacity):
-        outcome = _simulate(sim, opts, workload, arrival)
+        outcome = _simulate(sim, opts, workload.items, arrival)
         return report_run(opts, config, slo, "simulate", outcome.results, "simulation summary",
                           notes=(_stats_line(outcome),), simulation=asdict(outcome.stats))
 
-    def at_rate(rate: float, arrival_now: Any) -> tuple[list[RequestResult], dict[str, Any], str]:
-        outcome = _simulate(sim, opts, workload, arrival_now)
+    def at_rate(rate: float, arrival_now: Any, count: int) -> tuple[list[RequestResult], dict[str, Any], str]:
+        items = workload.items if count == len(workload.items) else workload.make_items(count)
+        outcome = _simulate(sim, opts, items, arrival_now)
         return outcome.results, {"simulation": asdict(outcome.stats)}, f" ({outcome.stats.wall_s:.2f} s wall)"
 
-    return run_rates(opts, config, slo, arrival, at_rate)
+    return run_rates(opts, config, slo, arrival, at_rate, workload.workload)
 
 
 def _key_values(items: list[str] | None, name: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import numpy as np
 
@@ -54,11 +54,16 @@ SimItem = Union[SimRequestSpec, Session]
 
 @dataclass
 class SimWorkload:
-    """Items (requests or sessions), the arrival process, and the bench workload description."""
+    """Items (requests or sessions), the arrival process, and the bench workload description.
+
+    `items` are what one run sends (`workload.count` of them); `make_items(count)` makes
+    `count` for a rate probe (a trace: at most `workload.max_count`).
+    """
 
     items: list[SimItem]
     arrival: ArrivalProcess | None
     workload: Workload
+    make_items: Callable[[int], list[SimItem]] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -89,16 +94,25 @@ def build_sim_workload(opts: BenchOptions) -> SimWorkload:
     """The workload and arrival process `splitserve bench` would run for `opts`, without token ids."""
     workload = build_workload(opts)  # validates the options and describes the workload as bench does
     arrival = resolve_arrival(opts, workload)
+    make: Callable[[int], list[SimItem]]
     if workload.kind == "sessions":
-        sessions = generate_sessions(opts.sessions, opts.num_sessions, np.random.default_rng([opts.seed, 0]),
-                                     length_scale=opts.length_scale, tool_delay=parse_tool_delay(opts.tool_delay))
-        return SimWorkload(list(sessions), arrival, workload)
-    if workload.kind == "trace":
-        rows = limit(scale_lengths(read_trace(opts.trace), opts.length_scale), n=opts.num_requests)
-        return SimWorkload(list(requests_from_trace(rows)), arrival, workload)
-    shapes = [s.scaled(opts.length_scale) if opts.length_scale != 1.0 else s
-              for spec in (opts.shapes or [DEFAULT_SHAPE]) for s in parse_shapes(spec)]
-    return SimWorkload(list(requests_from_shapes(shapes, opts.num_requests)), arrival, workload)
+        tool_delay = parse_tool_delay(opts.tool_delay)
+
+        def make(count: int) -> list[SimItem]:
+            return list(generate_sessions(opts.sessions, count, np.random.default_rng([opts.seed, 0]),
+                                          length_scale=opts.length_scale, tool_delay=tool_delay))
+    elif workload.kind == "trace":
+        all_rows = scale_lengths(read_trace(opts.trace), opts.length_scale)
+
+        def make(count: int) -> list[SimItem]:
+            return list(requests_from_trace(limit(all_rows, n=count)))
+    else:
+        shapes = [s.scaled(opts.length_scale) if opts.length_scale != 1.0 else s
+                  for spec in (opts.shapes or [DEFAULT_SHAPE]) for s in parse_shapes(spec)]
+
+        def make(count: int) -> list[SimItem]:
+            return list(requests_from_shapes(shapes, count))
+    return SimWorkload(make(workload.count), arrival, workload, make)
 
 
 class PromptIds:

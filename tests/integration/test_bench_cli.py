@@ -78,3 +78,32 @@ def test_session_run(cluster, tmp_path):
         for prev, cur in zip(rounds, rounds[1:]):
             assert cur["prompt_len"] > prev["prompt_len"] + prev["output_len"]
             assert cur["arrival_s"] >= prev["end_s"]
+
+
+@pytest.mark.parametrize("scheme", ["", "grpc://"])
+def test_bench_against_a_closed_port_fails_at_once(scheme):
+    """Nothing listening: an error naming the target within seconds, not 300 failed requests."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:  # a port that was free a moment ago, now closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--target", f"{scheme}127.0.0.1:{port}",
+                           "-n", "300", "--no-progress"], capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, output
+    assert f"--target 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in output
+    # The interpreter and CLI imports take a few seconds on a busy machine; the check itself <= 2 s.
+    assert elapsed < 20, elapsed
+
+
+def test_bench_refuses_an_unknown_target_scheme_naming_the_accepted_forms():
+    result = CliRunner().invoke(bench_app, ["--target", "ftp://127.0.0.1:7000", "--no-progress"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, output
+    assert "unknown scheme 'ftp://'" in output and "grpc://host:port" in output and "http://host[:port][/v1]" in output

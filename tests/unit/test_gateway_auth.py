@@ -53,3 +53,15 @@ def test_served_model_name_defaults_to_the_directory_name():
     c = core(default_max_tokens=8, max_tokens_limit=64)
     assert (c.limits.served_model, c.limits.max_model_len, c.limits.default_max_tokens, c.limits.max_tokens_limit) == (
         "demo-llama", 128, 8, 64)
+
+
+def test_max_model_len_option_overrides_the_tokenizer_directory():
+    """An emulated cluster's gateway takes the preset's context (its workers accept 8,192 tokens of
+    Llama-3-8B although the tokenizer directory says 2,048)."""
+    from splitserve.cli import _emulated_gateway_args
+
+    assert core().limits.max_model_len == 128
+    args = _emulated_gateway_args("emulated", "llama-3-8b")
+    assert args == {"max_model_len": 8192}
+    assert core(**args).limits.max_model_len == 8192
+    assert _emulated_gateway_args("real", "llama-3-8b") == {}

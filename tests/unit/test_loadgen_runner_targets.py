@@ -130,3 +130,56 @@ def test_target_selection_and_urls():
     assert make_target("127.0.0.1:50051").kind == "grpc"
     assert normalise_base_url("http://h:8000") == "http://h:8000/v1"
     assert normalise_base_url("https://h/api/v1/") == "https://h/api/v1"
+
+
+# ---- --target: accepted forms, and nothing answering ------------------------------------------
+
+@pytest.mark.parametrize("text, kind, address, host, port", [
+    ("127.0.0.1:50051", "grpc", "127.0.0.1:50051", "127.0.0.1", 50051),
+    ("grpc://127.0.0.1:7000", "grpc", "127.0.0.1:7000", "127.0.0.1", 7000),  # the alias gRPC itself lacks
+    ("GRPC://gw.local:7000/", "grpc", "gw.local:7000", "gw.local", 7000),
+    ("[::1]:7000", "grpc", "[::1]:7000", "::1", 7000),
+    ("http://127.0.0.1:8000/v1", "http", "http://127.0.0.1:8000/v1", "127.0.0.1", 8000),
+    ("https://api.example.com/v1", "http", "https://api.example.com/v1", "api.example.com", 443),
+    ("http://localhost", "http", "http://localhost", "localhost", 80),
+])
+def test_accepted_target_forms(text, kind, address, host, port):
+    from loadgen.targets import TargetAddress, parse_target
+
+    assert parse_target(text) == TargetAddress(kind, address, host, port)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("grpcs://127.0.0.1:7000", "unknown scheme 'grpcs://'"),
+    ("dns:///127.0.0.1:7000", "unknown scheme 'dns://'"),
+    ("127.0.0.1", "expected a host and a port"),
+    ("127.0.0.1:0", "expected a host and a port"),
+    ("127.0.0.1:99999", "expected a host and a port"),
+    ("grpc://127.0.0.1:7000/v1", "without a path"),
+    (":7000", "expected a host"),
+])
+def test_refused_target_forms_name_the_accepted_ones(text, message):
+    from loadgen.targets import ACCEPTED_TARGETS, parse_target
+
+    with pytest.raises(ValueError, match="--target") as err:
+        parse_target(text)
+    assert message in str(err.value) and ACCEPTED_TARGETS in str(err.value)
+
+
+def test_make_target_dials_the_alias_without_its_scheme():
+    target = make_target("grpc://127.0.0.1:7000")
+    assert target.kind == "grpc" and target.address == "127.0.0.1:7000"
+
+
+def test_check_reachable_on_a_closed_and_an_open_port():
+    import socket
+
+    from loadgen.targets import TargetUnreachable, check_reachable, parse_target
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        check_reachable(parse_target(f"grpc://127.0.0.1:{port}"))  # something answers: no error
+    with pytest.raises(TargetUnreachable, match=rf"--target 127.0.0.1:{port}: nothing answers"):
+        check_reachable(parse_target(f"127.0.0.1:{port}"))  # the listener is closed

@@ -267,7 +267,7 @@ def test_simulate_cli_writes_a_bench_compatible_report(tmp_path):
 def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
     """The shared rate driver (loadgen.options.run_rates): per-rate records, sweep/capacity JSON, the plot."""
     sweep = CliRunner().invoke(simulate_app, ["--workers", "2", "--shape", "P256/D16", "-n", "30",
-                                              "--sweep-rates", "5,40", "--slo-ttft-ms", "200",
+                                              "--probe-window", "0", "--sweep-rates", "5,40", "--slo-ttft-ms", "200",
                                               "--out-dir", str(tmp_path / "sweep")])
     assert sweep.exit_code == 0, sweep.output
     record = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -276,7 +276,7 @@ def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
     assert (tmp_path / "sweep" / "rate-5.json").exists() and (tmp_path / "sweep" / "attainment_vs_rate.png").exists()
 
     search = CliRunner().invoke(simulate_app, ["--workers", "1", "--shape", "P2048/D32", "-n", "40",
-                                               "--find-capacity", "--rate-lo", "1", "--rate-hi", "400",
+                                               "--probe-window", "0", "--find-capacity", "--rate-lo", "1", "--rate-hi", "400",
                                                "--slo-ttft-ms", "300", "--out-dir", str(tmp_path / "cap")])
     assert search.exit_code == 0, search.output
     capacity = json.loads((tmp_path / "cap" / "capacity.json").read_text())["capacity"]
@@ -297,7 +297,7 @@ def test_simulate_max_gap_slo_sees_decode_queueing_and_rate_max_caps_the_search(
     assert runs["max_gap"]["slo_attainment"] < 0.5
     assert runs["max_gap"]["slo"]["max_gap_s"] == 1.0
 
-    capped = CliRunner().invoke(simulate_app, [*common[:-4], "-n", "12", "--find-capacity", "--rate-lo", "1",
+    capped = CliRunner().invoke(simulate_app, [*common[:-4], "-n", "12", "--probe-window", "0", "--find-capacity", "--rate-lo", "1",
                                                "--rate-hi", "2", "--rate-max", "6", "--slo-ttft-ms", "1000000",
                                                "--out-dir", str(tmp_path / "capped")])
     assert capped.exit_code == 0, capped.output

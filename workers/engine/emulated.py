@@ -47,8 +47,6 @@ from workers.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192  # without a model directory (Llama-3's context length)
-
 _STEP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2,
                  5e-2, 0.1, 0.5)
 STEPS = Counter("splitserve_emulated_steps_total", "Emulated forward passes")
@@ -119,10 +117,12 @@ class EmulatedSpec:
 
 
 def emulated_spec(emulation: Emulation, model_dir: str | Path | None = None) -> EmulatedSpec:
-    """Shape from the preset; vocabulary, max length and EOS from `model_dir`'s config.json when
-    given (the directory whose tokenizer the gateway uses), else from the preset."""
+    """Shape and max length (the model's context) from the preset; vocabulary and EOS from
+    `model_dir`'s config.json when given (the directory whose tokenizer the gateway uses), else
+    from the preset. The directory's max_position_embeddings is not the emulated model's: a
+    small tokenizer model's 2,048 would refuse the long prompts the preset serves."""
     m = model_spec(emulation.model_preset)
-    vocab, max_len, eos, special = m.vocab, DEFAULT_MAX_MODEL_LEN, [], []
+    vocab, max_len, eos, special = m.vocab, m.context_len, [], []
     path = Path(model_dir) if model_dir else None
     if path is not None:
         cfg_file = path / "config.json"
@@ -130,7 +130,6 @@ def emulated_spec(emulation: Emulation, model_dir: str | Path | None = None) -> 
             raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
         cfg = json.loads(cfg_file.read_text())
         vocab = int(cfg.get("vocab_size") or vocab)
-        max_len = int(cfg.get("max_position_embeddings") or max_len)
         eos_raw = cfg.get("eos_token_id")
         gen = path / "generation_config.json"
         if gen.is_file():  # generation_config.json wins, as in load_model_spec

@@ -1,0 +1,168 @@
+"""`splitserve up --workers 2 --policy dynaserve` on the real model (SmolLM2-135M-Instruct).
+
+DynaServe (issue 12, `services.global_scheduler.dynaserve`) cuts each request where its
+worker pair is predicted to balance, so the split point differs from request to request
+(cold start: prefill/decode disaggregation; under load: wherever the probes land, φ = 0 or
+1 included). Whatever it chooses, the answer must be the one a single worker gives: greedy
+and seeded sampling, through the OpenAI HTTP API and the gRPC SDK, sent concurrently so
+that the pair is loaded while it decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from real_model_support import FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model_dir
+
+from splitserve.client import Client
+from splitserve.redis_server import free_port
+from splitserve.state import StateStore
+
+MAX_TOKENS = 40
+CHATS = [
+    FRANCE,
+    PHOTOSYNTHESIS,
+    [{"role": "user", "content": "Name three primary colours and say why they are called primary."}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+]
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return real_model_dir()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def up(model_dir, tmp_path_factory):
+    """The cluster as a user starts it: the `splitserve up` command in its own process."""
+    http_port, grpc_port = free_port(), free_port()
+    prefix = f"ss:dynaserve-up-{uuid.uuid4().hex[:8]}:"
+    log_dir = tmp_path_factory.mktemp("dynaserve-up-logs")
+    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--workers", "2", "--policy", "dynaserve",
+           "--model", str(model_dir), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--redis-url", os.environ["SPLITSERVE_TEST_REDIS_URL"], "--redis-prefix", prefix,
+           "--log-dir", str(log_dir), "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20),
+           "--batch-policy", "slo_aware"]
+    console = open(log_dir / "up.out", "w")
+    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            assert proc.poll() is None, f"splitserve up exited: {(log_dir / 'up.out').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"cluster not ready: {(log_dir / 'up.out').read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)  # polling the gateway's health, bounded by the deadline
+        yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}", "prefix": prefix, "log_dir": log_dir}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        console.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tokenizer):
+    """What one worker's engine answers (the offline engine is that engine in-process)."""
+    from workers.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir))
+    prompts = [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
+    return {i: llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **sampling))
+            for i, sampling in enumerate(SAMPLING)}
+
+
+def _record(up, request_id: str, timeout_s: float = 10.0):
+    """The request's record; the coordinator writes records in batches, so poll."""
+    async def read():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
+            while True:
+                record = await store.get_request(request_id)
+                if (record is not None and record.state != "running") or time.monotonic() > deadline:
+                    return record
+                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
+    return asyncio.run(read())
+
+
+def _wait_for_workers(up, count: int, timeout_s: float = 60.0) -> None:
+    """/health answers once one worker is up; DynaServe needs the pair: wait for both loads."""
+    async def wait():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
+            while len(await store.get_loads()) < count:
+                assert time.monotonic() < deadline, "the workers never published their load"
+                await asyncio.sleep(0.05)  # polling the registry, bounded by the deadline
+    asyncio.run(wait())
+
+
+def test_dynaserve_up_answers_exactly_as_one_worker(up, tokenizer, reference):
+    _wait_for_workers(up, 2)
+    with httpx.Client(base_url=up["http"], timeout=300) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+
+    def over_http(case: tuple[int, int]) -> tuple[tuple[int, int], str, str]:
+        chat, sampling = case
+        body = {"model": model, "messages": CHATS[chat], "max_tokens": MAX_TOKENS, **SAMPLING[sampling]}
+        with httpx.Client(base_url=up["http"], timeout=300) as http:
+            reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return case, choice["message"]["content"], choice["finish_reason"]
+
+    def over_sdk(case: tuple[int, int]) -> tuple[tuple[int, int], str, list[int]]:
+        chat, sampling = case
+        request_id = f"dyn-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
+        with Client(up["grpc"], timeout_s=300) as client:
+            out = client.generate(chat_prompt_ids(tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
+                                  request_id=request_id, **SAMPLING[sampling])
+        return case, request_id, out.token_ids
+
+    cases = [(chat, sampling) for chat in range(len(CHATS)) for sampling in range(len(SAMPLING))]
+    with ThreadPoolExecutor(max_workers=2 * len(cases)) as pool:  # all at once: the pair is loaded
+        http_replies = [pool.submit(over_http, case) for case in cases]
+        sdk_replies = [pool.submit(over_sdk, case) for case in cases]
+        http_results = [f.result() for f in http_replies]
+        sdk_results = [f.result() for f in sdk_replies]
+
+    for (chat, sampling), text, finish in http_results:
+        expected = reference[sampling][chat]
+        assert text == expected.text, (chat, SAMPLING[sampling])
+        assert finish == expected.finish_reason
+    splits, phis = 0, []
+    for (chat, sampling), request_id, token_ids in sdk_results:
+        assert token_ids == reference[sampling][chat].token_ids, (chat, SAMPLING[sampling])
+        record = _record(up, request_id)
+        assert record is not None and record.state in ("stop", "length"), record
+        assert {"phi", "probes", "t1_s", "t2_s"} <= set(record.decision), record.decision
+        phis.append(record.decision["phi"])
+        total = record.stages[-1]["end"]
+        split_points = [s["end"] for s in record.stages[:-1]]
+        assert all(0 < s < total for s in split_points)
+        splits += len(record.stages) == 2 and record.stages[0]["worker_id"] != record.stages[1]["worker_id"]
+    # The test means nothing unless requests were really cut across the two workers.
+    assert splits >= 1, phis
