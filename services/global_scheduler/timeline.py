@@ -256,13 +256,14 @@ class WorkerTimeline:
         cut = seg.start + min(done, seg.passes)
         if cut <= self.origin_pass:
             return
-        self.origin = self._times[i] + (cut - seg.start) * seconds
-        self.origin_pass = cut
         # The passes before the cut go; what follows keeps its pass times (the cut segment's
         # decodes read a little more context from here on: ignored until the next change).
-        shift_time, shift_spare = self.origin, self._spare_at(cut)
+        # The shifts are read before the origin moves: at the origin every cumulative is 0.
+        shift_spare = self._spare_at(cut)
         shift_fill = self._fill_seconds_at_spare(shift_spare)
         shift_dec = self._cumulative(self._decode_cost, self._decode_per_pass, cut)
+        self.origin = self._times[i] + (cut - seg.start) * seconds
+        self.origin_pass = cut
         head = cut - seg.start
         seg.decode_context += seg.decodes * head
         seg.start, seg.passes = cut, seg.passes - head
