@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from services.global_scheduler.baselines import colocated_candidates
+from services.global_scheduler.compute_clock import ComputeClock, compute_seconds
 from services.global_scheduler.length_predictor import OutputLengthPredictor, observe_completion, predicted_output_len
 from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement, PlacementRequest,
                                               StagePlacement, WorkerView, worker_rank)
@@ -46,8 +47,10 @@ class SplitOption:
 
     phi: float
     split: int  # s: alpha runs [0, s), beta [s, L); 0: all on beta, L_total: all on alpha
-    t_alpha: float  # alpha's worker drains (scheduler clock)
-    t_beta: float
+    t_alpha: float  # T1: alpha's worker's committed compute with this split (seconds of work)
+    t_beta: float  # T2: beta's
+    drain_alpha: float  # when alpha's worker would run dry (scheduler clock; reported, not balanced)
+    drain_beta: float
     first_token: float  # when the request's first token is predicted
     longest_gap_s: float  # its worst predicted gap between tokens (the stage hand-off included)
     alpha_request: MicroRequest | None
@@ -56,6 +59,7 @@ class SplitOption:
 
     @property
     def makespan(self) -> float:
+        """The busier worker's committed compute: what the split minimises."""
         return max(self.t_alpha, self.t_beta)
 
 
@@ -87,6 +91,7 @@ class DynaServePolicy:
                                                       margin=int(output_len_margin),
                                                       quantile=float(output_len_quantile))
         self.timelines: dict[str, WorkerTimeline] = {}
+        self.clocks: dict[str, ComputeClock] = {}  # Alg. 1's per-worker execution clocks
         self._placed: dict[str, list[tuple[str, str]]] = {}  # request id -> (worker id, micro-request key)
         self._last_placed: dict[str, float] = {}  # worker id -> when it was last given work
 
@@ -97,13 +102,14 @@ class DynaServePolicy:
         output_len = self.predicted_output_len(request)
         if len(candidates) == 1 or request.total_len < 2:
             return self._commit_single(candidates[0], request, output_len, now, "one eligible worker: colocated")
-        ranked = sorted(candidates, key=lambda w: (self.timelines[w.worker_id].drain_time, w.worker_id))
+        loads = {w.worker_id: self.clocks[w.worker_id].backlog(now) for w in candidates}
+        ranked = sorted(candidates, key=lambda w: (loads[w.worker_id], w.worker_id))
         pool = ranked[: self.candidate_workers]
         best: tuple[tuple, SplitOption, WorkerView, WorkerView, int] | None = None
         for i, first in enumerate(pool):
             for second in pool[i + 1:]:
                 alpha, beta = sorted((first, second), key=worker_rank)  # KV flows up the order only
-                option, probes = self._search(request, output_len, alpha, beta, now)
+                option, probes = self._search(request, output_len, alpha, beta, loads, now)
                 key = (not self._meets_slo(request, option, now), option.makespan)
                 if best is None or key < best[0]:
                     best = (key, option, alpha, beta, probes)
@@ -116,6 +122,9 @@ class DynaServePolicy:
             timeline = self.timelines.get(worker_id)
             if timeline is not None:
                 timeline.remove(key)
+            clock = self.clocks.get(worker_id)
+            if clock is not None:
+                clock.remove(key)
         observe_completion(self.length_predictor, report)
 
     def predicted_output_len(self, request: PlacementRequest) -> int:
@@ -124,22 +133,23 @@ class DynaServePolicy:
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def _search(self, request: PlacementRequest, output_len: int, alpha: WorkerView, beta: WorkerView,
-                now: float) -> tuple[SplitOption, int]:
+                loads: dict[str, float], now: float) -> tuple[SplitOption, int]:
         """The bounded binary search over phi for this pair: (best option, probes made)."""
         P, L = request.prompt_len, request.prompt_len + output_len
         phi = P / L  # start from prefill/decode disaggregation
         a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
+        load_a, load_b = loads[alpha.worker_id], loads[beta.worker_id]
         if a.drain_time <= now and b.drain_time <= now:  # cold start: both idle
-            return self._evaluate(request, output_len, phi, a, b, now), 1
+            return self._evaluate(request, output_len, phi, a, b, load_a, load_b, now), 1
         lo, hi = 0.0, 1.0
         best: SplitOption | None = None
         probes = 0
         for _ in range(self.max_probes):
-            option = self._evaluate(request, output_len, phi, a, b, now)
+            option = self._evaluate(request, output_len, phi, a, b, load_a, load_b, now)
             probes += 1
             if best is None or option.makespan < best.makespan:
                 best = option
-            horizon = max(option.makespan - now, 1e-3)
+            horizon = max(option.makespan, 1e-3)
             if abs(option.t_alpha - option.t_beta) <= self.tolerance * horizon:
                 break  # balanced
             if option.t_alpha > option.t_beta:
@@ -154,29 +164,30 @@ class DynaServePolicy:
             # the edge it was heading to (no split at all) is one more candidate.
             edge = 0.0 if lo == 0.0 else 1.0 if hi == 1.0 else None
             if edge is not None:
-                option = self._evaluate(request, output_len, edge, a, b, now)
+                option = self._evaluate(request, output_len, edge, a, b, load_a, load_b, now)
                 probes += 1
                 if option.makespan < best.makespan:
                     best = option
         return best, probes
 
     def _evaluate(self, request: PlacementRequest, output_len: int, phi: float, a: WorkerTimeline,
-                  b: WorkerTimeline, now: float) -> SplitOption:
-        """Predict both workers' drain times if the request is cut at s = ceil(phi * L)."""
+                  b: WorkerTimeline, load_a: float, load_b: float, now: float) -> SplitOption:
+        """Both workers' committed compute (T1, T2) if the request is cut at s = ceil(phi * L),
+        and from the timelines when its first token comes and its longest gap (the SLO check)."""
         P, D = request.prompt_len, output_len
         L, total = P + D, request.total_len
         split = math.ceil(phi * L)
         if split <= 0:  # all on beta
             micro = MicroRequest(f"{request.request_id}/0", P, 0, D)
             p = b.predict(micro)
-            return SplitOption(0.0, 0, a.drain_time, p.drain_time, p.first_token_time, p.longest_pass_s,
-                               None, micro, None)
+            return SplitOption(0.0, 0, load_a, load_b + self._work(micro), a.drain_time, p.drain_time,
+                               p.first_token_time, p.longest_pass_s, None, micro, None)
         alpha_samples = max(0, split - P + 1)
         if split >= L or alpha_samples >= D:  # all on alpha (beta would sample nothing)
             micro = MicroRequest(f"{request.request_id}/0", P, 0, D)
             p = a.predict(micro)
-            return SplitOption(1.0, total, p.drain_time, b.drain_time, p.first_token_time, p.longest_pass_s,
-                               micro, None, None)
+            return SplitOption(1.0, total, load_a + self._work(micro), load_b, p.drain_time, b.drain_time,
+                               p.first_token_time, p.longest_pass_s, micro, None, None)
         alpha = MicroRequest(f"{request.request_id}/0", min(split, P), 0, alpha_samples)
         beta = MicroRequest(f"{request.request_id}/1", max(0, P - split), split, D - alpha_samples)
         pa = a.predict(alpha)
@@ -188,7 +199,11 @@ class DynaServePolicy:
         gap = max(pa.longest_pass_s, pb.longest_pass_s)
         if alpha_samples:  # the hand-off between alpha's last token and beta's first is a gap too
             gap = max(gap, pb.first_token_time - pa.finish_time)
-        return SplitOption(phi, split, pa.drain_time, pb.drain_time, first_token, gap, alpha, beta, not_before)
+        return SplitOption(phi, split, load_a + self._work(alpha), load_b + self._work(beta), pa.drain_time,
+                           pb.drain_time, first_token, gap, alpha, beta, not_before)
+
+    def _work(self, micro: MicroRequest) -> float:
+        return compute_seconds(self.perf_model, micro.prefill, micro.history, micro.decode)
 
     def _meets_slo(self, request: PlacementRequest, option: SplitOption, now: float) -> bool:
         if request.slo_ttft_ms and (option.first_token - now) * 1000 > request.slo_ttft_ms:
@@ -206,45 +221,52 @@ class DynaServePolicy:
             if timeline is None:
                 timeline = self.timelines[w.worker_id] = WorkerTimeline(self.perf_model, self.token_budget, now)
             timeline.advance(now)
+            clock = self.clocks.setdefault(w.worker_id, ComputeClock())
             load = w.load
             idle = load.running == 0 and load.waiting == 0 and w.inflight_assigned == 0
             if idle and view.taken_at > self._last_placed.get(w.worker_id, float("-inf")):
                 timeline.reset(now)
+                clock.reset()
         known = {w.worker_id for w in view.workers}
         for worker_id in [w for w in self.timelines if w not in known]:
             del self.timelines[worker_id]
+            self.clocks.pop(worker_id, None)
 
     def _commit(self, request: PlacementRequest, output_len: int, option: SplitOption, alpha: WorkerView,
                 beta: WorkerView, probes: int, now: float) -> Placement:
         decision = {"phi": option.phi, "split_point": float(option.split), "probes": float(probes),
-                    "predicted_output_len": float(output_len), "t1_s": option.t_alpha - now,
-                    "t2_s": option.t_beta - now, "predicted_ttft_s": option.first_token - now}
+                    "predicted_output_len": float(output_len), "t1_s": option.t_alpha, "t2_s": option.t_beta,
+                    "drain1_s": option.drain_alpha - now, "drain2_s": option.drain_beta - now,
+                    "predicted_ttft_s": option.first_token - now}
         total = request.total_len
         if option.split <= 0 or option.split >= total:
             worker = beta if option.split <= 0 else alpha
             micro = option.beta_request if option.split <= 0 else option.alpha_request
             self._record(request.request_id, worker, micro, None, now)
             return Placement((StagePlacement(worker.worker_id, worker.address, 0, total),), self.name,
-                             f"phi={option.phi:.3f}: all on {worker.worker_id} (T1={option.t_alpha - now:.3f}s, "
-                             f"T2={option.t_beta - now:.3f}s, {probes} probes)", decision)
+                             f"phi={option.phi:.3f}: all on {worker.worker_id} (T1={option.t_alpha:.3f}s, "
+                             f"T2={option.t_beta:.3f}s of compute, {probes} probes)", decision)
         self._record(request.request_id, alpha, option.alpha_request, None, now)
         self._record(request.request_id, beta, option.beta_request, option.beta_not_before, now)
         stages = (StagePlacement(alpha.worker_id, alpha.address, 0, option.split),
                   StagePlacement(beta.worker_id, beta.address, option.split, total))
         return Placement(stages, self.name,
                          f"phi={option.phi:.3f}: split at {option.split} of {total} on {alpha.worker_id} -> "
-                         f"{beta.worker_id} (T1={option.t_alpha - now:.3f}s, T2={option.t_beta - now:.3f}s, "
+                         f"{beta.worker_id} (T1={option.t_alpha:.3f}s, T2={option.t_beta:.3f}s of compute, "
                          f"{probes} probes)", decision)
 
     def _commit_single(self, worker: WorkerView, request: PlacementRequest, output_len: int, now: float,
                        reason: str) -> Placement:
-        micro = MicroRequest(f"{request.request_id}/0", request.prompt_len, 0, output_len)
+        micro = MicroRequest(f"{request.request_id}/0", request.prompt_len, 0, max(1, output_len))
         self._record(request.request_id, worker, micro, None, now)
         return Placement.single_stage(worker, request, self.name, reason)
 
     def _record(self, request_id: str, worker: WorkerView, micro: MicroRequest, not_before: float | None,
                 now: float) -> Prediction:
-        prediction = self.timelines[worker.worker_id].commit(micro, not_before)
+        timeline = self.timelines[worker.worker_id]
+        prediction = timeline.commit(micro, not_before)
+        self.clocks[worker.worker_id].add(micro.key, self._work(micro), timeline.time_of_pass(prediction.first_pass),
+                                          prediction.finish_time)
         self._placed.setdefault(request_id, []).append((worker.worker_id, micro.key))
         self._last_placed[worker.worker_id] = now
         return prediction

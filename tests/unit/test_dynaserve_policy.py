@@ -8,7 +8,8 @@ import pytest
 from services.global_scheduler.dynaserve import DynaServePolicy
 from services.global_scheduler.policy import (ClusterView, CompletionReport, PlacementRequest, WorkerView,
                                               make_policy, orient_kv_transfers)
-from services.global_scheduler.timeline import MicroRequest
+from services.global_scheduler.compute_clock import ComputeClock
+from services.global_scheduler.timeline import MicroRequest, WorkerTimeline
 from splitserve.perf_presets import preset
 from splitserve.state_records import WorkerLoad
 
@@ -32,10 +33,13 @@ def policy(**kw) -> DynaServePolicy:
 
 
 def load(p: DynaServePolicy, worker_id: str, n: int, prefill: int = 1024, decode: int = 256) -> None:
-    p.timelines.setdefault(worker_id, p.timelines.get(worker_id) or __import__(
-        "services.global_scheduler.timeline", fromlist=["WorkerTimeline"]).WorkerTimeline(PERF, p.token_budget, NOW))
+    """`n` requests already placed on `worker_id` (its timeline and its compute clock)."""
+    timeline = p.timelines.setdefault(worker_id, WorkerTimeline(PERF, p.token_budget, NOW))
+    clock = p.clocks.setdefault(worker_id, ComputeClock())
     for i in range(n):
-        p.timelines[worker_id].commit(MicroRequest(f"bg-{worker_id}-{i}", prefill, 0, decode))
+        micro = MicroRequest(f"bg-{worker_id}-{i}", prefill, 0, decode)
+        predicted = timeline.commit(micro)
+        clock.add(micro.key, p._work(micro), timeline.time_of_pass(predicted.first_pass), predicted.finish_time)
     p._last_placed[worker_id] = NOW
 
 
@@ -134,3 +138,29 @@ def test_every_plan_tiles_the_request_and_respects_the_probe_budget():
                             view("w0", "w1", "w2"), NOW + i * 0.05)
         assert placement.stages[0].start == 0 and placement.stages[-1].end == 100 + 97 * i + 50 + 31 * i
         assert placement.decision["probes"] <= 3 + 1
+
+
+def test_equally_loaded_workers_share_the_prefill():
+    """The balance is over compute (Alg. 1's execution clocks), not drain times: with both
+    workers equally busy, a prefill-heavy request is cut inside its prompt so that the second
+    worker takes part of the prefill (drain times always put T2 after T1, since the second stage
+    waits for the first, and never gave it any: docs/benchmarks.md, DynaServe evaluation)."""
+    p = policy()
+    load(p, "w0", 12)
+    load(p, "w1", 12)
+    placement = p.place(request(), view("w0", "w1"), NOW)
+    assert placement.decision["phi"] < 2048 / (2048 + 512)
+    (_, alpha_end), (beta_start, _) = [(s.start, s.end) for s in placement.stages]
+    assert alpha_end == beta_start < 2048  # beta prefills the rest of the prompt
+    t1, t2 = placement.decision["t1_s"], placement.decision["t2_s"]
+    assert abs(t1 - t2) <= 0.05 * max(t1, t2)  # balanced within a few probes' resolution
+
+
+def test_a_stream_of_requests_splits_the_compute_evenly():
+    """Many identical requests on an idle pair: both workers end up with about the same compute."""
+    p = policy()
+    workers = view("w0", "w1")
+    for i in range(200):
+        p.place(request(f"s{i}"), workers, NOW + i * 0.2)
+    loads = [p.clocks[w].backlog(NOW + 40) for w in ("w0", "w1")]
+    assert min(loads) > 0.8 * max(loads)
