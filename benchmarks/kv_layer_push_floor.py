@@ -356,6 +356,9 @@ def main() -> None:
         "b_write_ms": {k: med(v) * 1e3 for k, v in b.items()},
         "b_digest_ms": {k: med(v) * 1e3 for k, v in digest_s.items()},
         "c_forward_ms": {k: med(v) * 1e3 for k, v in fwd.items()},
+        # per round, against the "alone" forward of the same round: the machine's drift cancels
+        "c_forward_ratio_vs_alone": {k: med([x / y for x, y in zip(v, fwd["alone"])]) for k, v in fwd.items()
+                                     if k != "alone"},
         "c_copy_loop_chunks_per_forward": med(loop_copies),
         "c_exposed_floor_ms": {"whole chunk after the forward": floor_now, "per layer": floor_layer},
         "predicted_hidden_floor": {"whole chunk": 1 - floor_now / single_ms, "per layer": 1 - floor_layer / single_ms},
@@ -382,6 +385,8 @@ def main() -> None:
     for k, v in result["c_forward_ms"].items():
         t.add_row(f"(c) forward, {k}", f"{v:.1f}")
     t.add_row("(c) chunks copied by the loop during one forward", f"{result['c_copy_loop_chunks_per_forward']:.0f}")
+    for k, v in result["c_forward_ratio_vs_alone"].items():
+        t.add_row(f"(c) forward, {k} / alone, same round (median ratio)", f"{v:.3f}")
     for k, v in result["c_exposed_floor_ms"].items():
         t.add_row(f"(c) exposed floor: {k}", f"{v:.3f}")
     for k, v in result["predicted_hidden_floor"].items():
