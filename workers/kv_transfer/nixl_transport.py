@@ -276,7 +276,8 @@ class NixlTransport:
             # wake-up (and a GIL hand-over when the engine computes).
             try:
                 await self._call_before(lane, deadline, what, self._post_and_wait, lane, op, remote_dlist,
-                                        local, remote, notif, deadline, local_dlist)
+                                        local, remote, notif, deadline, local_dlist,
+                                        part.layer is None or part.layer == self.memory.num_layers - 1)
             finally:
                 if digest is not None and not digest.done():
                     await asyncio.wait([digest])  # never leave it reading blocks the caller may free
@@ -291,7 +292,7 @@ class NixlTransport:
 
     def _post_and_wait(self, lane: _Lane, op: str, remote_dlist: Any, local_blocks: tuple[int, ...],
                        remote_blocks: tuple[int, ...], notif: bytes | Callable[[], bytes], deadline: float,
-                       local_dlist: Any = None) -> None:
+                       local_dlist: Any = None, spin: bool = True) -> None:
         """On the lane's thread: post the transfer and progress it until DONE, ERR or the deadline."""
         if time.monotonic() >= deadline:
             raise _TimedOut
@@ -306,7 +307,9 @@ class NixlTransport:
             # Small transfers finish within a few hundred microseconds of the post: spin
             # (yielding the GIL) that long, since sleeping even 20 us at a time doubled
             # their latency, then back off to 1 ms naps for whatever is really slow.
-            spin_until = time.monotonic() + _SPIN_S
+            # A layer slice other than the last goes while later layers compute: nobody waits
+            # for it, so it naps from the start rather than spin a core beside the engine.
+            spin_until = time.monotonic() + (0.0 if spin is False else _SPIN_S)
             pause = 0.0
             while state == "PROC":
                 now = time.monotonic()
