@@ -4,7 +4,10 @@ A long prompt is split at the end of the prompt (alpha = prefill, beta = decode)
 real two-worker cluster. Each worker measures the transfer time that is *not* hidden:
 from alpha's stage end to its last KV chunk being in place on beta. We compare chunked
 push (a chunk every `--chunk-tokens` while alpha computes) with one transfer after the
-stage ends, for each transport, in the same run.
+stage ends, for each transport, in the same run. For NIXL, chunked push runs twice: with
+the last step's chunk pushed whole after the step (`--kv-layer-push false`) and layer by
+layer from inside it (issue 12). `--repeats` runs every configuration that many times,
+interleaved; medians are reported.
 
     .venv/bin/python benchmarks/kv_overlap.py --out bench-results/kv_overlap.json
 """
@@ -16,6 +19,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 import uuid
@@ -48,13 +52,14 @@ def _scrape(port: int, name: str) -> tuple[float, float]:
 
 
 def measure(model_dir: Path, transport: str, chunk_tokens: int, prompt_len: int, requests: int,
-            redis_url: str, step_tokens: int) -> dict:
+            redis_url: str, step_tokens: int, layer_push: bool = False) -> dict:
     import grpc
 
     spec = ClusterSpec(
         model=str(model_dir), workers=2, policy="split", http_port=free_port(), grpc_port=free_port(),
         redis_url=redis_url, redis_prefix=f"ss:overlap-{uuid.uuid4().hex[:8]}:",
-        worker_args={"kv_transport": transport, "kv_cache_memory_bytes": 512 << 20, "max_num_batched_tokens": step_tokens,
+        worker_args={"kv_transport": transport, "kv_layer_push": layer_push,
+                     "kv_cache_memory_bytes": 512 << 20, "max_num_batched_tokens": step_tokens,
                      "log_level": os.environ.get("SPLITSERVE_BENCH_LOG_LEVEL", "INFO")},
         coordinator_args={"kv_chunk_tokens": chunk_tokens},
         log_dir=Path(os.environ.get("SPLITSERVE_BENCH_LOG_DIR", "/tmp/splitserve-kv-overlap-logs")),
@@ -94,7 +99,8 @@ def measure(model_dir: Path, transport: str, chunk_tokens: int, prompt_len: int,
         exposed, pushed, stages = (a - b for a, b in zip(after, before))
     finally:
         cluster.stop()
-    return {"transport": transport, "chunk_tokens": chunk_tokens, "requests": requests, "stages_measured": stages,
+    return {"transport": transport, "chunk_tokens": chunk_tokens, "layer_push": layer_push, "requests": requests,
+            "stages_measured": stages,
             "exposed_s_per_request": exposed / max(stages, 1), "push_busy_s_per_request": pushed / max(stages, 1),
             "wall_s": wall}
 
@@ -106,28 +112,44 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--transports", default="nixl,grpc")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration, interleaved; medians")
+    ap.add_argument("--no-layer-push", action="store_true", help="NIXL: skip the per-layer configuration")
     ap.add_argument("--model-dir", type=Path, default=REPO / "models" / "bench-llama")
     ap.add_argument("--redis-url", default=os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "kv_overlap.json")
     args = ap.parse_args()
     model_dir = build_demo_model(bench_model_spec(), args.model_dir)
-    rows = []
+    configs = []  # (row name, transport, chunk tokens, per-layer push)
     for transport in args.transports.split(","):
-        chunked = measure(model_dir, transport, args.chunk_tokens, args.prompt_len, args.requests, args.redis_url,
-                          args.step_tokens)
-        single = measure(model_dir, transport, SINGLE_TRANSFER, args.prompt_len, args.requests, args.redis_url,
-                         args.step_tokens)
-        hidden = 1 - chunked["exposed_s_per_request"] / single["exposed_s_per_request"] if single[
-            "exposed_s_per_request"] else 0.0
-        rows.append({"transport": transport, "chunked": chunked, "single": single, "hidden_fraction": hidden})
-    table = Table("transport", "exposed, chunked (ms)", "exposed, one transfer (ms)", "push busy (ms)",
-                  "hidden by chunked push")
+        configs.append((f"{transport}, chunked", transport, args.chunk_tokens, False))
+        if transport == "nixl" and not args.no_layer_push:
+            configs.append((f"{transport}, chunked + last step per layer", transport, args.chunk_tokens, True))
+        configs.append((f"{transport}, one transfer", transport, SINGLE_TRANSFER, False))
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in configs}
+    for _ in range(args.repeats):
+        for name, transport, chunk, layer_push in configs:
+            runs[name].append(measure(model_dir, transport, chunk, args.prompt_len, args.requests, args.redis_url,
+                                      args.step_tokens, layer_push))
+    rows = []
+    for name, transport, chunk, layer_push in configs:
+        if chunk == SINGLE_TRANSFER:
+            continue
+        single = runs[f"{transport}, one transfer"]
+        hidden = [1 - c["exposed_s_per_request"] / s["exposed_s_per_request"] if s["exposed_s_per_request"] else 0.0
+                  for c, s in zip(runs[name], single)]  # each repeat against the one-transfer run beside it
+        rows.append({"transport": transport, "config": name, "layer_push": layer_push, "runs": runs[name],
+                     "single_runs": single,
+                     "exposed_ms_median": statistics.median(r["exposed_s_per_request"] for r in runs[name]) * 1e3,
+                     "single_exposed_ms_median": statistics.median(r["exposed_s_per_request"] for r in single) * 1e3,
+                     "hidden_fractions": hidden, "hidden_fraction": statistics.median(hidden)})
+    table = Table("configuration", "exposed (ms)", "exposed, one transfer (ms)", "hidden, per repeat",
+                  "hidden (median)")
     for r in rows:
-        table.add_row(r["transport"], f"{r['chunked']['exposed_s_per_request'] * 1e3:.1f}",
-                      f"{r['single']['exposed_s_per_request'] * 1e3:.1f}",
-                      f"{r['single']['push_busy_s_per_request'] * 1e3:.1f}", f"{r['hidden_fraction']:.0%}")
+        table.add_row(r["config"], f"{r['exposed_ms_median']:.2f}", f"{r['single_exposed_ms_median']:.1f}",
+                      " / ".join(f"{h:.0%}" for h in r["hidden_fractions"]), f"{r['hidden_fraction']:.0%}")
     console.print(f"prompt {args.prompt_len} tokens in steps of {args.step_tokens}, split at the end of the prompt, "
-                  f"chunk {args.chunk_tokens} tokens, {args.requests} requests per configuration")
+                  f"chunk {args.chunk_tokens} tokens, {args.requests} requests per configuration, "
+                  f"{args.repeats} repeat(s), medians")
     console.print(table)
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
               "prompt_len": args.prompt_len, "step_tokens": args.step_tokens, "chunk_tokens": args.chunk_tokens,

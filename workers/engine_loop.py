@@ -100,6 +100,18 @@ class EngineLoop:
 
     def unwatch(self, key: StageKey) -> None:
         self._watchers.pop(key, None)
+        watchers = getattr(self.engine, "layer_watchers", None)
+        if watchers is not None:
+            watchers.pop(key, None)
+
+    def watch_layers(self, key: StageKey, stop_at: int, callback: Callable[[int, list[int]], None]) -> bool:
+        """Call `callback(layer, block_table)` on the engine thread as each layer writes its KV in the
+        step that completes the stage's KV [0, stop_at) (per-layer push); False if the engine can't."""
+        watchers = getattr(self.engine, "layer_watchers", None)
+        if watchers is None:
+            return False
+        watchers[key] = (stop_at, callback)  # one dict store: safe beside the engine thread's reads
+        return True
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the engine thread between steps; resolves with its result."""

@@ -31,6 +31,8 @@ KV_EXPOSED_SECONDS = Histogram(
     "splitserve_worker_kv_exposed_seconds",
     "Transfer time not hidden behind compute: stage end to its last KV chunk in place (DynaServe §4.3)",
     buckets=percentile_buckets(10.0))
+KV_LAYER_SLICES = Counter("splitserve_worker_kv_layer_slices_total",
+                          "Per-layer slices pushed from inside a stage's last step (NIXL, kv_layer_push)")
 KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
 
 
@@ -48,6 +50,7 @@ class _OutgoingPush:
     sink: KvSink
     plan: KvPushPlan  # which ranges may leave as the stage computes (shared with the simulator)
     computed_at: float | None = None  # when the step that reached stop_at was reported
+    layer_range: tuple[int, int] | None = None  # pushed layer by layer from inside the last step
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     failed: bool = False
@@ -57,7 +60,8 @@ class KvStageManager:
     """Reservations, incoming-transfer waits and outgoing chunked pushes of one worker."""
 
     def __init__(self, worker_id: str, loop: EngineLoop, memory: KvMemory, tracker: TransferTracker,
-                 transfer_timeout_s: float, reservation_ttl_s: float, fault_injection: str = ""):
+                 transfer_timeout_s: float, reservation_ttl_s: float, fault_injection: str = "",
+                 layer_push: bool = False):
         self.worker_id = worker_id
         self.loop = loop
         self.memory = memory
@@ -66,6 +70,8 @@ class KvStageManager:
         self.transfer_timeout_s = transfer_timeout_s
         self.reservation_ttl_s = reservation_ttl_s
         self.fault_injection = fault_injection
+        # Push the last step's KV layer by layer as the engine computes it (transports that can).
+        self.layer_push = layer_push
         self._reservations: dict[str, _Reservation] = {}
         self._pushes: dict[str, _OutgoingPush] = {}
 
@@ -171,6 +177,24 @@ class KvStageManager:
         push.task = asyncio.create_task(self._pusher(push))
         self._pushes[key] = push
         self.loop.watch(key, lambda computed, table: self._on_progress(push, computed, table))
+        if self.layer_push and getattr(self.transport, "supports_layer_push", False):
+            loop = asyncio.get_running_loop()
+            self.loop.watch_layers(key, stop_at, lambda layer, table: loop.call_soon_threadsafe(
+                self._on_layer, push, layer, table))
+
+    def _on_layer(self, push: _OutgoingPush, layer: int, block_table: list[int]) -> None:
+        # Inside the stage's last step, layer `layer` wrote its KV: push that layer's slice of
+        # everything not pushed yet (the earlier steps' reports came first, on this loop). The
+        # receiver counts those tokens once every layer's slice is in (LayerAssembler).
+        if push.layer_range is None:
+            rest = push.plan.rest()
+            if rest is None:
+                return
+            push.layer_range = rest
+        if layer == self.memory.num_layers - 1 and self.fault_injection == "truncate":
+            return  # testing: the last layer's slice never arrives, so the chunk never completes
+        start, end = push.layer_range
+        push.queue.put_nowait((start, end, block_table, layer))
 
     def _on_progress(self, push: _OutgoingPush, computed: int, block_table: list[int]) -> None:
         # The step that reached stop_at wrote the stage's last KV: the plan releases the rest
@@ -212,15 +236,18 @@ class KvStageManager:
                 return
             if push.failed:
                 continue  # the receiver will time out and recompute; don't waste bandwidth
-            start, end, table = item
+            start, end, table, *layer = item
+            layer = layer[0] if layer else None  # a per-layer slice (last step), or whole blocks
             first, last = start // bs, -(-end // bs)
             sink = push.sink
             src, dst = table[first:last], sink.block_ids[first:last]
             transfer = BlockTransfer(sink.transfer_id, self.worker_id, sink.worker_id, tuple(src), tuple(dst),
-                                     start, end, request_id=push.key.request_id)
+                                     start, end, request_id=push.key.request_id, layer=layer)
             checksum = None  # the transport checksums what it sends, off the event loop
             if self.fault_injection == "corrupt":  # testing: the receiver must detect it
-                checksum = await asyncio.to_thread(self.memory.checksum, src) ^ 0xFFFFFFFF
+                digest = await asyncio.to_thread(self.memory.checksum, src) if layer is None else \
+                    self.memory.checksum(src, layer)
+                checksum = digest ^ 0xFFFFFFFF
             started = time.perf_counter()
             try:
                 await self.transport.push(transfer, checksum, self.transfer_timeout_s)
@@ -232,7 +259,9 @@ class KvStageManager:
             KV_PUSH_SECONDS.observe(time.perf_counter() - started)
             log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, sink.transfer_id,
                       (time.perf_counter() - started) * 1e3)
-            KV_BYTES.inc(len(src) * self.memory.block_bytes)
+            KV_BYTES.inc(len(src) * (self.memory.block_bytes if layer is None else self.memory.layer_bytes))
+            if layer is not None:
+                KV_LAYER_SLICES.inc()
 
 
 __all__ = ["KvStageManager", "KvCapacityError"]

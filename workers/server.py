@@ -330,7 +330,7 @@ class WorkerServer:
         else:
             memory = KvMemory(self.engine.kv_cache)
         self.kv = KvStageManager(self.worker_id, self.loop, memory, TransferTracker(), cfg.kv_transfer_timeout_s,
-                                 cfg.kv_reservation_ttl_s, cfg.kv_fault_injection)
+                                 cfg.kv_reservation_ttl_s, cfg.kv_fault_injection, layer_push=cfg.kv_layer_push)
         # The gRPC transport always serves PushKv/PullKv (peers may use it); it is also the fallback.
         if emulated:
             self.grpc_kv = EmulatedTransport(self.worker_id, memory, self.store, self.kv.on_chunk,

@@ -108,9 +108,12 @@ def _generate(cluster, case: dict, request_id: str):
         return client.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=request_id, **case)
 
 
+# NIXL with the last step's KV pushed layer by layer (kv_layer_push, the default; the chunks
+# before it go whole), gRPC with whole chunks only.
 @pytest.fixture(scope="module", params=["nixl", "grpc"])
 def transport_cluster(request, tiny_model_dirs, tmp_path_factory):
-    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={"kv_transport": request.param})
+    cluster = _start(tiny_model_dirs, tmp_path_factory,
+                     worker_args={"kv_transport": request.param, "kv_layer_push": request.param == "nixl"})
     yield cluster
     cluster.stop()
 
@@ -131,6 +134,16 @@ def test_split_at_any_token_equals_colocated(transport_cluster, reference, split
         # At L - 1 the second stage never runs: its worker's reservation must still be freed
         # although the client closes the stream at the last chunk.
         _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
+
+
+def test_last_steps_went_layer_by_layer_over_nixl(transport_cluster):
+    """The split requests above moved their last step's KV per layer (NIXL), whole (gRPC)."""
+    slices = sum(_metric(transport_cluster, f"worker-{i}", "splitserve_worker_kv_layer_slices_total")
+                 for i in range(len(transport_cluster.worker_addresses)))
+    if transport_cluster.spec.worker_args["kv_transport"] == "nixl":
+        assert slices > 0
+    else:
+        assert slices == 0
 
 
 def test_pd_disaggregated_equals_colocated(transport_cluster, reference):

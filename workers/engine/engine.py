@@ -58,6 +58,9 @@ class Engine:
             build_batch_policy(config.batch_policy, config.batch_policy_options, perf_model=self.policy_perf_model()),
             clock)
         self.last_output = SchedulerOutput()  # the latest step's (empty after a step that found nothing to run)
+        # Stages whose last step pushes its KV layer by layer: key -> (stop_at, callback(layer, block_table)).
+        # Set and cleared from another thread (the worker's event loop); read once per step.
+        self.layer_watchers: dict[StageKey, tuple[int, Callable[[int, list[int]], None]]] = {}
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s",
             self.spec.architecture, runner.device, runner.dtype, runner.num_blocks, config.block_size,
@@ -161,7 +164,8 @@ class Engine:
         if not out.entries:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(out)
+        on_layer_kv = self._layer_hook(out) if self.layer_watchers else None
+        sampled = self.runner.execute(out) if on_layer_kv is None else self.runner.execute(out, on_layer_kv)
         return self.scheduler.update_from_output(out, sampled, time.perf_counter() - started)
 
     @property
@@ -182,6 +186,24 @@ class Engine:
         return None if seq is None else (seq.num_computed_tokens, seq.block_table)
 
     # ---- internals -------------------------------------------------------------------------------
+    def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        """The per-layer callback of this step: for each watched stage whose KV this step completes."""
+        calls = []
+        for entry in out.entries:
+            watch = self.layer_watchers.get(entry.seq.key)
+            if watch is not None and entry.start < watch[0] <= entry.start + entry.num_new_tokens:
+                calls.append((watch[1], list(entry.seq.block_table)))
+        if not calls:
+            return None
+
+        def on_layer_kv(layer: int) -> None:
+            for callback, table in calls:
+                try:
+                    callback(layer, table)
+                except Exception:  # never fail the step over it; the receiver times out and recomputes
+                    log.exception("per-layer KV callback failed")
+        return on_layer_kv
+
     def _write_payload(self, spec: StageSpec) -> KvInBlocks:
         kv = spec.kv.data
         n = kv.shape[2]

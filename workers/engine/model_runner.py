@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -124,10 +125,17 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[StageKey, int]:
-        """Run the step the scheduler chose: one forward pass; its sampled tokens by stage."""
+    def execute(self, out: SchedulerOutput, on_layer_kv: Callable[[int], None] | None = None) -> dict[StageKey, int]:
+        """Run the step the scheduler chose: one forward pass; its sampled tokens by stage.
+
+        `on_layer_kv(layer)` is called on this thread as each decoder layer has written its
+        KV of the step (the per-layer push of a stage's last step)."""
         batch = self.prepare(out.entries)
-        logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
+        if on_layer_kv is None:
+            logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
+        else:
+            logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices,
+                                on_layer_kv=on_layer_kv)
         seqs = [e.seq for e in batch.sampling_entries]
         tokens = sampler.sample(
             logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]

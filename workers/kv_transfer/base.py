@@ -16,6 +16,7 @@ zlib.crc32, which made the integrity check, not the copy, most of a NIXL transfe
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
@@ -55,6 +56,10 @@ class KvMemory:
         self.block_size = kv_cache.shape[3] if kv_cache.dim() >= 4 else 1
         self.dtype_name = str(kv_cache.dtype).removeprefix("torch.")
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        # Layers: dim 1. Block-major, so one layer's slice of a block is one contiguous range
+        # of `layer_bytes` at `block_addr(b) + layer * layer_bytes` (a per-layer push).
+        self.num_layers = kv_cache.shape[1] if kv_cache.dim() >= 6 else 1
+        self.layer_bytes = self.block_bytes // self.num_layers
         self.device = str(kv_cache.device)
         self.base_ptr = kv_cache.data_ptr()
         # A flat byte view: block i is bytes [i * block_bytes, (i + 1) * block_bytes).
@@ -100,12 +105,34 @@ class KvMemory:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
         self._bytes.index_copy_(0, idx, staged.to(self._bytes.device))
 
-    def checksum(self, block_ids: list[int]) -> int:
-        """kv_digest of the blocks' bytes, in order."""
+    def checksum(self, block_ids: list[int], layer: int | None = None) -> int:
+        """kv_digest of the blocks' bytes, in order; with `layer`, of that layer's slice of each block."""
+        if layer is not None:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+            lo, hi = layer_byte_range(layer, self.layer_bytes)
+            if self._host is None:
+                import torch
+
+                idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
+                return kv_digest((self._bytes[:, lo:hi].index_select(0, idx).cpu().numpy().tobytes(),))
+            return kv_digest(self._host[b, lo:hi] for b in block_ids)
         if self._host is None:
             return kv_digest((self.read(block_ids),))
         # straight from the cache, no copy
         return kv_digest(self._host[a:b].reshape(-1) for a, b in block_runs(block_ids))
+
+
+def layer_byte_range(layer: int, layer_bytes: int) -> tuple[int, int]:
+    """Bytes [lo, hi) of a layer's slice inside one block (block-major layout)."""
+    return layer * layer_bytes, (layer + 1) * layer_bytes
+
+
+def layer_desc_index(block: int, layer: int, num_layers: int) -> int:
+    """Row of (block, layer) in a per-layer descriptor list: one row per block per layer, block-major."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} outside [0, {num_layers})")
+    return block * num_layers + layer
 
 
 def block_runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
@@ -151,6 +178,9 @@ class BlockTransfer:
     token_start: int  # the token range these blocks hold, for the receiver's bookkeeping
     token_end: int
     request_id: str = ""
+    # None: the blocks whole. k: only layer k's slice of each block (a per-layer push of a
+    # stage's last step); the receiver counts the tokens once every layer's slice is in.
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         if not self.dst_blocks or len(self.src_blocks) not in (0, len(self.dst_blocks)):
@@ -166,6 +196,50 @@ class BlockTransfer:
 
 # Called by a transport on the receiving worker's event loop, once per arrived chunk.
 ChunkCallback = Callable[[BlockTransfer, bool], None]
+
+
+class LayerAssembler:
+    """Receiver side of per-layer pushes: a chunk counts once every layer's slice arrived.
+
+    Each layer's slice is checked on its own (its digest against the sender's); `add`
+    returns the whole chunk (layer None) with its verdict when the last layer is in, or at
+    once with False when any slice failed its check (the transfer is corrupt: recompute).
+    Pure, keyed by (transfer id, token range, destination blocks).
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._pending: dict[tuple, set[int]] = {}
+        self._failed: set[str] = set()
+
+    def add(self, part: BlockTransfer, ok: bool) -> tuple[BlockTransfer, bool] | None:
+        """Record one arrived slice; the whole chunk and verdict once settled, else None."""
+        whole = dataclasses.replace(part, layer=None)
+        if part.transfer_id in self._failed:
+            return None  # already reported as corrupt
+        if not ok:
+            self._failed.add(part.transfer_id)
+            self.forget(part.transfer_id, keep_failed=True)
+            return whole, False
+        if part.layer is None or not 0 <= part.layer < self.num_layers:
+            raise ValueError(f"slice of {part.transfer_id} has layer {part.layer}, model has {self.num_layers}")
+        key = (part.transfer_id, part.token_start, part.token_end, part.dst_blocks)
+        layers = self._pending.setdefault(key, set())
+        layers.add(part.layer)
+        if len(layers) < self.num_layers:
+            return None
+        del self._pending[key]
+        return whole, True
+
+    def forget(self, transfer_id: str, keep_failed: bool = False) -> None:
+        """Drop what is known of a transfer (it completed, failed or was given up)."""
+        for key in [k for k in self._pending if k[0] == transfer_id]:
+            del self._pending[key]
+        if not keep_failed:
+            self._failed.discard(transfer_id)
+
+    def pending(self) -> int:
+        return len(self._pending)
 
 
 def chunk_token_range(transfer: BlockTransfer, first_block: int, num_blocks: int, block_size: int) -> tuple[int, int]:
@@ -194,7 +268,7 @@ def split_transfer(transfer: BlockTransfer, parts: int, block_size: int) -> list
         out.append(BlockTransfer(
             transfer.transfer_id, transfer.src_worker, transfer.dst_worker,
             transfer.src_blocks[first:last] if transfer.src_blocks else (), transfer.dst_blocks[first:last],
-            start, end, transfer.request_id))
+            start, end, transfer.request_id, transfer.layer))
     return out
 
 

@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from splitserve.state import StateStore
-from workers.kv_transfer.base import BlockTransfer, ChunkCallback, KvMemory, KvTransferError, split_transfer
+from workers.kv_transfer.base import (
+    BlockTransfer,
+    ChunkCallback,
+    KvMemory,
+    KvTransferError,
+    LayerAssembler,
+    layer_desc_index,
+    split_transfer,
+)
 from workers.kv_transfer.nixl_thread import NixlThread
 from workers.kv_transfer.nixl_wire import (
     NixlMemoryHeader,
@@ -47,6 +55,7 @@ from workers.kv_transfer.nixl_wire import (
     decode_write_notification,
     encode_write_notification,
     lane_agent_name,
+    layer_block_descs,
     pack_published_metadata,
     unpack_published_metadata,
 )
@@ -55,6 +64,7 @@ from workers.kv_transfer.poll_schedule import PollSchedule
 log = logging.getLogger(__name__)
 
 _SPIN_S = 0.002  # how long a posted transfer is polled without sleeping
+_INLINE_DIGEST_BYTES = 1 << 20  # a received layer slice below this is checked on the event loop
 
 
 @dataclass
@@ -68,6 +78,7 @@ class _Lane:
     agent: Any = None
     registration: Any = None
     local_dlist: Any = None
+    local_layer_dlist: Any = None  # lane 0: one row per block per layer (per-layer pushes)
     busy_handles: list[Any] = field(default_factory=list)  # handles NIXL would not release yet
 
 
@@ -78,6 +89,7 @@ class _Peer:
     worker_id: str
     header: NixlMemoryHeader
     lanes: list[tuple[bytes, Any]]  # (remote agent name, nixl_prepped_dlist_handle), by lane index
+    layer_dlist: Any = None  # lane 0's per-layer descriptors of the peer, when it splits blocks by layer alike
 
 
 class NixlTransport:
@@ -112,6 +124,7 @@ class NixlTransport:
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._deliveries: set[asyncio.Task] = set()
+        self._layers = LayerAssembler(memory.num_layers)  # per-layer slices put back together
 
     @property
     def lanes(self) -> int:
@@ -126,7 +139,7 @@ class NixlTransport:
         header = NixlMemoryHeader(
             agent=self.worker_id, base_addr=self.memory.base_ptr, block_bytes=self.memory.block_bytes,
             num_blocks=self.memory.num_blocks, mem_type=self._mem_type, dev_id=self._dev_id,
-            incarnation=uuid.uuid4().hex, lanes=len(self._lanes),
+            incarnation=uuid.uuid4().hex, lanes=len(self._lanes), num_layers=self.memory.num_layers,
         )
         await self.store.put_nixl_metadata(self.worker_id, pack_published_metadata(header, metadata))
         self._loop = asyncio.get_running_loop()
@@ -142,6 +155,7 @@ class NixlTransport:
         """The announced push arrived or was given up: polling may slow down again."""
         for lane in self._lanes:
             lane.thread.call_soon(lane.schedule.done, transfer_id)
+        self._layers.forget(transfer_id)
 
     def _create_agent(self, lane: _Lane) -> bytes:
         """On the lane's thread: its agent, the KV cache registered, local descriptors; returns its metadata."""
@@ -155,7 +169,16 @@ class NixlTransport:
         lane.registration = lane.agent.register_memory(self.memory.tensor)
         rows = block_descs(self.memory.base_ptr, self.memory.block_bytes, self.memory.num_blocks, self._dev_id)
         lane.local_dlist = lane.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
+        if lane.index == 0 and self.memory.num_layers > 1:
+            rows = layer_block_descs(self.memory.base_ptr, self.memory.block_bytes, self.memory.num_blocks,
+                                     self.memory.num_layers, self._dev_id)
+            lane.local_layer_dlist = lane.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
         return lane.agent.get_agent_metadata()
+
+    @property
+    def supports_layer_push(self) -> bool:
+        """Whether `push` takes one layer's slice of blocks (BlockTransfer.layer): a model of several layers."""
+        return self.memory.num_layers > 1
 
     async def push(self, transfer: BlockTransfer, checksum: int | None, timeout_s: float) -> None:
         """WRITE local src_blocks into the peer's dst_blocks; the peer is notified as each part lands.
@@ -167,7 +190,11 @@ class NixlTransport:
         if transfer.src_worker != self.worker_id:
             raise ValueError(f"push of {transfer.transfer_id} from {transfer.src_worker} on worker {self.worker_id}")
         _check_blocks(transfer.src_blocks, self.memory.num_blocks, "local source")
-        await self._with_peer("WRITE", transfer, transfer.dst_worker, timeout_s, checksum, split=checksum is None)
+        if transfer.layer is not None and not 0 <= transfer.layer < self.memory.num_layers:
+            raise ValueError(f"push of layer {transfer.layer}; the KV cache has {self.memory.num_layers}")
+        # A layer's slice is small and goes as one part, on lane 0 (which has per-layer descriptors).
+        await self._with_peer("WRITE", transfer, transfer.dst_worker, timeout_s, checksum,
+                              split=checksum is None and transfer.layer is None)
 
     async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
         """READ the peer's src_blocks into local dst_blocks (over every shared lane); returns their kv_digest."""
@@ -220,13 +247,22 @@ class NixlTransport:
         what = f"NIXL {op} of {part.transfer_id} [{part.token_start}, {part.token_end}) with {peer.worker_id}"
         local, remote = (part.src_blocks, part.dst_blocks) if op == "WRITE" else (part.dst_blocks, part.src_blocks)
         remote_name, remote_dlist = peer.lanes[lane.index]
-        digest_aside = op == "WRITE" and checksum is None and \
+        local_dlist = None  # the lane's per-block descriptors
+        if part.layer is not None:
+            if peer.layer_dlist is None or lane.local_layer_dlist is None:
+                raise KvTransferError(f"{what}: {peer.worker_id} has {peer.header.num_layers} layer(s) per block, "
+                                      f"this worker {self.memory.num_layers}: no per-layer push")
+            layers = self.memory.num_layers
+            local = tuple(layer_desc_index(b, part.layer, layers) for b in local)
+            remote = tuple(layer_desc_index(b, part.layer, layers) for b in remote)
+            remote_dlist, local_dlist = peer.layer_dlist, lane.local_layer_dlist
+        digest_aside = op == "WRITE" and checksum is None and part.layer is None and \
             len(part.src_blocks) * self.memory.block_bytes >= self.min_lane_bytes
         if op == "READ" or digest_aside:
             notif: bytes | Callable[[], bytes] = b""
         elif checksum is None:
             def notif() -> bytes:
-                return encode_write_notification(part, self.memory.checksum(list(part.src_blocks)))
+                return encode_write_notification(part, self.memory.checksum(list(part.src_blocks), part.layer))
         else:
             notif = encode_write_notification(part, checksum)
         try:
@@ -240,7 +276,8 @@ class NixlTransport:
             # wake-up (and a GIL hand-over when the engine computes).
             try:
                 await self._call_before(lane, deadline, what, self._post_and_wait, lane, op, remote_dlist,
-                                        local, remote, notif, deadline)
+                                        local, remote, notif, deadline, local_dlist,
+                                        part.layer is None or part.layer == self.memory.num_layers - 1)
             finally:
                 if digest is not None and not digest.done():
                     await asyncio.wait([digest])  # never leave it reading blocks the caller may free
@@ -254,13 +291,14 @@ class NixlTransport:
             raise KvTransferError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
     def _post_and_wait(self, lane: _Lane, op: str, remote_dlist: Any, local_blocks: tuple[int, ...],
-                       remote_blocks: tuple[int, ...], notif: bytes | Callable[[], bytes], deadline: float) -> None:
+                       remote_blocks: tuple[int, ...], notif: bytes | Callable[[], bytes], deadline: float,
+                       local_dlist: Any = None, spin: bool = True) -> None:
         """On the lane's thread: post the transfer and progress it until DONE, ERR or the deadline."""
         if time.monotonic() >= deadline:
             raise _TimedOut
         if callable(notif):
             notif = notif()
-        handle = lane.agent.make_prepped_xfer(op, lane.local_dlist, list(local_blocks), remote_dlist,
+        handle = lane.agent.make_prepped_xfer(op, local_dlist or lane.local_dlist, list(local_blocks), remote_dlist,
                                               list(remote_blocks), notif)
         try:
             # With CMA the copy happens inside transfer(); what may remain is the flush and
@@ -269,7 +307,9 @@ class NixlTransport:
             # Small transfers finish within a few hundred microseconds of the post: spin
             # (yielding the GIL) that long, since sleeping even 20 us at a time doubled
             # their latency, then back off to 1 ms naps for whatever is really slow.
-            spin_until = time.monotonic() + _SPIN_S
+            # A layer slice other than the last goes while later layers compute: nobody waits
+            # for it, so it naps from the start rather than spin a core beside the engine.
+            spin_until = time.monotonic() + (0.0 if spin is False else _SPIN_S)
             pause = 0.0
             while state == "PROC":
                 now = time.monotonic()
@@ -339,7 +379,19 @@ class NixlTransport:
             raise
         except Exception as exc:
             raise KvTransferError(f"cannot load NIXL agent of {worker_id}: {type(exc).__name__}: {exc}") from exc
-        return _Peer(worker_id, header, list(lanes))
+        layer_dlist = None
+        if header.num_layers == self.memory.num_layers > 1 and self._lanes[0].local_layer_dlist is not None:
+            try:
+                layer_dlist = await self._call_before(self._lanes[0], deadline, f"per-layer descriptors of {worker_id}",
+                                                      self._prep_peer_layers, lanes[0][0], header)
+            except Exception as exc:  # whole-block pushes still work
+                log.warning("no per-layer descriptors for %s: %s", worker_id, exc)
+        return _Peer(worker_id, header, list(lanes), layer_dlist)
+
+    def _prep_peer_layers(self, name: bytes, header: NixlMemoryHeader) -> Any:
+        rows = layer_block_descs(header.base_addr, header.block_bytes, header.num_blocks, header.num_layers,
+                                 header.dev_id)
+        return self._lanes[0].agent.prep_xfer_dlist(name, rows, header.mem_type)
 
     def _load_peer_lane(self, lane: _Lane, header: NixlMemoryHeader, agent_metadata: bytes) -> tuple[bytes, Any]:
         try:
@@ -360,6 +412,8 @@ class NixlTransport:
 
         def unload(lane: _Lane, name: bytes, dlist: Any) -> None:
             dlist.release()
+            if lane.index == 0 and peer.layer_dlist is not None:
+                peer.layer_dlist.release()
             lane.agent.remove_remote_agent(name)
 
         for lane, (name, dlist) in zip(self._lanes, peer.lanes):
@@ -396,12 +450,25 @@ class NixlTransport:
         except (ValueError, KvTransferError) as exc:
             log.warning("dropping NIXL notification from %s: %s", sender, exc)
             return
+        if chunk.layer is not None and not 0 <= chunk.layer < self.memory.num_layers:
+            log.warning("dropping NIXL notification from %s: layer %d of %d", sender, chunk.layer,
+                        self.memory.num_layers)
+            return
         # The notification comes after the WRITE completed, so the blocks hold its bytes.
-        received = await asyncio.to_thread(self.memory.checksum, list(chunk.dst_blocks))
+        if chunk.layer is not None and len(chunk.dst_blocks) * self.memory.layer_bytes < _INLINE_DIGEST_BYTES:
+            received = self.memory.checksum(list(chunk.dst_blocks), chunk.layer)  # ~10 us: no thread hop
+        else:
+            received = await asyncio.to_thread(self.memory.checksum, list(chunk.dst_blocks), chunk.layer)
         ok = received == sent_checksum
         if not ok:
             log.warning("KV transfer %s from %s: checksum %016x, sender said %016x", chunk.transfer_id,
                         sender, received, sent_checksum)
+        if chunk.layer is not None:
+            # One layer's slice: the chunk's tokens count once every layer's slice is in.
+            settled = self._layers.add(chunk, ok)
+            if settled is None:
+                return
+            chunk, ok = settled
         try:
             self.on_chunk(chunk, ok)
         except Exception:
@@ -445,6 +512,8 @@ def _destroy_agent(lane: _Lane) -> None:
     try:
         if lane.local_dlist is not None:
             lane.local_dlist.release()
+        if lane.local_layer_dlist is not None:
+            lane.local_layer_dlist.release()
         if lane.registration is not None:
             lane.agent.deregister_memory(lane.registration)
     except Exception as exc:

@@ -32,6 +32,7 @@ class NixlMemoryHeader:
     dev_id: int
     incarnation: str  # changes on every start, so a restarted peer is recognisable
     lanes: int = 1
+    num_layers: int = 1  # a block is num_layers equal contiguous slices (per-layer pushes)
 
 
 def lane_agent_name(worker_id: str, lane: int) -> str:
@@ -80,7 +81,7 @@ def encode_write_notification(transfer: BlockTransfer, checksum: int) -> bytes:
         "request_id": transfer.request_id, "src_worker": transfer.src_worker,
         "token_start": transfer.token_start, "token_end": transfer.token_end,
         "src_blocks": list(transfer.src_blocks), "dst_blocks": list(transfer.dst_blocks),
-        "checksum": checksum,
+        "checksum": checksum, **({} if transfer.layer is None else {"layer": transfer.layer}),
     }, separators=(",", ":")).encode()
 
 
@@ -94,6 +95,7 @@ def decode_write_notification(message: bytes, dst_worker: str) -> tuple[BlockTra
             transfer_id=fields["transfer_id"], src_worker=fields["src_worker"], dst_worker=dst_worker,
             src_blocks=tuple(fields["src_blocks"]), dst_blocks=tuple(fields["dst_blocks"]),
             token_start=fields["token_start"], token_end=fields["token_end"], request_id=fields["request_id"],
+            layer=None if fields.get("layer") is None else int(fields["layer"]),
         )
         return transfer, int(fields["checksum"])
     except (KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -107,3 +109,10 @@ def block_descs(base_addr: int, block_bytes: int, num_blocks: int, dev_id: int) 
     rows[:, 1] = block_bytes
     rows[:, 2] = dev_id
     return rows
+
+
+def layer_block_descs(base_addr: int, block_bytes: int, num_blocks: int, num_layers: int, dev_id: int) -> np.ndarray:
+    """One row per block per layer (row `layer_desc_index(block, layer)`): each layer's slice of a block."""
+    if num_layers < 1 or block_bytes % num_layers:
+        raise ValueError(f"{block_bytes}-byte blocks do not split into {num_layers} layers")
+    return block_descs(base_addr, block_bytes // num_layers, num_blocks * num_layers, dev_id)

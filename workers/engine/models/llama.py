@@ -6,6 +6,9 @@ projections are fused (`qkv_proj`, `gate_up_proj`); the loader stacks them.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -117,8 +120,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary, kv_cache, meta):
+    def forward(self, positions, hidden, rotary, kv_cache, meta, kv_written=None):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, meta)
+        if kv_written is not None:
+            kv_written()  # this layer's KV of the step is in the cache (and final): the MLP still runs
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -157,11 +162,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Return logits [len(logits_indices), vocab] in float32."""
+        """Return logits [len(logits_indices), vocab] in float32.
+
+        `on_layer_kv(i)` runs as soon as layer i has written its KV of the step (after its
+        attention, before its MLP): a per-layer KV push starts there.
+        """
         hidden = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, self.model.rotary, kv_cache, meta)
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            written = None if on_layer_kv is None else functools.partial(on_layer_kv, index)
+            hidden = layer(positions, hidden, self.model.rotary, kv_cache, meta, written)
         hidden = self.model.norm(hidden[logits_indices])
         return self.lm_head(hidden).float()
 
