@@ -217,6 +217,49 @@ class BlockManager:
             index[h] = block_id
         seq.commit_state = (table, max(walked, full), still, self._cache_epoch)
 
+    def indexed_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks a later prompt starting with `seq`'s computed tokens would hit: the
+        indexed holders of its full computed blocks' hashes, up to the first not indexed."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.update_block_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(hashes))
+        return list(takewhile(_is_not_none, map(self._hash_to_block.get, hashes[:full])))
+
+    def retain(self, block_ids: list[int]) -> None:
+        """Take one more reference on in-use or cached blocks (a session pin); a cached free
+        block leaves the LRU. Given back with `release_blocks`."""
+        blocks, free_cached = self.blocks, self._free_cached
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                assert block.block_hash is not None, f"block {block_id} is free and uncached: nothing to retain"
+                del free_cached[block_id]
+            block.ref_count += 1
+
+    def freeable_if_released(self, block_ids: list[int]) -> int:
+        """How many blocks would become free if one reference per listed occurrence were dropped."""
+        drops: dict[int, int] = {}
+        for block_id in block_ids:
+            drops[block_id] = drops.get(block_id, 0) + 1
+        blocks = self.blocks
+        return sum(blocks[b].ref_count == n for b, n in drops.items())
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block; a block left with none becomes free (cached
+        ones into the LRU, tail first so that a prefix's head outlives its tail)."""
+        blocks, free_cached, free_plain = self.blocks, self._free_cached, self._free_plain
+        for block_id in reversed(block_ids):
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    free_cached[block_id] = None
+                else:
+                    free_plain.append(block_id)
+            else:
+                assert block.ref_count > 0, f"block {block_id} released twice"
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
         blocks, free_cached, free_plain = self.blocks, self._free_cached, self._free_plain

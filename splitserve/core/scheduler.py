@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 from splitserve.core.block_manager import BlockManager
 from splitserve.core.policy import BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget
 from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
+from splitserve.core.session_pins import SessionPins
 from splitserve.core.stage import KvInBlocks, StageSpec
 from splitserve.core.step_cost import StepShape
 from splitserve.state_records import PrefillTask, WorkerLoad
@@ -137,6 +138,8 @@ class Scheduler:
         self.sequences: dict[StageKey, Sequence] = {}
         self.num_preemptions = 0
         self._seed_rng = random.Random(config.seed)
+        # Session histories kept between rounds (AMPD); evicted before any running request is preempted.
+        self.session_pins = SessionPins(block_manager)
 
     # ---- stages ------------------------------------------------------------------------
     @property
@@ -167,8 +170,10 @@ class Scheduler:
             stop_at=spec.end if spec.end is not None and spec.end < total else None,
             priority=spec.priority,
             ttft_deadline=arrival + spec.slo.ttft_s if spec.slo.ttft_s else None,
-            itl_slo_s=spec.slo.itl_s or None, text=text,
+            itl_slo_s=spec.slo.itl_s or None, text=text, session=spec.session,
         )
+        if spec.session is not None:
+            self.session_pins.note_round(spec.session)
         if isinstance(spec.kv, KvInBlocks):
             self.block_manager.adopt(seq, list(spec.kv.block_ids), spec.kv.num_tokens)
         self.sequences[seq.key] = seq
@@ -183,6 +188,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.session is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.session_pins.pin(seq.session, seq, self.clock())  # the next round starts from here
         if not seq.keep_kv:
             self.release(seq.key)
 
@@ -202,6 +209,10 @@ class Scheduler:
         if seq is not None:
             self.block_manager.free(seq)
 
+    def release_session(self, session_id: str) -> bool:
+        """The session closed or moved away: unpin its history; whether it was pinned here."""
+        return self.session_pins.release(session_id)
+
     def keys_of(self, request_id: str) -> list[StageKey]:
         """Every stage of a request held here, in flight or finished with kept KV."""
         return [key for key in self.sequences if key.request_id == request_id]
@@ -214,7 +225,7 @@ class Scheduler:
         """Blocks for `num_tokens` tokens of KV another worker will write (Worker.PrepareKv)."""
         bm = self.block_manager
         n = bm.blocks_for_tokens(num_tokens)
-        if n > bm.num_free_blocks:
+        if n > bm.num_free_blocks and not self.session_pins.evict_lru(n):
             raise KvCapacityError(f"need {n} free KV blocks for {num_tokens} tokens, have {bm.num_free_blocks}")
         return bm.reserve(n)
 
@@ -231,8 +242,10 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The next step, as the batch policy builds it (see `splitserve.core.policy`)."""
+        now = self.clock()
+        self.session_pins.expire(now)
         step = _Step(self)
-        self.policy.next_batch(step, self.clock())
+        self.policy.next_batch(step, now)
         return SchedulerOutput.of(step.entries, step.preempted, step.held_until)
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int],
@@ -340,7 +353,8 @@ class Scheduler:
         may_drop = not self.running  # nothing running: no step will free a block
         if seq.block_table:  # its KV is in place (from another worker): only grow it
             need = bm.blocks_to_grow(seq, wanted)
-            if need > bm.num_free_blocks and not (may_drop and self._drop_waiting_kv(need, keep=seq)):
+            if need > bm.num_free_blocks and not self.session_pins.evict_lru(need, _session_of(seq)) and \
+                    not (may_drop and self._drop_waiting_kv(need, keep=seq)):
                 return None
             bm.grow(seq, wanted)
             n = wanted
@@ -348,7 +362,8 @@ class Scheduler:
             hits, n = self._admission(seq, wanted)
             need = bm.admission_cost(seq, hits, n)
             if need > bm.num_free_blocks:
-                if not (may_drop and self._drop_waiting_kv(need)):
+                # Idle sessions' pinned history goes before anything else waiting or running.
+                if not self.session_pins.evict_lru(need, _session_of(seq)) and not (may_drop and self._drop_waiting_kv(need)):
                     return None
                 hits, n = self._admission(seq, wanted)  # dropped KV may be cached hits now
                 if bm.admission_cost(seq, hits, n) > bm.num_free_blocks:
@@ -369,6 +384,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, scheduled: set[StageKey], preempted: list[Sequence]) -> bool:
         """Preempt the newest running sequences not in this step until `seq` can grow by n."""
         bm = self.block_manager
+        if not bm.can_grow(seq, n):
+            self.session_pins.evict_lru(bm.blocks_to_grow(seq, n), _session_of(seq))  # idle histories before running requests
         while not bm.can_grow(seq, n):
             victim = next((s for s in reversed(self.running) if s is not seq and s.key not in scheduled), None)
             if victim is None:
@@ -509,6 +526,10 @@ def _first_token_outside(ids: list[int], vocab: int) -> int | None:
     if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
         return None
     return next(i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab)
+
+
+def _session_of(seq: Sequence) -> str | None:
+    return seq.session.session_id if seq.session is not None else None
 
 
 def _view(seq: Sequence, num_computed_tokens: int) -> QueuedRequest:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from splitserve.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.core.session_pins import SessionHold
 
 
 class StageKey(NamedTuple):
@@ -81,6 +84,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     text: OutputText | None = None  # None: no detokenisation (token ids only)
+    # The session round this stage ends: its KV is pinned under the session when it finishes.
+    session: SessionHold | None = None
 
     @property
     def request_id(self) -> str:

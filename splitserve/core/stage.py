@@ -26,6 +26,7 @@ from typing import Any
 
 from splitserve.core.sampling import SamplingParams
 from splitserve.core.sequence import StageKey
+from splitserve.core.session_pins import SessionHold
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class StageSpec:
     arrival_time: float | None = None  # default: the scheduler's clock when added
     priority: int = 0
     slo: StageSlo = StageSlo()
+    session: SessionHold | None = None  # a session round's last stage: pin its KV when it finishes
 
     @classmethod
     def whole(cls, request_id: str, prompt_ids, sampling: SamplingParams | None = None, **options: Any) -> StageSpec:

@@ -100,6 +100,8 @@ class Sim:
         for s in sched.sequences.values():
             for b in s.block_table:
                 holders[b] += 1
+        for b in sched.session_pins.block_ids():  # a session's pinned history holds one reference
+            holders[b] += 1
         assert [b.ref_count for b in bm.blocks] == holders
         assert bm.num_free_blocks == holders.count(0)
         for s in sched.waiting:
