@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from splitserve.core import StageKey, StageSpec, TokenEvent
+from splitserve.core.session_pins import SessionPinStats
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.engine import Engine
 
@@ -29,6 +30,7 @@ class EngineSnapshot:
     load: WorkerLoad
     prefill_queue: list[PrefillTask] = field(default_factory=list)
     taken_at: float = 0.0
+    sessions: SessionPinStats = SessionPinStats()
 
 
 @dataclass
@@ -189,7 +191,8 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(callback, computed, list(table))
 
     def _take_snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(self.engine.load(), self.engine.prefill_queue(), time.time())
+        return EngineSnapshot(self.engine.load(), self.engine.prefill_queue(), time.time(),
+                              self.engine.session_stats())
 
     # ---- event loop side ---------------------------------------------------------
     def _deliver(self, events: list[TokenEvent]) -> None:

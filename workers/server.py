@@ -18,6 +18,7 @@ from splitserve.errors import InvalidArgument, SplitserveError, Unavailable, abo
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, run
 from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
+from splitserve.core.session_pins import SessionHold
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo, WorkerLoad
 from splitserve.telemetry import percentile_buckets, request_id_var
 from splitserve.wire import load_to_proto, sampling_from_proto
@@ -31,6 +32,7 @@ from workers.kv_transfer.tracker import TransferTracker
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+DEFAULT_SESSION_PIN_TTL_S = 600.0  # a round that names no TTL (the coordinator always sends its session's)
 BACKENDS = ("real", "emulated")
 
 STAGES = Counter("splitserve_worker_stages_total", "Stages finished, by finish reason", ["finish_reason"])
@@ -39,6 +41,12 @@ ITL = Histogram("splitserve_worker_itl_seconds", "Gap between consecutive tokens
 KV_USED = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
 RUNNING = Gauge("splitserve_worker_running", "Requests running")
 WAITING = Gauge("splitserve_worker_waiting", "Requests waiting")
+# Session histories pinned between rounds (AMPD binding); the last four only grow.
+PINNED_SESSIONS = Gauge("splitserve_worker_pinned_sessions", "Sessions whose history KV is pinned here")
+PINNED_BLOCKS = Gauge("splitserve_worker_pinned_kv_blocks", "KV blocks held by pinned session histories")
+SESSION_EVENTS = Gauge("splitserve_worker_session_history_events",
+                       "Session rounds and pins since start: hit (history found pinned), lost (expected but gone: "
+                       "recomputed), evicted (memory pressure), expired (idle TTL)", ["event"])
 
 
 def stage_spec_from_proto(stage: types_pb2.Stage, key: StageKey, kv: KvInBlocks | None) -> StageSpec:
@@ -50,7 +58,16 @@ def stage_spec_from_proto(stage: types_pb2.Stage, key: StageKey, kv: KvInBlocks 
     slo = StageSlo(stage.slo.ttft_ms / 1000 or None, stage.slo.itl_ms / 1000 or None)
     return StageSpec(key, tuple(stage.prompt_token_ids), sampling_from_proto(stage.sampling),
                      output_ids=tuple(stage.generated_token_ids), end=stage.end or None, kv=kv, sink=sink,
-                     keep_kv=stage.keep_kv, emit=stage.emit, priority=stage.priority, slo=slo)
+                     keep_kv=stage.keep_kv, emit=stage.emit, priority=stage.priority, slo=slo,
+                     session=session_hold_from_proto(stage))
+
+
+def session_hold_from_proto(stage: types_pb2.Stage) -> SessionHold | None:
+    """The session round this stage ends, if any (its KV is pinned here when it finishes)."""
+    if not stage.HasField("session") or not stage.session.session_id:
+        return None
+    s = stage.session
+    return SessionHold(s.session_id, float(s.ttl_s or DEFAULT_SESSION_PIN_TTL_S), s.history_len)
 
 
 def resolve_num_threads(num_threads: int) -> int:
@@ -200,6 +217,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             loop.abort(key)
         released = await self.server.kv.release_for_request(request.request_id)
         return types_pb2.CancelResponse(cancelled=bool(keys) or released > 0)
+
+    async def ReleaseSession(self, request: worker_pb2.ReleaseSessionRequest, context):
+        if not request.session_id:
+            await abort(context, InvalidArgument("session_id is required", param="session_id"))
+        session_id = request.session_id
+        released = await self.server.loop.call(lambda engine: engine.release_session(session_id))
+        return worker_pb2.ReleaseSessionResponse(released=released)
 
     async def GetLoad(self, request, context):
         return self.server.load_proto()
@@ -381,6 +405,12 @@ class WorkerServer:
         KV_USED.set(snap.total_blocks - snap.free_blocks)
         RUNNING.set(snap.running)
         WAITING.set(snap.waiting)
+        sessions = self.loop.snapshot.sessions
+        PINNED_SESSIONS.set(sessions.pinned_sessions)
+        PINNED_BLOCKS.set(sessions.pinned_blocks)
+        for event, value in (("hit", sessions.history_hits), ("lost", sessions.history_lost),
+                             ("evicted", sessions.evictions), ("expired", sessions.expirations)):
+            SESSION_EVENTS.labels(event).set(value)
         await self.store.publish_load(snap)
         await self.store.publish_prefill_queue(self.worker_id, self.loop.snapshot.prefill_queue)
         ttft, itl = self.samples.ttft, self.samples.itl

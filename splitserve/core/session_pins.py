@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from itertools import count
+from typing import NamedTuple
 
 from splitserve.core.block_manager import BlockManager
 from splitserve.core.sequence import Sequence
@@ -45,6 +46,17 @@ class SessionHold:
             raise ValueError(f"session ttl_s must be > 0, got {self.ttl_s}")
         if self.history_len < 0:
             raise ValueError(f"session history_len must be >= 0, got {self.history_len}")
+
+
+class SessionPinStats(NamedTuple):
+    """A worker's pinned-history figures (the counters only grow)."""
+
+    pinned_sessions: int = 0
+    pinned_blocks: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    history_hits: int = 0
+    history_lost: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +87,10 @@ class SessionPins:
 
     def __len__(self) -> int:
         return len(self._pins)
+
+    def stats(self) -> SessionPinStats:
+        return SessionPinStats(len(self._pins), self.num_pinned_blocks, self.evictions, self.expirations,
+                               self.history_hits, self.history_lost)
 
     def block_ids(self) -> list[int]:
         """Every pinned block, once per pin holding it (each pin holds one reference)."""

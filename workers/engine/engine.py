@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from splitserve.core.session_pins import SessionPinStats
 from splitserve.core import (BlockManager, KvCapacityError, KvInBlocks, KvPayload, Scheduler, SchedulerConfig,
                              SchedulerOutput, StageKey, StageSpec, TokenEvent, build_batch_policy)
 from splitserve.detokenizer import IncrementalDetokenizer
@@ -125,6 +126,13 @@ class Engine:
             self.scheduler.abort(seq.key)
             events.append(TokenEvent(seq.key, [], "", "abort", seq.prompt_len, seq.num_output_tokens))
         return events
+
+    def release_session(self, session_id: str) -> bool:
+        """A session closed or moved away: unpin its history here; whether it was pinned."""
+        return self.scheduler.release_session(session_id)
+
+    def session_stats(self) -> SessionPinStats:
+        return self.scheduler.session_pins.stats()
 
     def release(self, key: StageKey) -> None:
         """Free the KV a finished stage still holds (a push or lazy pull is done reading it)."""

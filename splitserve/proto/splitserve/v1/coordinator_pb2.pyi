@@ -7,6 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("session_id", "ttl_s", "owner")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: int
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: int
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id", "owner")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "slo", "session_id", "priority", "model", "predicted_output_len")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

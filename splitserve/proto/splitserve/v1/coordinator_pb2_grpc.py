@@ -46,6 +46,16 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_types__pb2.CancelRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_types__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.CreateSession = channel.unary_unary(
+                '/splitserve.v1.Coordinator/CreateSession',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.CreateSessionResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/splitserve.v1.Coordinator/DeleteSession',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -64,6 +74,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +98,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=splitserve_dot_v1_dot_types__pb2.CancelRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_types__pb2.CancelResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.CreateSessionRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.CreateSessionResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +165,60 @@ class Coordinator:
             '/splitserve.v1.Coordinator/Cancel',
             splitserve_dot_v1_dot_types__pb2.CancelRequest.SerializeToString,
             splitserve_dot_v1_dot_types__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/CreateSession',
+            splitserve_dot_v1_dot_coordinator__pb2.CreateSessionRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.CreateSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/DeleteSession',
+            splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,7 @@ class Slo(_message.Message):
     def __init__(self, ttft_ms: _Optional[int] = ..., itl_ms: _Optional[int] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens")
+    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens", "bound_worker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RequestMeta(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_WORKER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_len: int
@@ -54,7 +55,8 @@ class RequestMeta(_message.Message):
     priority: int
     arrival_unix_ms: int
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    bound_worker: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., bound_worker: _Optional[str] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy", "block_ids")
@@ -87,7 +89,7 @@ class KvSink(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., start: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv", "slo", "priority", "push_kv")
+    __slots__ = ("request_id", "stage_index", "worker_id", "start", "end", "prompt_token_ids", "generated_token_ids", "sampling", "kv_sources", "kv_sink", "emit", "keep_kv", "slo", "priority", "push_kv", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class Stage(_message.Message):
     SLO_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PUSH_KV_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     stage_index: int
     worker_id: str
@@ -118,7 +121,8 @@ class Stage(_message.Message):
     slo: Slo
     priority: int
     push_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., push_kv: _Optional[bool] = ...) -> None: ...
+    session: SessionHold
+    def __init__(self, request_id: _Optional[str] = ..., stage_index: _Optional[int] = ..., worker_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_sink: _Optional[_Union[KvSink, _Mapping]] = ..., emit: _Optional[bool] = ..., keep_kv: _Optional[bool] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., push_kv: _Optional[bool] = ..., session: _Optional[_Union[SessionHold, _Mapping]] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("stages", "policy", "reason", "report_completion", "decision")
@@ -226,3 +230,13 @@ class CancelResponse(_message.Message):
 class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SessionHold(_message.Message):
+    __slots__ = ("session_id", "ttl_s", "history_len")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_s: int
+    history_len: int
+    def __init__(self, session_id: _Optional[str] = ..., ttl_s: _Optional[int] = ..., history_len: _Optional[int] = ...) -> None: ...

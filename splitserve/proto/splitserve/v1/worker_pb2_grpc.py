@@ -81,6 +81,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.ProfileResponse.FromString,
                 _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/splitserve.v1.Worker/ReleaseSession',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -141,6 +146,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +199,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.ProfileRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.ProfileResponse.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +450,33 @@ class Worker:
             '/splitserve.v1.Worker/Profile',
             splitserve_dot_v1_dot_worker__pb2.ProfileRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.ProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/ReleaseSession',
+            splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
