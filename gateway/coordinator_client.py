@@ -12,7 +12,7 @@ import grpc
 
 from gateway.validation import GenerationRequest
 from splitserve.errors import Unavailable, from_rpc_error
-from splitserve.proto import coordinator_pb2_grpc
+from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.telemetry import outgoing_metadata
 
 # Coordinator finish reasons that do not end the client's stream.
@@ -107,6 +107,23 @@ class CoordinatorClient:
             if not call.done():
                 call.cancel()
 
+    async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
+        """Open a session at the coordinator (state in Redis); its id and idle TTL."""
+        try:
+            reply = await self.stub.CreateSession(coordinator_pb2.CreateSessionRequest(
+                session_id=session_id, ttl_s=int(ttl_s), owner=owner), timeout=10.0)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        return reply.session_id, float(reply.ttl_s)
+
+    async def close_session(self, session_id: str, owner: str) -> bool:
+        try:
+            reply = await self.stub.DeleteSession(coordinator_pb2.DeleteSessionRequest(
+                session_id=session_id, owner=owner), timeout=10.0)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        return reply.closed
+
     async def ready(self, timeout_s: float = 1.0) -> bool:
         """Whether the channel is READY, trying to connect for up to `timeout_s` when it is not."""
         state = self.channel.get_state(try_to_connect=True)
@@ -154,6 +171,12 @@ class EmbeddedCoordinatorClient:
                 if assembler.finished:
                     return
         raise Unavailable("the coordinator ended the stream without a finish reason")
+
+    async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
+        return await self.coordinator.open_session(session_id, ttl_s, owner)
+
+    async def close_session(self, session_id: str, owner: str) -> bool:
+        return await self.coordinator.close_session(session_id, owner)
 
     async def ready(self, timeout_s: float = 1.0) -> bool:
         return True

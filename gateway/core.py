@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import time
 from pathlib import Path
@@ -12,7 +13,6 @@ from typing import AsyncIterator
 from gateway import metrics
 from gateway.admission import Admission
 from gateway.coordinator_client import CoordinatorClient, GenerationDelta
-from gateway.sessions import SessionTable
 from gateway.tokenization import Tokenization
 from gateway.validation import GenerationRequest, Limits
 from splitserve.config import GatewayConfig
@@ -35,7 +35,6 @@ class GatewayCore:
         self.limits = Limits(served_model=self.model_name, max_model_len=config.max_model_len or tokenization.max_model_len,
                              default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
-        self.sessions = SessionTable()
         self.created = int(time.time())
         # config.py's `opt(list, ...)` leaves the `list` type itself as the default (not an
         # empty list), so anything but a real sequence means "no keys".
@@ -43,10 +42,11 @@ class GatewayCore:
         metrics.IN_FLIGHT.set_function(lambda: self.admission.in_flight)
         metrics.QUEUED.set_function(lambda: self.admission.queued)
 
-    def authenticate(self, authorization: str | None) -> None:
-        """Check an `Authorization: Bearer <key>` value when API keys are configured."""
+    def authenticate(self, authorization: str | None) -> str:
+        """Check an `Authorization: Bearer <key>` value when API keys are configured; the
+        caller's owner id for per-key limits (a digest of the key; "" without keys)."""
         if not self._api_keys:
-            return
+            return ""
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
@@ -54,6 +54,14 @@ class GatewayCore:
         # Compare against every key so timing does not reveal which one nearly matched.
         if not sum(hmac.compare_digest(candidate, k) for k in self._api_keys):
             raise Unauthenticated("invalid API key")
+        return hashlib.sha256(candidate).hexdigest()[:24]  # never the key itself in Redis
+
+    async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
+        """Open a multi-turn session (its state lives in Redis; any gateway serves its rounds)."""
+        return await self.coordinator.open_session(session_id, ttl_s, owner)
+
+    async def close_session(self, session_id: str, owner: str) -> bool:
+        return await self.coordinator.close_session(session_id, owner)
 
     async def generate(self, request: GenerationRequest, api: str,
                        deadline: float | None = None) -> AsyncIterator[GenerationDelta]:
@@ -70,8 +78,6 @@ class GatewayCore:
                     timeout_s = deadline - loop.time()
                     if timeout_s <= 0:
                         raise DeadlineExceeded("deadline exceeded while waiting for admission")
-                if request.session_id:
-                    self.sessions.touch(request.session_id)
                 metrics.PROMPT_TOKENS.inc(len(request.prompt_token_ids))
                 last = None
                 # aclosing: when our consumer closes us, the upstream call is cancelled now, not at GC.

@@ -61,22 +61,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def OpenSession(self, request: gateway_pb2.OpenSessionRequest,
                           context: grpc.aio.ServicerContext) -> gateway_pb2.OpenSessionResponse:
         try:
-            self.core.authenticate(_authorization(context))
+            owner = self.core.authenticate(_authorization(context))
             self._check_model(request.model)
-            if len(request.session_id) > MAX_ID_CHARS:
-                raise InvalidArgument(f"session_id must be at most {MAX_ID_CHARS} characters", param="session_id")
-            session_id, ttl = self.core.sessions.open(request.session_id, request.ttl_s)
-            return gateway_pb2.OpenSessionResponse(session_id=session_id, ttl_s=ttl)
+            session_id, ttl = await self.core.open_session(request.session_id, request.ttl_s, owner)
+            return gateway_pb2.OpenSessionResponse(session_id=session_id, ttl_s=max(1, round(ttl)))
         except SplitserveError as err:
             await abort(context, err)
 
     async def CloseSession(self, request: gateway_pb2.CloseSessionRequest,
                            context: grpc.aio.ServicerContext) -> gateway_pb2.CloseSessionResponse:
         try:
-            self.core.authenticate(_authorization(context))
+            owner = self.core.authenticate(_authorization(context))
             if not request.session_id:
                 raise InvalidArgument("session_id is required", param="session_id")
-            return gateway_pb2.CloseSessionResponse(closed=self.core.sessions.close(request.session_id))
+            return gateway_pb2.CloseSessionResponse(closed=await self.core.close_session(request.session_id, owner))
         except SplitserveError as err:
             await abort(context, err)
 

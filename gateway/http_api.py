@@ -22,11 +22,14 @@ from gateway.core import GatewayCore
 from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
 from gateway.validation import (
     PREDICTED_OUTPUT_LEN_HEADER,
+    SESSION_ID_HEADER,
     chat_request,
     completion_request,
     invalid_argument_from_pydantic,
+    session_open_params,
+    with_session_header,
 )
-from splitserve.errors import Cancelled, InvalidArgument, Overloaded, SplitserveError, Unavailable
+from splitserve.errors import Cancelled, InvalidArgument, NotFound, Overloaded, SplitserveError, Unavailable
 from splitserve.telemetry import request_id_var
 
 log = logging.getLogger(__name__)
@@ -119,6 +122,24 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(core, request, chat=True)
 
+    @app.post("/v1/sessions")
+    async def open_session(request: Request) -> JSONResponse:
+        """Open a multi-turn session (an extension of the OpenAI API): send its id as the
+        x-session-id header (or a session_id body field) on each round."""
+        owner = core.authenticate(request.headers.get("authorization"))
+        body = await _read_json(request) if (await request.body()).strip() else {}
+        session_id, ttl_s = session_open_params(body)
+        opened, ttl = await core.open_session(session_id, ttl_s, owner)
+        return JSONResponse({"id": opened, "object": "session", "ttl_s": max(1, round(ttl))})
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close_session(session_id: str, request: Request) -> JSONResponse:
+        owner = core.authenticate(request.headers.get("authorization"))
+        if not await core.close_session(session_id, owner):
+            raise NotFound(f"session {session_id!r} does not exist (never opened, closed, or expired)",
+                           param="session_id")
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         core.authenticate(request.headers.get("authorization"))
@@ -156,6 +177,7 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     # A repeated header arrives as one comma-joined value (HTTP list semantics), which is refused.
     hints = request.headers.getlist(PREDICTED_OUTPUT_LEN_HEADER)
     req = validate(body, core.tokenization, core.limits, request_id, ", ".join(hints) if hints else None)
+    req = with_session_header(req, request.headers.getlist(SESSION_ID_HEADER))
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage)
     headers = {"X-Request-Id": request_id}

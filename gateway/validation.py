@@ -14,6 +14,8 @@ above max_tokens is clamped to max_tokens, which is all the request can generate
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -438,3 +440,37 @@ def _message_content(content: Any, i: int) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+SESSION_ID_HEADER = "x-session-id"
+
+
+def with_session_header(request: GenerationRequest, values: list[str]) -> GenerationRequest:
+    """The round's session from the `x-session-id` header, which must agree with a
+    `session_id` body field when both are sent."""
+    if not values:
+        return request
+    if len(values) > 1:
+        raise InvalidArgument(f"{SESSION_ID_HEADER} must be sent once, got {len(values)} values",
+                              param=SESSION_ID_HEADER)
+    session_id = _id_string(values[0].strip(), SESSION_ID_HEADER)
+    if request.session_id and request.session_id != session_id:
+        raise InvalidArgument(f"{SESSION_ID_HEADER} ({session_id!r}) and body session_id ({request.session_id!r}) "
+                              "differ", param=SESSION_ID_HEADER)
+    return dataclasses.replace(request, session_id=session_id)
+
+
+def session_open_params(body: Any) -> tuple[str, float]:
+    """POST /v1/sessions body: optional `session_id` (str) and `ttl_s` (seconds, > 0)."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object", param="body")
+    unknown = set(body) - {"session_id", "ttl_s"}
+    if unknown:
+        raise InvalidArgument(f"unknown field(s) {sorted(unknown)}; accepted: session_id, ttl_s", param=min(unknown))
+    session_id = body.get("session_id") or ""
+    if not isinstance(session_id, str):
+        raise InvalidArgument("session_id must be a string", param="session_id")
+    ttl = body.get("ttl_s", 0)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0 or ttl > UINT32_MAX:
+        raise InvalidArgument(f"ttl_s must be a number of seconds in [0, {UINT32_MAX}], got {ttl!r}", param="ttl_s")
+    return _id_string(session_id, "session_id"), float(ttl)

@@ -84,12 +84,6 @@ class ModelInfo:
     num_workers: int
 
 
-@dataclass(frozen=True)
-class Session:
-    """An open multi-turn session."""
-
-    session_id: str
-    ttl_s: int
 
 
 class SplitserveClientError(Exception):
@@ -134,6 +128,11 @@ class RequestCancelledError(SplitserveClientError):
     """The call was cancelled (CANCELLED)."""
 
 
+class ConflictError(SplitserveClientError):
+    """The request conflicts with one in flight (ABORTED), e.g. a second round of a session
+    sent while its previous round still runs: send a session's rounds one at a time."""
+
+
 _ERRORS: dict[grpc.StatusCode, type[SplitserveClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
@@ -144,6 +143,7 @@ _ERRORS: dict[grpc.StatusCode, type[SplitserveClientError]] = {
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: RequestCancelledError,
+    grpc.StatusCode.ABORTED: ConflictError,
 }
 
 
@@ -337,8 +337,93 @@ def _models(reply: gateway_pb2.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(m.id, m.engine_kind, m.max_model_len, m.num_workers) for m in reply.models]
 
 
-def _session(reply: gateway_pb2.OpenSessionResponse) -> Session:
-    return Session(reply.session_id, reply.ttl_s)
+class _SessionBase:
+    """A multi-turn session and its history (what every round's prompt starts with).
+
+    Each round sends the whole history plus the new turn, under the session's id: the
+    server keeps the history's KV on the session's worker, so only the new turn is
+    computed. The history is token ids when the session started with token ids (exact:
+    the output's own ids are appended), else text (the output text is appended).
+    """
+
+    def __init__(self, client: Any, session_id: str, ttl_s: int, history: str | Sequence[int] | None = None):
+        self.client = client
+        self.session_id = session_id
+        self.ttl_s = ttl_s
+        self.history: str | list[int] | None = None if history is None else _prompt_copy(history)
+        self.rounds = 0
+
+    def _prompt(self, turn: str | Sequence[int]) -> str | list[int]:
+        turn = _prompt_copy(turn)
+        if self.history is None:
+            return turn
+        if isinstance(turn, str) != isinstance(self.history, str):
+            raise TypeError(f"session {self.session_id}: its history is {_kind(self.history)}; a turn must be too, "
+                            f"got {_kind(turn)}")
+        return self.history + turn
+
+    def _advance(self, prompt: str | list[int], result: GenerationResult) -> None:
+        self.history = prompt + result.text if isinstance(prompt, str) else prompt + list(result.token_ids)
+        self.rounds += 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.session_id!r}, ttl_s={self.ttl_s}, rounds={self.rounds})"
+
+
+def _prompt_copy(prompt: str | Sequence[int]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"a prompt is a str or a sequence of token ids, got {type(prompt).__name__}")
+
+
+def _kind(prompt: str | Sequence[int]) -> str:
+    return "text" if isinstance(prompt, str) else "token ids"
+
+
+class Session(_SessionBase):
+    """A session of the blocking `Client`: `session.generate(turn)` runs one round."""
+
+    def generate(self, turn: str | Sequence[int], options: GenerateOptions | None = None,
+                 **overrides: Any) -> GenerationResult:
+        """One round: history + `turn` in, the output appended to the history; the result."""
+        prompt = self._prompt(turn)
+        result = self.client.generate(prompt, options, **{**overrides, "session_id": self.session_id})
+        self._advance(prompt, result)
+        return result
+
+    def close(self) -> bool:
+        """Close the session (its pinned history is freed); whether it was still open."""
+        return self.client.close_session(self.session_id)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSession(_SessionBase):
+    """A session of the `AsyncClient`: `await session.generate(turn)` runs one round."""
+
+    async def generate(self, turn: str | Sequence[int], options: GenerateOptions | None = None,
+                       **overrides: Any) -> GenerationResult:
+        """One round: history + `turn` in, the output appended to the history; the result."""
+        prompt = self._prompt(turn)
+        result = await self.client.generate(prompt, options, **{**overrides, "session_id": self.session_id})
+        self._advance(prompt, result)
+        return result
+
+    async def close(self) -> bool:
+        """Close the session (its pinned history is freed); whether it was still open."""
+        return await self.client.close_session(self.session_id)
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class _ClientBase:
@@ -413,10 +498,13 @@ class AsyncClient(_ClientBase):
         """The served models."""
         return _models(await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s))
 
-    async def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
-        """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
+    async def open_session(self, session_id: str = "", ttl_s: int = 0, *, history: str | Sequence[int] | None = None,
+                           timeout_s: float | None = None) -> AsyncSession:
+        """Open a multi-turn session (the server picks the id when empty, the TTL when 0);
+        `await session.generate(turn)` runs its rounds, each on the whole history so far."""
         request = gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s)
-        return _session(await self._unary(self._stub.OpenSession, request, timeout_s))
+        reply = await self._unary(self._stub.OpenSession, request, timeout_s)
+        return AsyncSession(self, reply.session_id, reply.ttl_s, history)
 
     async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Close a session; whether it was open."""
@@ -482,10 +570,13 @@ class Client(_ClientBase):
         """The served models."""
         return _models(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest(), timeout_s))
 
-    def open_session(self, session_id: str = "", ttl_s: int = 0, *, timeout_s: float | None = None) -> Session:
-        """Open a multi-turn session (the server picks the id when empty); pass its id to generate()."""
+    def open_session(self, session_id: str = "", ttl_s: int = 0, *, history: str | Sequence[int] | None = None,
+                     timeout_s: float | None = None) -> Session:
+        """Open a multi-turn session (the server picks the id when empty, the TTL when 0);
+        `session.generate(turn)` runs its rounds, each on the whole history so far."""
         request = gateway_pb2.OpenSessionRequest(session_id=session_id, ttl_s=ttl_s)
-        return _session(self._unary(self._stub.OpenSession, request, timeout_s))
+        reply = self._unary(self._stub.OpenSession, request, timeout_s)
+        return Session(self, reply.session_id, reply.ttl_s, history)
 
     def close_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
         """Close a session; whether it was open."""

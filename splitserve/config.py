@@ -136,6 +136,11 @@ class CoordinatorConfig(CommonConfig):
                              "scheduler's --policy-params.")
     view_refresh_s: float = opt(0.05, "placement=local: how often the cluster view is re-read from Redis.")
     record_flush_interval_s: float = opt(0.02, "Request records are written to Redis in one batch per interval.")
+    session_ttl_s: float = opt(600.0, "Idle time before a session expires when the client asks for none.")
+    max_session_ttl_s: float = opt(86400.0, "Longest idle TTL a client may ask for when opening a session.")
+    max_sessions_per_key: int = opt(1000, "Open sessions per API key (per owner); 0: no limit.")
+    max_session_history_tokens: int = opt(0, "Longest prompt (history + new turn) of a session round; 0: only the "
+                                          "model's length.")
 
     SERVICE: typing.ClassVar[str] = "coordinator"
 

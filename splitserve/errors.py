@@ -6,6 +6,7 @@ the simulator) raises these errors on machines without grpc installed.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,6 +50,14 @@ class NotFound(SplitserveError):
     error_type = "invalid_request_error"
 
 
+class Conflict(SplitserveError):
+    """The request conflicts with state another request holds (e.g. a session's round in flight)."""
+
+    status = "ABORTED"
+    http_status = 409
+    error_type = "conflict_error"
+
+
 class Overloaded(SplitserveError):
     """Admission refused; the caller should retry after `retry_after_s`."""
 
@@ -82,6 +91,7 @@ class Cancelled(SplitserveError):
 
 
 RETRY_AFTER_KEY = "retry-after-ms"
+_PARAM_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*): ")
 
 
 async def abort(context: grpc.aio.ServicerContext, err: SplitserveError):
@@ -96,9 +106,12 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError
     """Rebuild a typed error from a downstream service's status, to pass it upstream."""
     code = err.code()
     details = err.details() or code.name
-    for cls in (InvalidArgument, Unauthenticated, NotFound, Unavailable, DeadlineExceeded, Cancelled):
+    # `abort` put the field at fault in front ("session_id: ..."): keep it for the client's error body.
+    field = _PARAM_PREFIX.match(details)
+    param = field.group(1) if field else None
+    for cls in (InvalidArgument, Unauthenticated, NotFound, Conflict, Unavailable, DeadlineExceeded, Cancelled):
         if cls.status == code.name:
-            return cls(details)
+            return cls(details, param=param)
     if code.name == Overloaded.status:
         retry = 1.0
         for key, value in (err.trailing_metadata() or ()):

@@ -82,6 +82,10 @@ class _Keys:
     def session(self, session_id: str) -> str:
         return f"{self.prefix}session:{_nonempty(session_id, 'session_id')}"
 
+    def sessions_of(self, owner: str) -> str:
+        """Open sessions of one owner (sorted set: session id scored by its expiry time)."""
+        return f"{self.prefix}sessions_of:{owner or 'anonymous'}"
+
     def request(self, request_id: str) -> str:
         return f"{self.prefix}req:{_nonempty(request_id, 'request_id')}"
 
@@ -157,6 +161,10 @@ class StateStore:
         self._release_leader = self._redis.register_script(state_scripts.RELEASE_LEADER)
         self._take_token = self._redis.register_script(state_scripts.TAKE_TOKEN)
         self._prune_workers = self._redis.register_script(state_scripts.PRUNE_WORKERS)
+        self._open_session = self._redis.register_script(state_scripts.OPEN_SESSION)
+        self._begin_round = self._redis.register_script(state_scripts.BEGIN_ROUND)
+        self._end_round = self._redis.register_script(state_scripts.END_ROUND)
+        self._close_session = self._redis.register_script(state_scripts.CLOSE_SESSION)
 
     def _heartbeat_ms(self, ttl_s: float | None) -> int:
         return _ttl_ms(self.heartbeat_ttl_s if ttl_s is None else ttl_s)
@@ -370,6 +378,58 @@ class StateStore:
         return bool(await self._redis.delete(self._keys.session(session_id)))
 
     @unavailable_on_connection_error
+    async def open_session(self, session_id: str, owner: str, ttl_s: float, now: float,
+                           max_per_owner: int = 0) -> tuple[str, int]:
+        """Create a session, or refresh an open one of the same owner, atomically with the
+        per-owner limit. Returns (outcome, the owner's open sessions): outcome 'created',
+        'refreshed', 'taken' (another owner's id) or 'limit' (max_per_owner reached)."""
+        _ttl_ms(ttl_s)
+        keys = [self._keys.session(session_id), self._keys.sessions_of(owner)]
+        outcome, open_count = await self._open_session(keys=keys, args=[session_id, owner, repr(float(ttl_s)),
+                                                                        repr(float(now)), int(max_per_owner)])
+        return _text(outcome), int(open_count)
+
+    @unavailable_on_connection_error
+    async def begin_session_round(self, session_id: str, request_id: str, now: float,
+                                  busy_s: float) -> SessionRecord | str | None:
+        """Mark a round of the session in flight: its record; None when the session is not open;
+        the other round's request id (a str) when one is in flight."""
+        reply = await self._begin_round(keys=[self._keys.session(session_id)],
+                                        args=[_nonempty(request_id, "request_id"), repr(float(now)),
+                                              repr(float(busy_s))])
+        status = _text(reply[0])
+        if status == "missing":
+            return None
+        if status == "busy":
+            return _text(reply[1])
+        flat = [_text(x) for x in reply[1]]
+        return from_hash(SessionRecord, dict(zip(flat[::2], flat[1::2])))
+
+    @unavailable_on_connection_error
+    async def end_session_round(self, session: SessionRecord, request_id: str, now: float,
+                                decode_worker: str | None, history_len: int | None) -> bool:
+        """End the round `request_id` holds: where the history lives now (None: unchanged),
+        and restart the idle TTL. False when the session closed or expired meanwhile."""
+        keys = [self._keys.session(session.session_id), self._keys.sessions_of(session.owner)]
+        done = await self._end_round(keys=keys, args=[request_id, repr(float(now)), decode_worker or "",
+                                                      -1 if history_len is None else int(history_len)])
+        return bool(done)
+
+    @unavailable_on_connection_error
+    async def close_session(self, session_id: str, owner: str | None = None) -> SessionRecord | str | None:
+        """Delete a session: its last record fields (owner, decode worker) when closed, None when
+        it was not open, 'denied' when `owner` is given and is not the opener."""
+        reply = await self._close_session(keys=[self._keys.session(session_id)], args=[owner or ""])
+        status = _text(reply[0])
+        if status == "missing":
+            return None
+        if status == "denied":
+            return "denied"
+        record = SessionRecord(session_id, decode_worker=_text(reply[2]), owner=_text(reply[1]))
+        await self._redis.zrem(self._keys.sessions_of(record.owner), session_id)
+        return record
+
+    @unavailable_on_connection_error
     async def put_request(self, request: RequestRecord, ttl_s: float) -> None:
         """Write a request record that expires after ttl_s without another put."""
         key = self._keys.request(request.request_id)
@@ -479,3 +539,7 @@ class StateStore:
             args=[repr(float(rate_per_s)), repr(float(burst)), repr(float(now)), repr(float(cost))],
         )
         return bool(int(allowed)), float(retry_after)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

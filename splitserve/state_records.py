@@ -43,6 +43,10 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0
     num_preemptions: int = 0
     prefix_hit_rate: float = 0.0
+    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache since start
+    pinned_sessions: int = 0  # sessions whose history KV is pinned here (AMPD binding)
+    pinned_blocks: int = 0  # blocks those histories hold (evictable, unlike running requests')
+    session_history_lost: int = 0  # rounds since start that expected their history here and recomputed it
     draining: bool = False
     updated_unix: float = 0.0  # when published (unix seconds); 0: not published
 
@@ -98,9 +102,13 @@ class SessionRecord:
     """A multi-turn session bound to the decode worker holding its KV history."""
 
     session_id: str
-    decode_worker: str
-    history_len: int = 0
+    decode_worker: str = ""  # "" until a round has finished somewhere
+    history_len: int = 0  # tokens of prompt and output whose KV the decode worker keeps
     last_use: float = field(default_factory=time.time)
+    owner: str = ""  # who opened it (a digest of the API key), for the per-owner limit
+    ttl_s: float = 600.0  # idle expiry
+    busy: str = ""  # the request id of the round in flight, "" when none
+    busy_until: float = 0.0  # a crashed coordinator's round stops blocking the session then
 
 
 @dataclass(frozen=True)

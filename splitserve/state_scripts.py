@@ -125,3 +125,103 @@ for i = 2, #KEYS do
 end
 return removed
 """
+
+# ---- sessions (AMPD): one hash per session, one sorted set of open sessions per owner ----
+# A session hash holds: session_id, owner, ttl_s, decode_worker, history_len, last_use,
+# busy (the request id of the round in flight, '' when none), busy_until.
+
+# KEYS[1] session hash, KEYS[2] owner's sessions zset. ARGV: session_id, owner, ttl_s, now,
+# max_per_owner (0: no limit). Creates the session, or refreshes an open one of the same
+# owner. Returns {'created'|'refreshed'|'taken'|'limit', open sessions of the owner}.
+OPEN_SESSION = """
+local key, owned = KEYS[1], KEYS[2]
+local ttl_s, now, limit = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local ttl_ms = math.ceil(ttl_s * 1000)
+redis.call('ZREMRANGEBYSCORE', owned, '-inf', '(' .. string.format('%.17g', now))
+local existing = redis.call('HGET', key, 'owner')
+if existing then
+  if existing ~= ARGV[2] then
+    return {'taken', redis.call('ZCARD', owned)}
+  end
+  redis.call('HSET', key, 'ttl_s', ARGV[3], 'last_use', ARGV[4])
+  redis.call('PEXPIRE', key, ttl_ms)
+  redis.call('ZADD', owned, string.format('%.17g', now + ttl_s), ARGV[1])
+  redis.call('PEXPIRE', owned, ttl_ms)
+  return {'refreshed', redis.call('ZCARD', owned)}
+end
+local open = redis.call('ZCARD', owned)
+if limit > 0 and open >= limit then
+  return {'limit', open}
+end
+redis.call('HSET', key, 'session_id', ARGV[1], 'owner', ARGV[2], 'ttl_s', ARGV[3], 'decode_worker', '',
+           'history_len', '0', 'last_use', ARGV[4], 'busy', '', 'busy_until', '0')
+redis.call('PEXPIRE', key, ttl_ms)
+redis.call('ZADD', owned, string.format('%.17g', now + ttl_s), ARGV[1])
+if redis.call('PTTL', owned) < ttl_ms then
+  redis.call('PEXPIRE', owned, ttl_ms)
+end
+return {'created', open + 1}
+"""
+
+# KEYS[1] session hash. ARGV: request_id, now, busy_s (the longest a round may hold the session).
+# Marks a round in flight unless another one is (and has not outlived busy_until). Returns
+# {'missing'} | {'busy', other request id} | {'ok', hash fields as a flat list}. The hash
+# lives at least busy_s, so it cannot expire under a running round.
+BEGIN_ROUND = """
+local key = KEYS[1]
+local now, busy_s = tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('EXISTS', key) == 0 then
+  return {'missing'}
+end
+local state = redis.call('HMGET', key, 'busy', 'busy_until')
+if state[1] and state[1] ~= '' and tonumber(state[2] or '0') > now then
+  return {'busy', state[1]}
+end
+redis.call('HSET', key, 'busy', ARGV[1], 'busy_until', string.format('%.17g', now + busy_s), 'last_use', ARGV[2])
+local busy_ms = math.ceil(busy_s * 1000)
+if redis.call('PTTL', key) < busy_ms then
+  redis.call('PEXPIRE', key, busy_ms)
+end
+return {'ok', redis.call('HGETALL', key)}
+"""
+
+# KEYS[1] session hash, KEYS[2] owner's sessions zset. ARGV: request_id, now, decode_worker
+# ('' = keep), history_len (-1 = keep). Ends the round `request_id` holds: records where
+# the history now lives, frees the session for the next round and restarts its idle TTL.
+# Returns 1, or 0 when the session is gone (closed or expired meanwhile) or another round holds it.
+END_ROUND = """
+local key, owned = KEYS[1], KEYS[2]
+local now = tonumber(ARGV[2])
+if redis.call('HGET', key, 'busy') ~= ARGV[1] then
+  return 0
+end
+local ttl_s = tonumber(redis.call('HGET', key, 'ttl_s'))
+redis.call('HSET', key, 'busy', '', 'busy_until', '0', 'last_use', ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('HSET', key, 'decode_worker', ARGV[3])
+end
+if tonumber(ARGV[4]) >= 0 then
+  redis.call('HSET', key, 'history_len', ARGV[4])
+end
+redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
+redis.call('ZADD', owned, string.format('%.17g', now + ttl_s), redis.call('HGET', key, 'session_id'))
+if redis.call('PTTL', owned) < math.ceil(ttl_s * 1000) then
+  redis.call('PEXPIRE', owned, math.ceil(ttl_s * 1000))
+end
+return 1
+"""
+
+# KEYS[1] session hash. ARGV: owner ('' = any). Deletes the session (the caller removes it
+# from the owner's set). Returns {'missing'} | {'denied'} | {'closed', owner, decode_worker}.
+CLOSE_SESSION = """
+local key = KEYS[1]
+local state = redis.call('HMGET', key, 'owner', 'decode_worker')
+if not state[1] then
+  return {'missing'}
+end
+if ARGV[1] ~= '' and state[1] ~= ARGV[1] then
+  return {'denied'}
+end
+redis.call('DEL', key)
+return {'closed', state[1], state[2] or ''}
+"""

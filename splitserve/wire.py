@@ -17,7 +17,9 @@ def load_to_proto(load: WorkerLoad) -> types_pb2.WorkerLoad:
         total_blocks=load.total_blocks, block_size=load.block_size, running=load.running, waiting=load.waiting,
         queued_prefill_tokens=load.queued_prefill_tokens, draining=load.draining,
         num_preemptions=load.num_preemptions, prefix_hit_rate=load.prefix_hit_rate,
-        updated_unix_ms=round(load.updated_unix * 1000),
+        updated_unix_ms=round(load.updated_unix * 1000), prefix_hit_tokens=load.prefix_hit_tokens,
+        pinned_sessions=load.pinned_sessions, pinned_blocks=load.pinned_blocks,
+        session_history_lost=load.session_history_lost,
     )
 
 
@@ -27,6 +29,8 @@ def load_from_proto(message: types_pb2.WorkerLoad) -> WorkerLoad:
         free_blocks=message.free_blocks, total_blocks=message.total_blocks, block_size=message.block_size,
         running=message.running, waiting=message.waiting, queued_prefill_tokens=message.queued_prefill_tokens,
         num_preemptions=message.num_preemptions, prefix_hit_rate=message.prefix_hit_rate,
+        prefix_hit_tokens=message.prefix_hit_tokens, pinned_sessions=message.pinned_sessions,
+        pinned_blocks=message.pinned_blocks, session_history_lost=message.session_history_lost,
         draining=message.draining, updated_unix=message.updated_unix_ms / 1000,
     )
 

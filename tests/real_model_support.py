@@ -7,7 +7,15 @@ nor found there. Greedy references come from transformers in float32, the engine
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -61,3 +69,54 @@ def _transformers_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def splitserve_up(model_dir: Path, log_dir: Path, *options: str, ready_timeout_s: float = 240.0):
+    """The cluster as a user starts it: `splitserve up --model DIR ...options` in its own
+    process, on free ports and a fresh Redis prefix; yields its addresses once /health answers."""
+    import httpx
+
+    from splitserve.redis_server import free_port
+
+    http_port, grpc_port = free_port(), free_port()
+    prefix = f"ss:up-{uuid.uuid4().hex[:8]}:"
+    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--model", str(model_dir), "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--redis-url", os.environ["SPLITSERVE_TEST_REDIS_URL"],
+           "--redis-prefix", prefix, "--log-dir", str(log_dir), *options]
+    console = open(log_dir / "up.out", "w")
+    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while True:
+            assert proc.poll() is None, f"splitserve up exited: {(log_dir / 'up.out').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"cluster not ready: {(log_dir / 'up.out').read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)  # polling the gateway's health, bounded by the deadline
+        yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}", "prefix": prefix, "log_dir": log_dir}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        console.close()
+
+
+def wait_for_workers(prefix: str, count: int, timeout_s: float = 60.0) -> None:
+    """/health answers once one worker is up; wait until `count` workers published their load."""
+    from splitserve.state import StateStore
+
+    async def wait():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], prefix) as store:
+            while len(await store.get_loads()) < count:
+                assert time.monotonic() < deadline, "the workers never published their load"
+                await asyncio.sleep(0.05)  # polling the registry, bounded by the deadline
+    asyncio.run(wait())

@@ -18,11 +18,12 @@ from prometheus_client import Counter, Histogram
 
 from services.coordinator.placement import Placer
 from services.coordinator.records import RequestRecordWriter
+from services.coordinator.sessions import SessionService
 from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
-from splitserve.state import RequestRecord
+from splitserve.state import RequestRecord, SessionRecord
 from splitserve.telemetry import outgoing_metadata, percentile_buckets
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,12 @@ class Coordinator:
     """Owns each request's lifecycle: place, execute stages, stitch, migrate, record."""
 
     def __init__(self, config: CoordinatorConfig, placer: Placer, workers: WorkerDirectory,
-                 records: RequestRecordWriter):
+                 records: RequestRecordWriter, sessions: SessionService | None = None):
         self.config = config
         self.placer = placer
         self.workers = workers
         self.records = records
+        self.sessions = sessions
         self._calls: dict[str, grpc.aio.Call] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -60,16 +62,24 @@ class Coordinator:
         emitted: list[int] = []
         outcome = "error"
         plan_holder: list[types_pb2.Plan] = []
+        session: SessionRecord | None = None
         try:
             if not request.prompt_token_ids:
                 raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
             if request_id in self._calls:
                 raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
-            async for chunk in self._run(request, request_id, deadline, emitted, plan_holder):
+            if request.session_id:
+                session = await self._sessions().begin_round(request.session_id, request_id,
+                                                             len(request.prompt_token_ids))
+            async for chunk in self._run(request, request_id, deadline, emitted, plan_holder, session):
                 if emitted and len(emitted) == len(chunk.token_ids):
                     TTFT.observe(time.monotonic() - started)
                 if chunk.finish_reason:  # before yielding: a consumer may stop at the last chunk
                     outcome = chunk.finish_reason
+                    if session is not None:  # free the session before the client can send its next round
+                        await self._end_round(session, request_id, plan_holder[-1], outcome,
+                                              len(request.prompt_token_ids) + len(emitted))
+                        session = None
                 yield chunk
         except SplitserveError as err:
             outcome = err.code.name.lower()
@@ -79,6 +89,8 @@ class Coordinator:
                 outcome = "cancelled"
             raise
         finally:
+            if session is not None:  # the round failed: the session stays where it was, free for a retry
+                self._spawn(self._end_round(session, request_id, None, outcome, 0))
             REQUESTS.labels(outcome).inc()
             E2E.observe(time.monotonic() - started)
             plan = plan_holder[-1] if plan_holder else None
@@ -100,7 +112,7 @@ class Coordinator:
 
     # ---- lifecycle ----------------------------------------------------------------
     async def _run(self, request, request_id: str, deadline: float, emitted: list[int],
-                   plan_holder: list[types_pb2.Plan]):
+                   plan_holder: list[types_pb2.Plan], session: SessionRecord | None = None):
         """Place and execute; on a worker failure, continue elsewhere from the tokens so far.
 
         Before the first token a failure simply re-places the request. After it, the
@@ -111,7 +123,7 @@ class Coordinator:
         attempt = 0
         while True:
             attempt += 1
-            plan = await self._place(request, request_id, deadline)
+            plan = await self._place(request, request_id, deadline, session)
             if emitted:  # migrating: one stage, everything recomputed from tokens
                 last = plan.stages[-1]
                 del plan.stages[:]
@@ -121,7 +133,7 @@ class Coordinator:
             self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
                                            emitted_token_ids=list(emitted), decision=dict(plan.decision)))
             try:
-                async for chunk in self._execute(request, request_id, plan, deadline, emitted):
+                async for chunk in self._execute(request, request_id, plan, deadline, emitted, session):
                     yield chunk
                 return
             except Unavailable as err:
@@ -140,7 +152,8 @@ class Coordinator:
                 self.workers.forget_soon()
                 await asyncio.sleep(min(0.05 * attempt, 0.5))  # back off while the registry drops the dead worker
 
-    async def _place(self, request, request_id: str, deadline: float) -> types_pb2.Plan:
+    async def _place(self, request, request_id: str, deadline: float,
+                     session: SessionRecord | None = None) -> types_pb2.Plan:
         sampling = request.sampling
         meta = types_pb2.RequestMeta(
             request_id=request_id, session_id=request.session_id, prompt_len=len(request.prompt_token_ids),
@@ -149,6 +162,10 @@ class Coordinator:
         )
         if request.HasField("predicted_output_len"):  # absent stays absent: the scheduler then predicts
             meta.predicted_output_len = request.predicted_output_len
+        if session is not None and session.decode_worker:
+            # At least the last prompt token is computed again (its logits give the first token).
+            meta.history_len = min(session.history_len, len(request.prompt_token_ids) - 1)
+            meta.bound_worker = session.decode_worker
         t = time.monotonic()
         plan = await self.placer.place(meta, _remaining(deadline))
         PLACE_SECONDS.observe(time.monotonic() - t)
@@ -174,8 +191,14 @@ class Coordinator:
         following.kv_sources.append(types_pb2.KvSource(worker_id=stage.worker_id, start=0, end=stage.end,
                                                        transfer_id=transfer_id))
 
-    async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int]):
+    async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
+                       session: SessionRecord | None = None):
         stages = list(plan.stages)
+        if session is not None:  # the last stage's worker keeps the round's KV for the next round
+            last = stages[-1]
+            last.session.CopyFrom(types_pb2.SessionHold(
+                session_id=session.session_id, ttl_s=max(1, round(session.ttl_s)),
+                history_len=session.history_len if last.worker_id == session.decode_worker else 0))
         for index, stage in enumerate(stages):
             stage.stage_index = index
             stage.prompt_token_ids[:] = request.prompt_token_ids
@@ -211,6 +234,46 @@ class Coordinator:
             finally:
                 self._calls.pop(request_id, None)
                 call.cancel()  # no-op when finished; frees the worker's blocks when the caller left
+
+    # ---- sessions ------------------------------------------------------------------
+    def _sessions(self) -> SessionService:
+        if self.sessions is None:
+            raise Unavailable("this coordinator serves no sessions (it was started without session state)")
+        return self.sessions
+
+    async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
+        return await self._sessions().open(session_id, ttl_s, owner)
+
+    async def close_session(self, session_id: str, owner: str) -> bool:
+        """Close a session and drop its pinned history on its worker; whether it was open."""
+        record = await self._sessions().close(session_id, owner)
+        if record is None:
+            return False
+        if record.decode_worker:
+            await self._release_session_on(record.decode_worker, session_id)
+        return True
+
+    async def _end_round(self, session: SessionRecord, request_id: str, plan: types_pb2.Plan | None,
+                         outcome: str, total_tokens: int) -> None:
+        """The round is over: a finished one moved the history to its last stage's worker."""
+        worker = None
+        history = None
+        if plan is not None and outcome in ("stop", "length"):
+            worker = plan.stages[-1].worker_id
+            history = total_tokens - 1  # the last token's KV is computed by the next round
+        try:
+            await self._sessions().end_round(session, request_id, worker, history)
+        except SplitserveError as err:  # the session then unblocks at its busy_until
+            log.warning("ending round %s of session %s failed: %s", request_id, session.session_id, err)
+        if worker and session.decode_worker and worker != session.decode_worker:
+            self._spawn(self._release_session_on(session.decode_worker, session.session_id))  # re-bound
+
+    async def _release_session_on(self, worker_id: str, session_id: str) -> None:
+        try:
+            stub = await self.workers.stub(worker_id)
+            await stub.ReleaseSession(worker_pb2.ReleaseSessionRequest(session_id=session_id), timeout=2.0)
+        except (grpc.aio.AioRpcError, SplitserveError) as err:  # the pin's idle TTL frees it anyway
+            log.info("releasing session %s on %s failed: %s", session_id, worker_id, err)
 
     async def _cancel_on(self, worker_id: str, request_id: str) -> None:
         try:

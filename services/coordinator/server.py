@@ -18,10 +18,11 @@ from typing import AsyncIterator
 from services.coordinator.core import Coordinator
 from services.coordinator.placement import LocalPlacer, Placer, SchedulerPlacer, check_placement
 from services.coordinator.records import RequestRecordWriter
+from services.coordinator.sessions import SessionLimits, SessionService
 from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig, load_config
 from splitserve.errors import SplitserveError, abort
-from splitserve.proto import coordinator_pb2_grpc, types_pb2
+from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, insecure_channel, run
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
 from splitserve.telemetry import request_id_var
@@ -50,6 +51,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         return types_pb2.CancelResponse(cancelled=self.coordinator.cancel(request.request_id))
 
+    async def CreateSession(self, request: coordinator_pb2.CreateSessionRequest, context):
+        try:
+            session_id, ttl = await self.coordinator.open_session(request.session_id, request.ttl_s, request.owner)
+        except SplitserveError as err:
+            await abort(context, err)
+        return coordinator_pb2.CreateSessionResponse(session_id=session_id, ttl_s=max(1, round(ttl)))
+
+    async def DeleteSession(self, request: coordinator_pb2.DeleteSessionRequest, context):
+        try:
+            closed = await self.coordinator.close_session(request.session_id, request.owner)
+        except SplitserveError as err:
+            await abort(context, err)
+        return coordinator_pb2.DeleteSessionResponse(closed=closed)
+
 
 @contextlib.asynccontextmanager
 async def open_coordinator(config: CoordinatorConfig) -> AsyncIterator[Coordinator]:
@@ -77,7 +92,9 @@ async def open_coordinator(config: CoordinatorConfig) -> AsyncIterator[Coordinat
         stack.push_async_callback(records.close)
         log.info("coordinator placement: %s", "scheduler at " + config.scheduler_address
                  if config.placement == "scheduler" else f"local policy {config.policy}")
-        yield Coordinator(config, placer, workers, records)
+        limits = SessionLimits(config.session_ttl_s, config.max_session_ttl_s, config.max_sessions_per_key,
+                               config.max_session_history_tokens, config.request_timeout_s)
+        yield Coordinator(config, placer, workers, records, SessionService(store, limits))
 
 
 async def serve(config: CoordinatorConfig) -> None:

@@ -83,6 +83,31 @@ class LeastLoadedPolicy:
         return Placement.single_stage(chosen, request, self.name, reason)
 
 
+class SessionAffinityPolicy(LeastLoadedPolicy):
+    """Colocated serving that keeps a session on its bound worker (vLLM-Continuum-like).
+
+    A session's later rounds go where its history's KV is pinned (`bound_worker`), so the
+    history hits the prefix cache there; a new session, a request without one, or a
+    session whose worker is gone or draining goes to the least loaded worker (which then
+    becomes the session's worker when the round ends).
+    """
+
+    name = "session_affinity"
+
+    def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:
+        if request.bound_worker:
+            bound = next((w for w in colocated_candidates(view) if w.worker_id == request.bound_worker), None)
+            if bound is not None:
+                return Placement.single_stage(bound, request, self.name,
+                                              f"session {request.session_id} bound to {bound.worker_id} "
+                                              f"({request.history_len} history tokens there)")
+        placement = super().place(request, view, now)
+        if request.bound_worker:  # re-bound: the history is recomputed on the new worker
+            return Placement(placement.stages, self.name,
+                             f"bound worker {request.bound_worker} unavailable; {placement.reason}",
+                             placement.decision)
+        return Placement(placement.stages, self.name, placement.reason, placement.decision)
+
 
 def _positive(value: float | str, name: str) -> float:
     try:

@@ -89,6 +89,7 @@ class PlacementRequest:
     max_tokens: int  # output budget: the plan covers [0, prompt_len + max_tokens)
     session_id: str = ""
     history_len: int = 0  # prefix already held as KV by the session's decode worker
+    bound_worker: str = ""  # that worker (AMPD binding); "" for a new session or none
     # The client's hint of its output length; None: no hint given (a policy then predicts:
     # services.global_scheduler.length_predictor.predicted_output_len does both).
     predicted_output_len: int | None = None
@@ -251,6 +252,7 @@ def learns_from_completions(policy: object) -> bool:
 _BUILTIN_POLICIES: dict[str, str] = {
     "round_robin": "services.global_scheduler.baselines:RoundRobinPolicy",
     "least_loaded": "services.global_scheduler.baselines:LeastLoadedPolicy",
+    "session_affinity": "services.global_scheduler.baselines:SessionAffinityPolicy",
     "pd_disaggregated": "services.global_scheduler.disaggregated:PdDisaggregatedPolicy",
     "split": "services.global_scheduler.disaggregated:SplitPolicy",
     "dynaserve": "services.global_scheduler.dynaserve:DynaServePolicy",

@@ -63,6 +63,7 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
         session_id=meta.session_id,
         prompt_len=meta.prompt_len,
         history_len=meta.history_len,
+        bound_worker=meta.bound_worker,
         predicted_output_len=hint,
         max_tokens=meta.max_tokens or hint or DEFAULT_MAX_TOKENS,
         slo_ttft_ms=meta.slo.ttft_ms,

@@ -286,6 +286,8 @@ class Scheduler:
             running=len(self.running), waiting=len(self.waiting), queued_prefill_tokens=queued,
             num_preemptions=self.num_preemptions,
             prefix_hit_rate=bm.prefix_hits_tokens / queries if queries else 0.0,
+            prefix_hit_tokens=bm.prefix_hits_tokens, pinned_sessions=len(self.session_pins),
+            pinned_blocks=self.session_pins.num_pinned_blocks, session_history_lost=self.session_pins.history_lost,
         )
 
     def prefill_queue(self) -> list[PrefillTask]:

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from real_model_support import FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model_dir
+from real_model_support import FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model_dir, splitserve_up, wait_for_workers
 
 from splitserve.client import Client
-from splitserve.redis_server import free_port
 from splitserve.state import StateStore
 
 MAX_TOKENS = 40
@@ -51,38 +47,10 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def up(model_dir, tmp_path_factory):
-    """The cluster as a user starts it: the `splitserve up` command in its own process."""
-    http_port, grpc_port = free_port(), free_port()
-    prefix = f"ss:dynaserve-up-{uuid.uuid4().hex[:8]}:"
-    log_dir = tmp_path_factory.mktemp("dynaserve-up-logs")
-    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--workers", "2", "--policy", "dynaserve",
-           "--model", str(model_dir), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-           "--redis-url", os.environ["SPLITSERVE_TEST_REDIS_URL"], "--redis-prefix", prefix,
-           "--log-dir", str(log_dir), "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20),
-           "--batch-policy", "slo_aware"]
-    console = open(log_dir / "up.out", "w")
-    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            assert proc.poll() is None, f"splitserve up exited: {(log_dir / 'up.out').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"cluster not ready: {(log_dir / 'up.out').read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)  # polling the gateway's health, bounded by the deadline
-        yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}", "prefix": prefix, "log_dir": log_dir}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        console.close()
+    with splitserve_up(model_dir, tmp_path_factory.mktemp("dynaserve-up-logs"), "--workers", "2", "--policy",
+                       "dynaserve", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20),
+                       "--batch-policy", "slo_aware") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -109,19 +77,8 @@ def _record(up, request_id: str, timeout_s: float = 10.0):
     return asyncio.run(read())
 
 
-def _wait_for_workers(up, count: int, timeout_s: float = 60.0) -> None:
-    """/health answers once one worker is up; DynaServe needs the pair: wait for both loads."""
-    async def wait():
-        deadline = time.monotonic() + timeout_s
-        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
-            while len(await store.get_loads()) < count:
-                assert time.monotonic() < deadline, "the workers never published their load"
-                await asyncio.sleep(0.05)  # polling the registry, bounded by the deadline
-    asyncio.run(wait())
-
-
 def test_dynaserve_up_answers_exactly_as_one_worker(up, tokenizer, reference):
-    _wait_for_workers(up, 2)
+    wait_for_workers(up["prefix"], 2)
     with httpx.Client(base_url=up["http"], timeout=300) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
 

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from gateway.admission import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, Admission, retry_after_header
-from gateway.sessions import SessionTable
 from splitserve.errors import Overloaded, Unavailable
 
 
@@ -196,21 +195,3 @@ def test_invalid_limits():
         Admission(0, 1, 1.0)
     with pytest.raises(ValueError, match="max_queued_requests"):
         Admission(1, -1, 1.0)
-
-
-# --- sessions
-
-def test_sessions_open_touch_expire_close():
-    clock = FakeClock(0.0)
-    table = SessionTable(default_ttl_s=10, max_ttl_s=100, clock=clock)
-    sid, ttl = table.open()
-    assert len(sid) == 32 and ttl == 10
-    assert table.open("mine", 1000) == ("mine", 100)  # capped
-    clock.now = 8.0
-    assert table.touch(sid)  # idle timer restarts: now expires at 18
-    clock.now = 15.0
-    assert table.touch(sid) and not table.touch("unknown")
-    clock.now = 26.0
-    assert not table.close(sid)  # expired at 25
-    assert table.close("mine") and not table.close("mine")
-    assert len(table) == 0

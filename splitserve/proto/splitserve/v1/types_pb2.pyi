@@ -184,7 +184,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms")
+    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms", "prefix_hit_tokens", "pinned_sessions", "pinned_blocks", "session_history_lost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,10 @@ class WorkerLoad(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HISTORY_LOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     engine_kind: str
@@ -211,7 +215,11 @@ class WorkerLoad(_message.Message):
     num_preemptions: int
     prefix_hit_rate: float
     updated_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ...) -> None: ...
+    prefix_hit_tokens: int
+    pinned_sessions: int
+    pinned_blocks: int
+    session_history_lost: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., session_history_lost: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")
