@@ -172,16 +172,33 @@ class _Run:
             await self.send(item)
             return
         history: list[int] = []
-        for index, planned in enumerate(item.rounds):
-            if self.expired():
+        # A target with a session API (splitserve) opens the session first, so that the
+        # server keeps its history between rounds, and closes it after the last round.
+        opener, closer = getattr(self.target, "open_session", None), getattr(self.target, "close_session", None)
+        if opener is not None and not self.expired():
+            try:
+                await opener(item.session_id)
+            except Exception as err:  # noqa: BLE001 -- the first round is reported as failed
+                request = session_round_request(item, 0, history)
+                self.results.append(self._failed(request, self.now(), f"open session: {type(err).__name__}: {err}"))
+                self.state.done += 1
+                self.state.errors += 1
+                self.report()
                 return
-            if index > 0 and planned.delay_before_s > 0:
-                await asyncio.sleep(planned.delay_before_s)  # the tool call between rounds
-            request = session_round_request(item, index, history)
-            result = await self.send(request)
-            if result is None or not result.ok:
-                return  # a failed round ends its session: later rounds have no history to build on
-            history = [*request.prompt_token_ids, *_output_ids_for_history(result, planned.filler_output_ids)]
+        try:
+            for index, planned in enumerate(item.rounds):
+                if self.expired():
+                    return
+                if index > 0 and planned.delay_before_s > 0:
+                    await asyncio.sleep(planned.delay_before_s)  # the tool call between rounds
+                request = session_round_request(item, index, history)
+                result = await self.send(request)
+                if result is None or not result.ok:
+                    return  # a failed round ends its session: later rounds have no history to build on
+                history = [*request.prompt_token_ids, *_output_ids_for_history(result, planned.filler_output_ids)]
+        finally:
+            if opener is not None and closer is not None:
+                await closer(item.session_id)
 
 
 async def run_benchmark(

@@ -157,6 +157,17 @@ class GrpcTarget:
             rec.error = _error_text(err)
         return rec.result()
 
+    async def open_session(self, session_id: str) -> None:
+        """Open the session its rounds will name (splitserve keeps its history between rounds)."""
+        await self._sdk().open_session(session_id, timeout_s=10)
+
+    async def close_session(self, session_id: str) -> None:
+        """Close it; never raises (a run is not failed by its clean-up)."""
+        try:
+            await self._sdk().close_session(session_id, timeout_s=10)
+        except Exception:  # noqa: BLE001 -- the session expires on its own
+            pass
+
     async def aclose(self) -> None:
         """Close the gRPC channel."""
         if self._client is not None:
@@ -220,6 +231,20 @@ class OpenAITarget:
         entry = next((m for m in listed if m.get("id") == model), {})
         return {"kind": self.kind, "address": self.base_url, "model": model,
                 "max_model_len": entry.get("max_model_len")}
+
+    async def open_session(self, session_id: str) -> None:
+        """On a splitserve server, open the session (`POST /v1/sessions`); another server has
+        no session API (404/405): its rounds then simply carry the ignored `session_id` field."""
+        response = await self._client().post("/sessions", json={"session_id": session_id})
+        if response.status_code in (404, 405):
+            return
+        response.raise_for_status()
+
+    async def close_session(self, session_id: str) -> None:
+        try:
+            await self._client().delete(f"/sessions/{session_id}")
+        except Exception:  # noqa: BLE001 -- the session expires on its own
+            pass
 
     def _body(self, request: BenchRequest, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
