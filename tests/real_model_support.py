@@ -30,6 +30,19 @@ PHOTOSYNTHESIS = [{"role": "system", "content": "You are a patient science teach
 MAX_NEW_TOKENS = 48
 
 
+@pytest.fixture(scope="module")
+def real_model() -> Path:
+    """The real model's directory (a module fixture: import it into a test module to use it)."""
+    return real_model_dir()
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(real_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_model))
+
+
 def real_model_dir() -> Path:
     """The converted model directory, or a pytest skip when it cannot be had."""
     from splitserve.model_presets import ModelUnavailableError, ensure_preset_model

@@ -258,22 +258,11 @@ class BlockManager:
                 else:
                     free_plain.append(block_id)
             else:
-                assert block.ref_count > 0, f"block {block_id} released twice"
+                assert block.ref_count > 0, f"block {block_id} freed twice"
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
-        blocks, free_cached, free_plain = self.blocks, self._free_cached, self._free_plain
-        # Tail blocks go to the LRU first so that a prefix's head outlives its tail.
-        for block_id in reversed(seq.block_table):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    free_cached[block_id] = None
-                else:
-                    free_plain.append(block_id)
-            else:  # the check costs nothing on the common path (last reference dropped)
-                assert block.ref_count > 0, f"block {block_id} freed twice"
+        self.release_blocks(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
 

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from real_model_support import FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model_dir, splitserve_up, wait_for_workers
+from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
+                                real_tokenizer, splitserve_up, wait_for_workers)
 
 from splitserve.client import Client
 from splitserve.state import StateStore
@@ -34,32 +35,20 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=7)]
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return real_model_dir()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def up(model_dir, tmp_path_factory):
-    with splitserve_up(model_dir, tmp_path_factory.mktemp("dynaserve-up-logs"), "--workers", "2", "--policy",
+def up(real_model, tmp_path_factory):
+    with splitserve_up(real_model, tmp_path_factory.mktemp("dynaserve-up-logs"), "--workers", "2", "--policy",
                        "dynaserve", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20),
                        "--batch-policy", "slo_aware") as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tokenizer):
+def reference(real_model, real_tokenizer):
     """What one worker's engine answers (the offline engine is that engine in-process)."""
     from workers.engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir))
-    prompts = [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
+    llm = LLM(str(real_model))
+    prompts = [chat_prompt_ids(real_tokenizer, chat) for chat in CHATS]
     return {i: llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **sampling))
             for i, sampling in enumerate(SAMPLING)}
 
@@ -77,7 +66,7 @@ def _record(up, request_id: str, timeout_s: float = 10.0):
     return asyncio.run(read())
 
 
-def test_dynaserve_up_answers_exactly_as_one_worker(up, tokenizer, reference):
+def test_dynaserve_up_answers_exactly_as_one_worker(up, real_tokenizer, reference):
     wait_for_workers(up["prefix"], 2)
     with httpx.Client(base_url=up["http"], timeout=300) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
@@ -95,7 +84,7 @@ def test_dynaserve_up_answers_exactly_as_one_worker(up, tokenizer, reference):
         chat, sampling = case
         request_id = f"dyn-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
         with Client(up["grpc"], timeout_s=300) as client:
-            out = client.generate(chat_prompt_ids(tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
+            out = client.generate(chat_prompt_ids(real_tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
                                   request_id=request_id, **SAMPLING[sampling])
         return case, request_id, out.token_ids
 

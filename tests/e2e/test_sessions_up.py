@@ -11,7 +11,8 @@ import os
 
 import httpx
 import pytest
-from real_model_support import FRANCE, chat_prompt_ids, real_model_dir, splitserve_up, wait_for_workers
+from real_model_support import (FRANCE, chat_prompt_ids, real_model, real_tokenizer,  # noqa: F401 (fixtures)
+                                splitserve_up, wait_for_workers)
 
 from splitserve.client import Client, ConflictError, NotFoundError
 from splitserve.state import StateStore
@@ -21,27 +22,15 @@ FOLLOW_UPS = ["And what is its population?", "Name one famous museum there."]
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return real_model_dir()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
+def llm(real_model):
     from workers.engine import LLM
 
-    return LLM(str(model_dir))
+    return LLM(str(real_model))
 
 
 @pytest.fixture(scope="module")
-def up(model_dir, tmp_path_factory):
-    with splitserve_up(model_dir, tmp_path_factory.mktemp("sessions-up-logs"), "--workers", "2", "--policy",
+def up(real_model, tmp_path_factory):
+    with splitserve_up(real_model, tmp_path_factory.mktemp("sessions-up-logs"), "--workers", "2", "--policy",
                        "session_affinity", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20)) as cluster:
         wait_for_workers(cluster["prefix"], 2)
         yield cluster
@@ -70,7 +59,7 @@ def _wait_published(up, check, timeout_s: float = 10.0):
         time.sleep(0.05)  # polling the published loads, bounded by the deadline
 
 
-def test_http_session_rounds_match_one_worker_and_reuse_the_history(up, tokenizer, llm):
+def test_http_session_rounds_match_one_worker_and_reuse_the_history(up, real_tokenizer, llm):
     from workers.engine import SamplingParams
 
     with httpx.Client(base_url=up["http"], timeout=300) as http:
@@ -88,13 +77,13 @@ def test_http_session_rounds_match_one_worker_and_reuse_the_history(up, tokenize
                                     "temperature": 0})
             assert reply.status_code == 200, reply.text
             text = reply.json()["choices"][0]["message"]["content"]
-            prompt = chat_prompt_ids(tokenizer, messages)
+            prompt = chat_prompt_ids(real_tokenizer, messages)
             expected = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0]
             assert text == expected.text, (round_index, messages)
             messages.append({"role": "assistant", "content": text})
         # The later rounds' prompts start with the earlier ones: at least the first two
         # rounds' prompts were found in the prefix cache, block by block, not recomputed.
-        first_two = [chat_prompt_ids(tokenizer, messages[:1]), chat_prompt_ids(tokenizer, messages[:3])]
+        first_two = [chat_prompt_ids(real_tokenizer, messages[:1]), chat_prompt_ids(real_tokenizer, messages[:3])]
         floor = sum(len(p) // 16 * 16 for p in first_two) - 2 * 16
         loads = _wait_published(up, lambda loads: sum(x.prefix_hit_tokens for x in loads.values()) - hits_before
                                 >= floor)
@@ -110,11 +99,11 @@ def test_http_session_rounds_match_one_worker_and_reuse_the_history(up, tokenize
         assert http.delete(f"/v1/sessions/{session_id}").status_code == 404
 
 
-def test_sdk_session_carries_token_history_exactly(up, tokenizer, llm):
+def test_sdk_session_carries_token_history_exactly(up, real_tokenizer, llm):
     from workers.engine import SamplingParams
 
-    turns = [chat_prompt_ids(tokenizer, FRANCE)]
-    turns += [tokenizer.encode(f"\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in FOLLOW_UPS]
+    turns = [chat_prompt_ids(real_tokenizer, FRANCE)]
+    turns += [real_tokenizer.encode(f"\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in FOLLOW_UPS]
     with Client(up["grpc"], timeout_s=300) as client:
         with client.open_session(ttl_s=120) as session:
             history: list[int] = []
@@ -140,8 +129,8 @@ def test_sdk_session_carries_token_history_exactly(up, tokenizer, llm):
             client.generate([1, 2, 3], max_tokens=4, session_id="never-opened")
 
 
-def test_a_second_round_in_flight_is_refused(up, tokenizer):
-    prompt = chat_prompt_ids(tokenizer, FRANCE)
+def test_a_second_round_in_flight_is_refused(up, real_tokenizer):
+    prompt = chat_prompt_ids(real_tokenizer, FRANCE)
     with Client(up["grpc"], timeout_s=300) as client:
         session = client.open_session(ttl_s=60)
         stream = client.stream(prompt, max_tokens=64, ignore_eos=True, temperature=0, session_id=session.session_id)
