@@ -29,6 +29,7 @@ from splitserve.state_connection import (
 from splitserve.state_records import (
     LatencyWindow,
     PrefillTask,
+    WorkerActivity,
     RequestRecord,
     SessionRecord,
     WorkerInfo,
@@ -43,6 +44,7 @@ __all__ = [
     "LATENCY_KINDS",
     "LatencyWindow",
     "PrefillTask",
+    "WorkerActivity",
     "RedisRetryPolicy",
     "RequestRecord",
     "SessionRecord",
@@ -337,6 +339,30 @@ class StateStore:
             self._keys.latency_samples(worker_id, kind), repr(now - window_s), "+inf"
         )
         return LatencyWindow.of([float(m.split("|", 1)[0]) for m in members])
+
+    @unavailable_on_connection_error
+    async def worker_activity(
+        self, worker_ids: Sequence[str], now: float | None = None, window_s: float | None = None
+    ) -> dict[str, WorkerActivity]:
+        """Windowed TTFT/ITL and pending prefills of many workers in one round trip."""
+        if not worker_ids:
+            return {}
+        now = time.time() if now is None else now
+        window_s = self.latency_window_s if window_s is None else window_s
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                for kind in LATENCY_KINDS:
+                    pipe.zrangebyscore(self._keys.latency_samples(worker_id, kind), repr(now - window_s), "+inf")
+                pipe.lrange(self._keys.prefill_queue(worker_id), 0, -1)
+            replies = await pipe.execute()
+        activity = {}
+        for index, worker_id in enumerate(worker_ids):
+            ttft, itl, queue = replies[3 * index: 3 * index + 3]
+            activity[worker_id] = WorkerActivity(
+                LatencyWindow.of([float(m.split("|", 1)[0]) for m in ttft]),
+                LatencyWindow.of([float(m.split("|", 1)[0]) for m in itl]),
+                tuple(PrefillTask(**json.loads(item)) for item in queue))
+        return activity
 
     # ---- prefill queue metadata ------------------------------------------------------
 

@@ -98,6 +98,16 @@ class PrefillTask:
 
 
 @dataclass(frozen=True)
+class WorkerActivity:
+    """A worker's recent service as Redis holds it: the windowed TTFT and ITL samples and
+    its pending prefills (what AMPD's routing reads, §3 and Alg. 1)."""
+
+    ttft: LatencyWindow
+    itl: LatencyWindow
+    prefill_queue: tuple[PrefillTask, ...] = ()
+
+
+@dataclass(frozen=True)
 class SessionRecord:
     """A multi-turn session bound to the decode worker holding its KV history."""
 

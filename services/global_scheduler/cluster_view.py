@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Mapping
 
-from services.global_scheduler.policy import ClusterView, WorkerView
+from services.global_scheduler.policy import ClusterView, WorkerSignals, WorkerView
 from splitserve.state_records import WorkerInfo, WorkerLoad
 
 
@@ -19,9 +19,12 @@ def build_cluster_view(
     loads: Mapping[str, WorkerLoad],
     taken_at: float,
     inflight: Mapping[str, int] | None = None,
+    signals: Mapping[str, WorkerSignals] | None = None,
 ) -> ClusterView:
-    """Join registry entries with load snapshots; workers without a snapshot are left out."""
+    """Join registry entries with load snapshots (and, when read, the workers' signals);
+    workers without a snapshot are left out."""
     inflight = inflight or {}
+    signals = signals or {}
     views = []
     for info in workers:
         load = loads.get(info.worker_id)
@@ -30,7 +33,8 @@ def build_cluster_view(
         # The load snapshot carries the live role (Worker.SetRole changes it); the registry
         # entry keeps the role the worker started with.
         load = dataclasses.replace(load, role=load.role or info.role, engine_kind=load.engine_kind or info.engine_kind)
-        views.append(WorkerView(info.worker_id, info.address, load, inflight.get(info.worker_id, 0)))
+        views.append(WorkerView(info.worker_id, info.address, load, inflight.get(info.worker_id, 0),
+                                signals.get(info.worker_id)))
     return ClusterView(tuple(views), taken_at)
 
 

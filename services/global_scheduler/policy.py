@@ -13,13 +13,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
-from splitserve.state_records import WorkerLoad
+from splitserve.state_records import PrefillTask, WorkerLoad
 
 ROLES = ("both", "prefill", "decode")
 
 
 class NoWorkerAvailable(Unavailable):
     """No eligible worker can take the request (retriable: workers may come back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSignals:
+    """What a worker's recent service looked like (AMPD §3: the shared windowed statistics
+    and prefill queues). Read only for policies that ask (`view_signals`): it costs the
+    scheduler a Redis read per worker per refresh."""
+
+    ttft_mean_s: float | None = None  # mean TTFT of its prefills in the last window; None: no samples
+    itl_mean_s: float | None = None  # mean gap between its tokens in the last window; None: no samples
+    prefill_queue: tuple[PrefillTask, ...] = ()  # its pending prefills, in queue order
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,7 @@ class WorkerView:
     # does not show them yet, and without them every placement inside one refresh
     # interval would land on the same "least loaded" worker.
     inflight_assigned: int = 0
+    signals: WorkerSignals | None = None  # only when the policy asks for them (`view_signals`)
 
     @property
     def role(self) -> str:
@@ -256,6 +268,7 @@ _BUILTIN_POLICIES: dict[str, str] = {
     "pd_disaggregated": "services.global_scheduler.disaggregated:PdDisaggregatedPolicy",
     "split": "services.global_scheduler.disaggregated:SplitPolicy",
     "dynaserve": "services.global_scheduler.dynaserve:DynaServePolicy",
+    "ampd": "services.global_scheduler.ampd:AmpdPolicy",
 }
 _REGISTERED: dict[str, Callable[..., PlacementPolicy]] = {}
 

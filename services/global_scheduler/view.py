@@ -14,9 +14,9 @@ from typing import Callable, Iterable
 
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
-                                             PlacementRequest, orient_kv_transfers)
+                                             PlacementRequest, WorkerSignals, orient_kv_transfers)
 from splitserve.errors import Unavailable
-from splitserve.state import StateStore, WorkerInfo, WorkerLoad
+from splitserve.state import StateStore, WorkerActivity, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class ClusterViewSource:
         self.inflight = InflightCounters()
         self._workers: list[WorkerInfo] = []
         self._loads: dict[str, WorkerLoad] = {}
+        # Windowed TTFT/ITL and prefill queues, read only while the policy asks for them
+        # (`view_signals`, AMPD): one more pipelined Redis read per refresh.
+        self.with_signals = False
+        self._signals: dict[str, WorkerSignals] = {}
         self._taken_at = 0.0
         self._refreshed_monotonic: float | None = None
         self._view: ClusterView | None = None  # cache, rebuilt after a refresh or placement
@@ -84,7 +88,11 @@ class ClusterViewSource:
     async def _read(self) -> None:
         workers = await self.store.list_workers()
         loads = await self.store.get_loads()
-        self._workers, self._loads = workers, loads
+        signals: dict[str, WorkerSignals] = {}
+        if self.with_signals:
+            activity = await self.store.worker_activity([w.worker_id for w in workers])
+            signals = {worker_id: worker_signals(a) for worker_id, a in activity.items()}
+        self._workers, self._loads, self._signals = workers, loads, signals
         self._taken_at = self.clock()
         self._refreshed_monotonic = time.monotonic()
         self.inflight.observe_snapshots(loads)
@@ -103,7 +111,8 @@ class ClusterViewSource:
         if age > self.stale_after_s:
             raise Unavailable(f"cluster view is {age:.1f} s old (Redis unreachable?)")
         if self._view is None:
-            self._view = build_cluster_view(self._workers, self._loads, self._taken_at, self.inflight.counts())
+            self._view = build_cluster_view(self._workers, self._loads, self._taken_at, self.inflight.counts(),
+                                            self._signals)
         return self._view
 
     async def place(self, policy: PlacementPolicy, request: PlacementRequest, now: Callable[[], float],
@@ -116,6 +125,9 @@ class ClusterViewSource:
         between reading a view and noting the placement, so concurrent callers each see
         the placements made before them.
         """
+        if getattr(policy, "view_signals", False) and not self.with_signals:
+            self.with_signals = True  # a policy that reads them was just set: read them now
+            await self.refresh()
         view = await self.current(timeout_s)
         try:
             placement = policy.place(request, view, now())
@@ -149,3 +161,9 @@ class ClusterViewSource:
             if self._stopping:
                 break
             await asyncio.sleep(max(0.0, self.refresh_s - (time.monotonic() - started)))
+
+
+def worker_signals(activity: WorkerActivity) -> WorkerSignals:
+    """The policy's view of a worker's activity: window means (None without samples) and queue."""
+    return WorkerSignals(activity.ttft.mean if activity.ttft.count else None,
+                         activity.itl.mean if activity.itl.count else None, activity.prefill_queue)

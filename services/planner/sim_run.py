@@ -32,12 +32,17 @@ from services.planner.sim_view import SimClusterView
 from services.planner.sim_worker import SimWorker, StageRun
 from services.planner.sim_workload import PromptIds, SimItem
 from splitserve.core import FinishReason, StageKey, StageSlo
+from splitserve.core.session_pins import SessionHold
 
 __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 
 STALLED = "simulation stalled: no event left that could finish the request"
 # Event kinds; ties in time run in push order.
 _SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE = range(6)
+# The services' defaults: the workers' TTFT/ITL window (`--latency-window-s`) and a session's
+# idle TTL (`--session-ttl-s`).
+LATENCY_WINDOW_S = 10.0
+SESSION_TTL_S = 600.0
 
 
 @dataclass
@@ -50,6 +55,8 @@ class SimStats:
     steps: int = 0
     kv_transfers: int = 0
     kv_recomputes: int = 0
+    kv_pulls: int = 0  # session histories read by a remote incremental prefill (AMPD)
+    kv_pulled_tokens: int = 0
     preemptions: int = 0
     view_refreshes: int = 0
     worker_busy_fraction: float = 0.0
@@ -78,6 +85,8 @@ class _Request:
     token_times: array = field(default_factory=lambda: array("d"))
     stages: list[StageRun] = field(default_factory=list)
     done: bool = False
+    history_len: int = 0  # tokens of the session's history whose KV `bound_worker` holds
+    bound_worker: str = ""  # the session's worker when the round was placed ("" : none)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt_ids)
@@ -116,6 +125,11 @@ class SimRun:
                  duration_limit_s: float | None = None):
         self.config = config
         self.clock = VirtualClock()
+        self.policy = make_policy(config.placement_policy, deployment_perf_model=config.perf_model, **config.policy_params)
+        self.policy_learns = learns_from_completions(self.policy)  # a Protocol isinstance costs ~25 us
+        # A policy that reads windowed TTFT/ITL and prefill queues (AMPD) gets them, as the
+        # scheduler reads them from Redis; others do not pay for them.
+        with_signals = bool(getattr(self.policy, "view_signals", False))
         self.workers = [
             SimWorker(worker_id(i), config.perf_model, clock=self.clock, num_kv_blocks=config.num_kv_blocks,
                       block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -123,13 +137,15 @@ class SimRun:
                       batch_policy_options=config.batch_policy_options,
                       enable_prefix_caching=config.enable_prefix_caching, role=role,
                       kv_chunk_tokens=config.kv_chunk_tokens, view_refresh_s=config.view_refresh_s,
-                      fast_forward=config.fast_forward)
+                      fast_forward=config.fast_forward,
+                      signals_window_s=LATENCY_WINDOW_S if with_signals else None)
             for i, role in enumerate(config.worker_roles)
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.policy = make_policy(config.placement_policy, deployment_perf_model=config.perf_model, **config.policy_params)
-        self.policy_learns = learns_from_completions(self.policy)  # a Protocol isinstance costs ~25 us
-        self.view = SimClusterView(self.workers, config.view_refresh_s)
+        self.view = SimClusterView(self.workers, config.view_refresh_s, with_signals=with_signals)
+        # Open sessions, as Redis holds them (`session:{id}`): the worker holding the
+        # history's KV and the history's length (AMPD binding; the coordinator's records).
+        self.sessions: dict[str, tuple[str, int]] = {}
         self.latency = config.latency
         # Every stage carries the request's objectives, as the coordinator sends them (local
         # policies schedule by them: slo_aware's ITL target).
@@ -245,10 +261,13 @@ class SimRun:
                                self.now)
         item.history = None
         self._in_flight[request.request_id] = request
+        bound_worker, history_len = self.sessions.get(request.session_id, ("", 0)) if request.session_id else ("", 0)
+        # At least the last prompt token is computed again (its logits give the first token).
+        request.history_len = min(history_len, request.prompt_len - 1)
         placement_request = PlacementRequest(
             request_id=request.request_id, prompt_len=request.prompt_len, max_tokens=request.max_tokens,
-            session_id=request.session_id or "", slo_ttft_ms=self.config.slo_ttft_ms,
-            slo_itl_ms=self.config.slo_itl_ms,
+            session_id=request.session_id or "", history_len=request.history_len, bound_worker=bound_worker,
+            slo_ttft_ms=self.config.slo_ttft_ms, slo_itl_ms=self.config.slo_itl_ms,
             predicted_output_len=None if isinstance(spec, Session) else spec.predicted_output_len)
         try:
             view = self.view.current(self.now)
@@ -260,6 +279,17 @@ class SimRun:
         for index, sp in enumerate(placement.stages):
             request.stages.append(StageRun(StageKey(request.request_id, index), sp.start, sp.end,
                                            self.by_id[sp.worker_id], request.token_times, request, push_kv=sp.push_kv))
+        if request.session_id:
+            request.bound_worker = bound_worker if bound_worker in self.by_id else ""
+            last = request.stages[-1]
+            if bound_worker and last.worker.worker_id != bound_worker and bound_worker in self.by_id:
+                # The session moves: its old worker's pinned history is of no use any more.
+                self.by_id[bound_worker].release_session(request.session_id, self.now)
+                self._kick(self.by_id[bound_worker])
+                request.history_len, request.bound_worker = 0, ""  # recomputed where it runs now
+            elif request.history_len and len(request.stages) > 1:
+                # The history stays on the session's worker: the stage before it pushes only the new KV.
+                request.stages[-2].push_from = min(request.history_len, request.stages[-2].end)
         self._push(self.now + self.latency.dispatch_s, _STAGE_START, request.stages[0])
 
     # ---- stages ------------------------------------------------------------------------------
@@ -268,6 +298,19 @@ class SimRun:
         if request is None or request.done:
             return
         worker = stage.worker
+        if stage.index == 0 and request.bound_worker and worker.worker_id != request.bound_worker \
+                and request.history_len and not stage.pulled_tokens:
+            # AMPD's remote incremental prefill: the history's KV is read from the session's
+            # worker before the prefill runs (the lazy pull, §6), over that worker's link;
+            # with no room here the history is recomputed instead.
+            tokens = min(request.history_len, stage.end - 1)  # a split stage may end inside the history
+            blocks = worker.reserve_kv(tokens, self.now)
+            if blocks is not None:
+                stage.reserved_blocks, stage.pulled_tokens = blocks, tokens
+                self.stats.kv_pulls += 1
+                self.stats.kv_pulled_tokens += tokens
+                self._push(self.by_id[request.bound_worker].pull_out(tokens, self.now), _STAGE_START, stage)
+                return
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
         if following is not None and stage.push_kv:
             # The coordinator reserves the next stage's KV before running this one; with no
@@ -275,7 +318,7 @@ class SimRun:
             following.reserved_blocks = following.worker.reserve_kv(stage.end, self.now)
             self._kick(following.worker)
         if stage.index == 0:
-            tokens, prefix_len = request.prompt_ids, 0
+            tokens, prefix_len = request.prompt_ids, stage.pulled_tokens
         else:
             previous = request.stages[stage.index - 1]
             tokens = previous.seq.token_ids
@@ -283,9 +326,13 @@ class SimRun:
             if stage.reserved_blocks is None:
                 self.stats.kv_recomputes += 1
         push_to = following if following is not None and following.reserved_blocks is not None else None
+        session = None
+        if request.session_id and following is None:  # the round's last stage keeps the history
+            session = SessionHold(request.session_id, SESSION_TTL_S,
+                                  request.history_len if worker.worker_id == request.bound_worker else 0)
         try:
             worker.add_stage(stage, tokens, request.prompt_len, request.max_tokens, prefix_len, self.now, push_to,
-                             self.stage_slo)
+                             self.stage_slo, session)
         except ValueError as err:  # what the worker answers INVALID_ARGUMENT to
             self._fail(request, f"InvalidArgument: {err}")
             return
@@ -332,17 +379,29 @@ class SimRun:
                 e2e_ms=(times[-1] - request.sent_at) * 1000, worker_ids=worker_ids))
         item = request.item
         spec = item.item
+        if request.session_id:
+            self.sessions[request.session_id] = (worker_ids[-1], len(history))
         if isinstance(spec, Session) and request.round_index + 1 < len(spec.rounds):
             item.history = history
             delay = spec.rounds[request.round_index + 1].delay_before_s
             self._push(times[-1] + delay, _SEND, (item, request.round_index + 1))
         else:
+            self._close_session(request.session_id)
             self._item_done()
 
     def _fail(self, request: _Request, error: str) -> None:
         self._end(request, RequestResult(request.request_id, request.session_id, request.round_index,
                                          request.sent_at, None, [], self.now, request.prompt_len, 0, False, error))
+        self._close_session(request.session_id)
         self._item_done()  # a failed round ends its session
+
+    def _close_session(self, session_id: str | None) -> None:
+        """The client closes its session (DeleteSession): its worker drops the pinned history."""
+        bound = self.sessions.pop(session_id, None) if session_id else None
+        if bound is not None and bound[0] in self.by_id:
+            worker = self.by_id[bound[0]]
+            worker.release_session(session_id, self.now)
+            self._kick(worker)
 
     def _end(self, request: _Request, result: RequestResult) -> None:
         request.done = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from services.global_scheduler.policy import ClusterView, WorkerView
+from services.global_scheduler.policy import ClusterView, WorkerSignals, WorkerView
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from services.planner.sim_worker import SimWorker, published
 from splitserve.state_records import WorkerInfo
@@ -24,11 +24,14 @@ ENGINE_KIND = "simulated"
 class SimClusterView:
     """Builds the ClusterView a policy sees at a virtual time, as `ClusterViewSource` would."""
 
-    def __init__(self, workers: Sequence[SimWorker], refresh_s: float):
+    def __init__(self, workers: Sequence[SimWorker], refresh_s: float, with_signals: bool = False):
         if not refresh_s > 0:
             raise ValueError(f"view_refresh_s must be > 0, got {refresh_s}")
         self.workers = list(workers)
         self.refresh_s = refresh_s
+        # Windowed TTFT/ITL and prefill queues for a policy that reads them (AMPD), as the
+        # scheduler reads them from Redis; the workers keep the windows (`signals_window_s`).
+        self.with_signals = with_signals
         self.inflight = InflightCounters()
         self._tick = -1
         self._view: ClusterView | None = None
@@ -55,7 +58,8 @@ class SimClusterView:
             index = self._position.get(worker_id)
             if index is not None:
                 view = views[index]
-                views[index] = WorkerView(view.worker_id, view.address, view.load, counts.get(worker_id, 0))
+                views[index] = WorkerView(view.worker_id, view.address, view.load, counts.get(worker_id, 0),
+                                          view.signals)
         self._view = ClusterView(tuple(views), self._view.taken_at)
 
     def _refresh(self, tick: int) -> None:
@@ -67,7 +71,13 @@ class SimClusterView:
                                     started_unix=0.0))
             loads[w.worker_id] = published(w, w.load_at(tick), ENGINE_KIND, taken_at)
         self.inflight.observe_snapshots(loads)
-        self._view = build_cluster_view(infos, loads, taken_at, self.inflight.counts())
+        signals = None
+        if self.with_signals:
+            signals = {}
+            for w in self.workers:
+                ttft, itl, queue = w.signals(taken_at)
+                signals[w.worker_id] = WorkerSignals(ttft, itl, tuple(queue))
+        self._view = build_cluster_view(infos, loads, taken_at, self.inflight.counts(), signals)
         self._position = {v.worker_id: i for i, v in enumerate(self._view.workers)}
         self._tick = tick
         self.num_refreshes += 1

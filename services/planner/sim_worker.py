@@ -31,6 +31,7 @@ import numpy as np
 from splitserve.core import (BlockManager, DecodeRun, FinishReason, KvCapacityError, KvInBlocks, KvPushPlan, KvSink, SamplingParams,
                              Scheduler, SchedulerConfig, SchedulerOutput, Sequence, StageKey, StageSlo, StageSpec,
                              build_batch_policy, step_time, whole_block_chunk)
+from splitserve.core.session_pins import SessionHold
 from splitserve.perf_model import PerfModel
 from splitserve.state_records import WorkerLoad
 
@@ -59,6 +60,10 @@ class StageRun:
     reserved_blocks: list[int] | None = None  # on this worker: room for the previous stage's KV
     finish_reason: FinishReason | None = None
     last_token_pending: bool = False  # sampled by the last step; delivered after the push
+    added_at: float = 0.0  # when the stage reached this worker (its TTFT sample starts there)
+    last_token_at: float | None = None  # when this worker last produced a token of it
+    pulled_tokens: int = 0  # history KV pulled into `reserved_blocks` before it started (AMPD lazy pull)
+    push_from: int = 0  # first token its push sends (the next worker holds the history before it)
 
     @property
     def index(self) -> int:
@@ -73,7 +78,7 @@ class SimWorker:
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  batch_policy: str = "fcfs", batch_policy_options: dict | None = None,
                  enable_prefix_caching: bool = True, role: str = "both", kv_chunk_tokens: int = 64,
-                 view_refresh_s: float = 0.1, fast_forward: bool = True):
+                 view_refresh_s: float = 0.1, fast_forward: bool = True, signals_window_s: float | None = None):
         self.worker_id = worker_id
         self.perf_model = perf_model
         self.role = role
@@ -106,6 +111,10 @@ class SimWorker:
         self._refresh_s = view_refresh_s
         self._snapshot_tick = -1
         self._snapshot: WorkerLoad | None = None
+        # Windowed TTFT/ITL of this worker's tokens, kept only when the placement policy
+        # reads them (AMPD; the real worker's samples go to Redis instead).
+        self.ttft_window = WindowedMean(signals_window_s) if signals_window_s else None
+        self.itl_window = WindowedMean(signals_window_s) if signals_window_s else None
 
     # ---- capacity and KV reservations -------------------------------------------------
     @property
@@ -121,6 +130,16 @@ class SimWorker:
         except KvCapacityError:
             return None
 
+    def release_session(self, session_id: str, now: float) -> None:
+        """Drop a session's pinned history (Worker.ReleaseSession)."""
+        self._before_change(now)
+        self.scheduler.release_session(session_id)
+
+    def pull_out(self, tokens: int, now: float) -> float:
+        """Another worker reads `tokens` tokens of KV from here (a lazy pull): when they have arrived."""
+        self.link_free_at = max(self.link_free_at, now) + self.perf_model.kv_transfer_time(tokens)
+        return self.link_free_at
+
     def release_reserved(self, block_ids: list[int], now: float) -> None:
         """Return a reservation no stage adopted (the request ended before its next stage)."""
         self._before_change(now)
@@ -128,10 +147,12 @@ class SimWorker:
 
     # ---- stages -------------------------------------------------------------------------
     def add_stage(self, stage: StageRun, token_ids: list[int], prompt_len: int, max_tokens: int,
-                  prefix_len: int, now: float, push_to: StageRun | None = None, slo: StageSlo = StageSlo()) -> None:
+                  prefix_len: int, now: float, push_to: StageRun | None = None, slo: StageSlo = StageSlo(),
+                  session: SessionHold | None = None) -> None:
         """Queue a stage (ValueError as the engine rejects it); with reserved blocks its prefix
         KV is in place; `push_to` is the next stage, whose reserved blocks this one fills; `slo`
-        is the request's objectives (the coordinator copies them into every stage)."""
+        is the request's objectives (the coordinator copies them into every stage); `session`
+        pins the stage's KV under its session when it finishes (the round's last stage)."""
         self._before_change(now)
         kv = KvInBlocks(tuple(stage.reserved_blocks), prefix_len) if stage.reserved_blocks is not None else None
         sink = None
@@ -139,11 +160,16 @@ class SimWorker:
             sink = KvSink(push_to.worker.worker_id, str(stage.key), tuple(push_to.reserved_blocks),
                           self.kv_chunk_tokens)
         spec = StageSpec(stage.key, token_ids[:prompt_len], SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0),
-                         output_ids=token_ids[prompt_len:], end=stage.end, kv=kv, sink=sink, arrival_time=now, slo=slo)
+                         output_ids=token_ids[prompt_len:], end=stage.end, kv=kv, sink=sink, arrival_time=now, slo=slo,
+                         session=session)
         stage.seq = self.scheduler.add_stage(spec)
         stage.reserved_blocks = None
+        stage.added_at = now
         if sink is not None:
-            stage.push = KvPushPlan(self.kv_chunk_tokens, stage.seq.stop_at or stage.end)
+            # Whole blocks before `push_from` are in place there already (a session's
+            # history): only the rest moves (AMPD footnote 4).
+            start = stage.push_from // self.block_manager.block_size * self.block_manager.block_size
+            stage.push = KvPushPlan(self.kv_chunk_tokens, stage.seq.stop_at or stage.end, pushed_upto=start)
         self.stages[stage.key] = stage
 
     def release(self, stage: StageRun, now: float) -> None:
@@ -201,6 +227,8 @@ class SimWorker:
         for ev in events:
             stage = stages[ev.key]
             if ev.token_ids:
+                if self.ttft_window is not None:
+                    self._sample_token(stage, now)
                 if ev.finished and stage.push is not None:
                     stage.last_token_pending = True  # the worker yields it after its push completes
                 else:
@@ -234,6 +262,8 @@ class SimWorker:
             ends = array("d", self._run_ends[first:done])
             for e in run.out.entries:
                 self.stages[e.seq.key].token_times.extend(ends)
+            if self.itl_window is not None:
+                self._sample_run(run.out.entries, first, done)
 
     def _before_change(self, now: float) -> None:
         """Snapshot the load for a refresh that passed, and bring a fast-forwarded run to `now`."""
@@ -254,6 +284,39 @@ class SimWorker:
             self.step_end = ends[done]
             self.generation += 1
             self.step_moved = True
+
+    # ---- windowed TTFT/ITL (AMPD's routing signals) ------------------------------------------
+    def _sample_token(self, stage: StageRun, now: float) -> None:
+        """A token of `stage` produced here now: its first is a TTFT sample, later ones ITL samples."""
+        if stage.last_token_at is None:
+            self.ttft_window.add(now, now - stage.added_at)
+        else:
+            self.itl_window.add(now, now - stage.last_token_at)
+        stage.last_token_at = now
+
+    def _sample_run(self, entries, first: int, done: int) -> None:
+        """ITL samples of a fast-forwarded run's steps [first, done): one per request per step."""
+        ends = self._run_ends
+        batch = len(entries)
+        previous = ends[first - 1] if first > 0 else None
+        for index in range(first, done):
+            end = ends[index]
+            if previous is not None:
+                self.itl_window.add(end, end - previous, batch)
+            else:  # the run's first step: each request's gap since its own last token
+                for e in entries:
+                    stage = self.stages[e.seq.key]
+                    if stage.last_token_at is not None:
+                        self.itl_window.add(end, end - stage.last_token_at)
+            previous = end
+        for e in entries:
+            self.stages[e.seq.key].last_token_at = ends[done - 1]
+
+    def signals(self, now: float) -> tuple[float | None, float | None, list]:
+        """Windowed mean TTFT and ITL (None without samples) and the pending prefills, as of now."""
+        if self.ttft_window is None:
+            return None, None, []
+        return self.ttft_window.mean(now), self.itl_window.mean(now), self.scheduler.prefill_queue()
 
     # ---- KV push ---------------------------------------------------------------------------
     def _push(self, stage: StageRun, tokens: int, now: float) -> None:
@@ -289,6 +352,37 @@ class SimWorker:
     def has_work(self) -> bool:
         """Whether sequences are queued or running here."""
         return self.scheduler.has_unfinished()
+
+
+class WindowedMean:
+    """Mean of the samples of the last `window_s` seconds, in one-second buckets (O(1) per sample).
+
+    The real worker records every sample in Redis and the scheduler averages those newer
+    than the window; whole buckets here make the window up to one bucket longer, which
+    is well inside the refresh lag the policy already lives with."""
+
+    __slots__ = ("window_s", "bucket_s", "_buckets")
+
+    def __init__(self, window_s: float, bucket_s: float = 1.0):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s, self.bucket_s = window_s, min(bucket_s, window_s)
+        self._buckets: dict[int, list[float]] = {}  # bucket index -> [sum, count]
+
+    def add(self, at: float, value: float, count: int = 1) -> None:
+        bucket = self._buckets.setdefault(int(at / self.bucket_s), [0.0, 0])
+        bucket[0] += value * count
+        bucket[1] += count
+
+    def mean(self, now: float) -> float | None:
+        oldest = int((now - self.window_s) / self.bucket_s)
+        total, count = 0.0, 0
+        for index in [i for i in self._buckets if i < oldest]:
+            del self._buckets[index]
+        for value_sum, value_count in self._buckets.values():
+            total += value_sum
+            count += value_count
+        return total / count if count else None
 
 
 def published(worker: SimWorker, load: WorkerLoad, engine_kind: str, taken_at: float) -> WorkerLoad:

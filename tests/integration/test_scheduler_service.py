@@ -324,6 +324,44 @@ def test_view_source_counts_placements_until_the_next_load_snapshot(prefix):
     asyncio.run(scenario())
 
 
+def test_view_source_reads_windowed_latencies_and_prefill_queues_for_ampd(prefix):
+    # AMPD's routing reads each worker's windowed TTFT/ITL and prefill queue from Redis
+    # (§3); the view carries them once a policy that asks for them places a request.
+    from services.global_scheduler.ampd import AmpdPolicy
+    from services.global_scheduler.policy import PlacementRequest
+    from splitserve.state import PrefillTask
+
+    async def scenario() -> None:
+        async with StateStore(REDIS_URL, prefix, latency_window_s=10.0) as store:
+            now = time.time()
+            for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+                await store.register_worker(WorkerInfo(worker_id, "127.0.0.1:1", role=role), ttl_s=LONG_TTL_S)
+                await store.publish_load(WorkerLoad(worker_id, role=role, free_blocks=10, total_blocks=10,
+                                                    updated_unix=now), ttl_s=LONG_TTL_S)
+            await store.record_latencies("p0", [0.5, 0.7], [], now - 1)
+            await store.record_latencies("p0", [9.0], [], now - 60)  # outside the window
+            await store.record_latencies("d0", [], [0.02, 0.04], now - 1)
+            await store.publish_prefill_queue("p0", [PrefillTask("t1", 0, 4000, now)], ttl_s=LONG_TTL_S)
+            views = ClusterViewSource(store, refresh_s=60.0)
+            await views.start()
+            try:
+                assert all(w.signals is None for w in (await views.current()).workers)  # not asked for yet
+                policy = AmpdPolicy(perf_model="H100/llama-3-8b")
+                placement = await views.place(
+                    policy, PlacementRequest("r", 1000, 10, slo_ttft_ms=350, slo_itl_ms=40), time.time)
+                view = await views.current()
+                p0, d0 = view.get("p0"), view.get("d0")
+                assert p0.signals.ttft_mean_s == pytest.approx(0.6) and p0.signals.itl_mean_s is None
+                assert [t.l_incr for t in p0.signals.prefill_queue] == [4000]
+                assert d0.signals.itl_mean_s == pytest.approx(0.03) and d0.signals.prefill_queue == ()
+                # p0's 600 ms is past 0.9 x 350 ms and d0's 30 ms within 0.85 x 40 ms: local.
+                assert placement.worker_ids == ("d0",) and placement.decision["rule"] == 2.0
+            finally:
+                await views.stop()
+
+    asyncio.run(scenario())
+
+
 def test_serve_exits_non_zero_when_redis_is_unreachable(prefix):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
