@@ -258,7 +258,9 @@ def up(
         None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
         help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
     policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | "
-                               "split | dynaserve (a split point per request from the worker pair's predicted load)."),
+                               "split | dynaserve (a split point per request from the worker pair's predicted load) | "
+                               "session_affinity | ampd (sessions bound to a decode worker, each prefill routed "
+                               "local or remote by windowed TTFT/ITL and cost; with --prefill-workers)."),
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="Placement policy parameter key=value (repeatable), e.g. max_probes=6 or "
         "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "

@@ -132,6 +132,10 @@ GPU_SPECS: Mapping[str, GpuSpec] = MappingProxyType({
     "H200": GpuSpec("H200-SXM-141GB", 989.0, 1979.0, 141, 4800, 450, 64,
                     f"{_NV} H200 SXM (nvidia.com/en-us/data-center/h200): BF16 1,979 / FP8 3,958 "
                     "TFLOPS with sparsity, 141GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s"),
+    # AMPD's evaluation GPU (§7.1): export-grade Hopper, little compute, full HBM bandwidth.
+    "H20": GpuSpec("H20-96GB", 148.0, 296.0, 96, 4000, 450, 64,
+                   f"{_NV} H20 (HGX H20 product brief): BF16 148 / FP8 296 TFLOPS dense, 96GB HBM3, "
+                   "4.0 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s"),
     "L40S": GpuSpec("L40S-48GB", 362.05, 733.0, 48, 864, 0, 32,
                     f"{_NV} L40S (nvidia.com/en-us/data-center/l40s): BF16 362.05 (733 sparse), "
                     "FP8 733 TFLOPS dense, 48GB GDDR6, 864 GB/s, PCIe Gen4 x16 64 GB/s "
@@ -153,6 +157,9 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "Qwen2.5-32B": ModelSpec("Qwen2.5-32B", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648,
                              152064, False, "ar", _HF.format("Qwen/Qwen2.5-32B")
                              + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1", 32768),
+    # Qwen3: head_dim 128 with 64 query heads (wider than hidden / heads); 32,768 native context.
+    "Qwen3-32B": ModelSpec("Qwen3-32B", "Qwen/Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936, False, "ar",
+                           _HF.format("Qwen/Qwen3-32B"), 32768),
     "Llama-3.1-70B": ModelSpec("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 128,
                                28672, 128256, False, "ar", _HF.format("meta-llama/Llama-3.1-70B"), 131072),
     "LLaDA-8B": ModelSpec("LLaDA-8B", "GSAI-ML/LLaDA-8B-Base", 32, 4096, 32, 32, 128, 12288,

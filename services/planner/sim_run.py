@@ -57,6 +57,10 @@ class SimStats:
     kv_recomputes: int = 0
     kv_pulls: int = 0  # session histories read by a remote incremental prefill (AMPD)
     kv_pulled_tokens: int = 0
+    # Where session rounds after the first ran their prefill: on the worker that decodes
+    # them (local) or on another one (remote): AMPD's routing share.
+    incremental_prefills_local: int = 0
+    incremental_prefills_remote: int = 0
     preemptions: int = 0
     view_refreshes: int = 0
     worker_busy_fraction: float = 0.0
@@ -280,6 +284,11 @@ class SimRun:
             request.stages.append(StageRun(StageKey(request.request_id, index), sp.start, sp.end,
                                            self.by_id[sp.worker_id], request.token_times, request, push_kv=sp.push_kv))
         if request.session_id:
+            if round_index > 0:
+                if len(request.stages) == 1:
+                    self.stats.incremental_prefills_local += 1
+                else:
+                    self.stats.incremental_prefills_remote += 1
             request.bound_worker = bound_worker if bound_worker in self.by_id else ""
             last = request.stages[-1]
             if bound_worker and last.worker.worker_id != bound_worker and bound_worker in self.by_id:
