@@ -164,7 +164,36 @@ class ReferenceBlockManager:
             self._hash_to_block[h] = block.block_id
 
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
+        self.release_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # Session pins (splitserve.core.session_pins): extra references on indexed blocks.
+    def indexed_prefix(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.update_block_hashes(seq)
+        prefix = []
+        for h in hashes[:min(seq.num_computed_tokens // self.block_size, len(hashes))]:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            prefix.append(block_id)
+        return prefix
+
+    def retain(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free_cached[block_id]
+            block.ref_count += 1
+
+    def freeable_if_released(self, block_ids: list[int]) -> int:
+        drops = {b: block_ids.count(b) for b in set(block_ids)}
+        return sum(1 for b, n in drops.items() if self.blocks[b].ref_count == n)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -173,8 +202,6 @@ class ReferenceBlockManager:
                     self._free_cached[block_id] = None
                 else:
                     self._free_plain.append(block_id)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._free_cached):

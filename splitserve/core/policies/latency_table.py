@@ -152,8 +152,13 @@ class LatencyTable:
             return 0
         last = _NP - 1
         hi_v = at(last)
-        if hi_v <= target_s:  # beyond the grid: the last segment extended
-            slope = (hi_v - at(last - 1)) / (PREFILL_GRID[last] - PREFILL_GRID[last - 1])
+        if hi_v <= target_s:  # beyond the grid: the last segments extended
+            # With the steepest last segment of the whole table, not this (c, d)'s own: a
+            # longer context may have a flatter last segment, and its own slope would then
+            # allow *more* prefill than a shorter context (found by the property test). The
+            # steepest slope keeps the answer non-increasing in context and decodes, and
+            # within target wherever `predict` extrapolates with a local slope.
+            slope = self._steepest_last_slope()
             if slope <= 0:
                 return limit
             return min(limit, int(PREFILL_GRID[last] + (target_s - hi_v) / slope))
@@ -169,6 +174,12 @@ class LatencyTable:
         p_lo = PREFILL_GRID[lo]
         tokens = p_lo + (target_s - lo_v) / (hi_v - lo_v) * (PREFILL_GRID[hi] - p_lo)
         return min(limit, int(tokens))
+
+    def _steepest_last_slope(self) -> float:
+        """The largest slope of the last prefill segment over every (context, decodes) vertex."""
+        v, last = self._v, _NP - 1
+        width = PREFILL_GRID[last] - PREFILL_GRID[last - 1]
+        return max(v[base + last] - v[base + last - 1] for base in range(0, len(v), _NP)) / width
 
     # ---- learning ------------------------------------------------------------------------
     def observe_shape(self, shape: StepShape, latency_s: float) -> None:

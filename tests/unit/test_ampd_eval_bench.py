@@ -1,0 +1,46 @@
+"""The pure parts of benchmarks/ampd_eval.py: deployments searched, rates, gains, one case."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "ampd_eval.py"
+_spec = importlib.util.spec_from_file_location("ampd_eval", _PATH)
+ae = importlib.util.module_from_spec(_spec)
+sys.modules["ampd_eval"] = ae
+_spec.loader.exec_module(ae)
+
+
+def test_deployments_fill_the_budget_and_keep_both_pools():
+    disaggregated = ae.deployments(8, True)
+    assert {d.label for d in disaggregated} == {"P:TP2x1 D:TP2x3", "P:TP2x2 D:TP2x2", "P:TP2x3 D:TP2x1",
+                                                "P:TP4x1 D:TP4x1"}  # TP8 leaves no room for two pools
+    assert all(d.tp * d.workers == 8 and 1 <= d.prefill < d.workers for d in disaggregated)
+    assert [d.label for d in ae.deployments(8, False)] == ["TP2x4", "TP4x2", "TP8x1"]
+    assert ae.deployments(16, True)[0].roles() == ("prefill", "prefill", "decode", "decode", "decode", "decode",
+                                                    "decode", "decode")
+
+
+def test_rates_scale_with_the_budget_and_the_session_size():
+    toolbench, hotpotqa, dureader, gaia = (ae.prefill_capacity(w) for w in ae.WORKLOADS)
+    assert toolbench > hotpotqa > gaia > 0
+    assert dureader == pytest.approx(2 * ae.prefill_capacity(ae.Workload("dureader", 8, 1200, 40)))
+
+
+def test_gains_compare_ampd_with_a_baseline_rate_by_rate():
+    rows = [{"system": "AMPD", "rate": 1.0, "attainment": 0.9}, {"system": "B", "rate": 1.0, "attainment": 0.6},
+            {"system": "AMPD", "rate": 2.0, "attainment": 0.5}, {"system": "B", "rate": 2.0, "attainment": 0.0}]
+    assert ae.gains(rows, "B") == pytest.approx([0.5])  # a baseline at 0% gives no finite ratio
+
+
+def test_one_case_runs_and_reports_the_breakdown():
+    workload = ae.Workload("toolbench", 8, 350, 40)
+    row = ae.run_case((workload, ae.systems("fcfs")[0], ae.Deployment(4, 2, 1), 0.5, 8.0, 0))
+    assert row["requests"] >= 8 and row["failed"] == 0
+    assert 0 <= row["attainment_strict"] <= row["attainment"] <= 1
+    assert row["ttft_initial_mean_ms"] > 0 and row["ttft_incremental_mean_ms"] > 0
+    assert row["local_share"] is not None and row["kv_pulled_tokens"] >= 0
