@@ -265,7 +265,8 @@ def up(
         None, "--policy-param", help="Placement policy parameter key=value (repeatable), e.g. max_probes=6 or "
         "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "
         "`splitserve profile`)."),
-    batch_policy: str = typer.Option("fcfs", help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2)."),
+    batch_policy: str = typer.Option("fcfs", help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2) | "
+                                      "prefill_reorder (AMPD Alg. 2)."),
     itl_slo_ms: float = typer.Option(0.0, help="slo_aware: ITL objective (ms) for requests sent without one."),
     prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
     split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),
@@ -501,6 +502,9 @@ def _mount_bench() -> None:
     from splitserve.profile_cli import profile_command
 
     app.command("profile")(profile_command)
+    from services.planner.plan_cli import plan_command
+
+    app.command("plan")(plan_command)
 
 
 if sys.argv[1:2] != ["serve"]:  # a service process starts without the load generator's imports

@@ -60,6 +60,10 @@ class SimulatorConfig:
     fast_forward: bool = True
     slo_ttft_ms: int = 0
     slo_itl_ms: int = 0
+    # Heterogeneous deployments (e.g. prefill workers at TP 4, decode workers at TP 8): each
+    # worker's own model and KV blocks; None: every worker has `perf_model` / `num_kv_blocks`.
+    worker_perf_models: tuple[PerfModel, ...] | None = None
+    worker_kv_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -80,6 +84,23 @@ class SimulatorConfig:
         for name in ("slo_ttft_ms", "slo_itl_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("worker_perf_models", "worker_kv_blocks"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            values = tuple(values)
+            object.__setattr__(self, name, values)
+            if len(values) != self.num_workers:
+                raise ValueError(f"{name}: {len(values)} given for {self.num_workers} workers")
+        if self.worker_kv_blocks is not None and any(
+                isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in self.worker_kv_blocks):
+            raise ValueError(f"worker_kv_blocks must be integers > 0, got {list(self.worker_kv_blocks)}")
+
+    def perf_model_of(self, index: int) -> PerfModel:
+        return self.worker_perf_models[index] if self.worker_perf_models is not None else self.perf_model
+
+    def kv_blocks_of(self, index: int) -> int:
+        return self.worker_kv_blocks[index] if self.worker_kv_blocks is not None else self.num_kv_blocks
 
     @property
     def worker_roles(self) -> tuple[str, ...]:
@@ -88,7 +109,11 @@ class SimulatorConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view, the performance model by its label and coefficients."""
-        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "perf_model"}
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__
+                if name not in ("perf_model", "worker_perf_models")}
+        if self.worker_perf_models is not None:
+            data["worker_perf_models"] = [m.to_dict() for m in self.worker_perf_models]
+            data["worker_kv_blocks"] = list(self.worker_kv_blocks) if self.worker_kv_blocks is not None else None
         data["roles"] = list(self.worker_roles)
         data["latency"] = asdict(self.latency)
         data["perf_model"] = self.perf_model.to_dict()

@@ -135,7 +135,7 @@ class SimRun:
         # scheduler reads them from Redis; others do not pay for them.
         with_signals = bool(getattr(self.policy, "view_signals", False))
         self.workers = [
-            SimWorker(worker_id(i), config.perf_model, clock=self.clock, num_kv_blocks=config.num_kv_blocks,
+            SimWorker(worker_id(i), config.perf_model_of(i), clock=self.clock, num_kv_blocks=config.kv_blocks_of(i),
                       block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
                       max_num_seqs=config.max_num_seqs, batch_policy=config.batch_policy,
                       batch_policy_options=config.batch_policy_options,

@@ -91,7 +91,8 @@ class Simulator:
                  roles: Sequence[str] | None = None, view_refresh_s: float = 0.1,
                  latency: NetworkLatency = NetworkLatency(), kv_chunk_tokens: int = 64,
                  enable_prefix_caching: bool = True, fast_forward: bool = True, slo_ttft_ms: int = 0,
-                 slo_itl_ms: int = 0):
+                 slo_itl_ms: int = 0, worker_perf_models: Sequence[PerfModel] | None = None,
+                 worker_kv_blocks: Sequence[int] | None = None):
         self.config = SimulatorConfig(
             num_workers=num_workers, perf_model=perf_model, num_kv_blocks=num_kv_blocks,
             placement_policy=placement_policy, policy_params=dict(policy_params or {}), batch_policy=batch_policy,
@@ -99,7 +100,9 @@ class Simulator:
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             roles=tuple(roles) if roles is not None else None, view_refresh_s=view_refresh_s, latency=latency,
             kv_chunk_tokens=kv_chunk_tokens, enable_prefix_caching=enable_prefix_caching,
-            fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
+            fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
+            worker_perf_models=tuple(worker_perf_models) if worker_perf_models is not None else None,
+            worker_kv_blocks=tuple(worker_kv_blocks) if worker_kv_blocks is not None else None)
         # Build the policies once now, so bad names and parameters fail before any run.
         make_policy(placement_policy, deployment_perf_model=perf_model, **self.config.policy_params)
         build_batch_policy(batch_policy, self.config.batch_policy_options, perf_model=perf_model)
@@ -112,6 +115,25 @@ class Simulator:
         perf_model = preset(gpu, model, tp, dtype=dtype, link=link)
         blocks = preset_kv_blocks(gpu, model, tp, block_size, dtype=dtype, mem_util=mem_util)
         return cls(num_workers, perf_model, num_kv_blocks=blocks, block_size=block_size, **options)
+
+    @classmethod
+    def from_pools(cls, pools: Sequence[tuple[str, int, int]], gpu: str = "H100", model: str = "Llama-3-8B", *,
+                   dtype: str = "bf16", link: str = "rdma-400g", mem_util: float = 0.9, block_size: int = 16,
+                   **options: Any) -> Simulator:
+        """A heterogeneous deployment: `pools` of (role, tp, count), e.g. prefill workers at TP 4
+        and decode workers at TP 8, each worker with its own TP's preset times and KV memory.
+        The placement policy's deployment model is the first pool's (AMPD's prefill costs)."""
+        models, blocks, roles = [], [], []
+        for role, tp, count in pools:
+            if count <= 0:
+                raise ValueError(f"pools: {role} at TP {tp} has {count} workers; give counts > 0")
+            models += [preset(gpu, model, tp, dtype=dtype, link=link)] * count
+            blocks += [preset_kv_blocks(gpu, model, tp, block_size, dtype=dtype, mem_util=mem_util)] * count
+            roles += [role] * count
+        if not models:
+            raise ValueError("pools: no workers")
+        return cls(len(models), models[0], num_kv_blocks=blocks[0], block_size=block_size, roles=roles,
+                   worker_perf_models=models, worker_kv_blocks=blocks, **options)
 
     def run(self, items: Sequence[SimItem], arrival: ArrivalProcess | Sequence[float] | None = None, *,
             seed: int = 0, max_concurrency: int | None = None, concurrency: int | None = None,
