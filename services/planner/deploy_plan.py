@@ -50,6 +50,7 @@ import numpy as np
 
 from loadgen import arrivals
 from loadgen.sessions import PRESETS, ToolDelay, generate_sessions
+from services.planner.simulator import Simulator
 from splitserve.perf_presets import TP_DEGREES, fits_in_memory, max_kv_tokens, preset
 
 __all__ = ["PlanInputs", "LoadCurve", "Candidate", "solve_plan", "plan", "check_plan", "default_rate",
@@ -164,8 +165,6 @@ def _p95(values: Sequence[float]) -> float:
 
 def _simulate_point(job: tuple[str, PlanInputs, int, float]) -> float:
     """One load-curve point: P95 TTFT (side "prefill") or P95 mean ITL ("decode") of one replica."""
-    from services.planner.simulator import Simulator
-
     side, inputs, tp, rate = job
     if side == "prefill":
         pools = [("prefill", tp, 1), ("decode", tp, 1)]
@@ -187,7 +186,7 @@ def _simulate_point(job: tuple[str, PlanInputs, int, float]) -> float:
         return INFEASIBLE  # requests still queued when the run was cut: it did not keep up
     if side == "prefill":
         return _p95([r.ttft_s for r in results])
-    return _p95([(r.end_s - r.first_token_s) / (r.output_len - 1) for r in results if r.output_len >= 2])
+    return _p95([r.tpot_s for r in results if r.tpot_s is not None])
 
 
 def measure_curves(inputs: PlanInputs, processes: int = 2) -> dict[str, dict[int, LoadCurve]]:
@@ -327,8 +326,6 @@ def plan(inputs: PlanInputs, processes: int = 2, log: Callable[[str], None] = la
 
 
 def _check_one(job: tuple[PlanInputs, float, Candidate, int]) -> dict[str, Any]:
-    from services.planner.simulator import Simulator
-
     inputs, rate, cand, sessions = job
     sim = Simulator.from_pools([("prefill", cand.prefill_tp, cand.prefill_count),
                                 ("decode", cand.decode_tp, cand.decode_count)], inputs.gpu, inputs.model,
@@ -339,8 +336,7 @@ def _check_one(job: tuple[PlanInputs, float, Candidate, int]) -> dict[str, Any]:
     outcome = sim.run(items, arrivals.poisson(rate), seed=inputs.seed)
     ttft_s, itl_s = inputs.ttft_slo_ms / 1000, inputs.itl_slo_ms / 1000
     results = outcome.results
-    met = sum(1 for r in results if r.ok and r.ttft_s <= ttft_s and
-              (r.output_len < 2 or (r.end_s - r.first_token_s) / (r.output_len - 1) <= itl_s))
+    met = sum(1 for r in results if r.ok and r.ttft_s <= ttft_s and (r.tpot_s is None or r.tpot_s <= itl_s))
     return {"label": cand.label, "gpus": cand.gpus, "attainment": met / len(results) if results else 0.0,
             "requests": len(results)}
 

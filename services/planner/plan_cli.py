@@ -12,40 +12,32 @@ import typer
 __all__ = ["plan_command"]
 
 
-def _env(name: str) -> str:
-    return f"SPLITSERVE_PLAN_{name}"
+def _option(default, flag: str, help: str = "", **kwargs):
+    """A flag with its environment variable SPLITSERVE_PLAN_<FLAG> (every option is both)."""
+    env = "SPLITSERVE_PLAN_" + flag.lstrip("-").upper().replace("-", "_")
+    return typer.Option(default, flag, envvar=env, show_envvar=True, help=help, **kwargs)
 
 
 def plan_command(
-    gpus: int = typer.Option(..., "--gpus", envvar=_env("GPUS"), show_envvar=True, help="GPU budget N."),
-    gpu: str = typer.Option("H100", "--gpu", envvar=_env("GPU"), show_envvar=True,
-                            help="GPU preset: A100 | H100 | H200 | H20 | L40S | RTX4090."),
-    model_preset: str = typer.Option("Llama-3.1-70B", "--model-preset", envvar=_env("MODEL_PRESET"),
-                                     show_envvar=True, help="Model preset, e.g. llama-3.1-70b, Qwen3-32B."),
-    sessions: str = typer.Option("toolbench", "--sessions", envvar=_env("SESSIONS"), show_envvar=True,
-                                 help="Session preset: toolbench | gaia | hotpotqa | dureader."),
-    rate: float = typer.Option(0.0, "--rate", envvar=_env("RATE"), show_envvar=True,
-                               help="Session arrival rate (sessions/s); 0: half of what half the budget could "
-                                    "prefill."),
-    slo_ttft_ms: float = typer.Option(350.0, "--slo-ttft-ms", envvar=_env("SLO_TTFT_MS"), show_envvar=True,
-                                      help="TTFT objective (ms)."),
-    slo_itl_ms: float = typer.Option(40.0, "--slo-itl-ms", envvar=_env("SLO_ITL_MS"), show_envvar=True,
-                                     help="ITL objective (ms)."),
-    tp_degrees: str = typer.Option("1,2,4,8", "--tp-degrees", envvar=_env("TP_DEGREES"), show_envvar=True,
-                                   help="TP degrees to consider (those the model fits at are used)."),
-    link: str = typer.Option("rdma-400g", "--link", envvar=_env("LINK"), show_envvar=True,
-                             help="KV transfer link preset."),
-    top: int = typer.Option(3, "--top", envvar=_env("TOP"), show_envvar=True, help="Configurations to list."),
-    sim_sessions: int = typer.Option(48, "--sim-sessions", envvar=_env("SIM_SESSIONS"), show_envvar=True,
-                                     help="Sessions per load-curve simulation (resolution vs planning time)."),
-    check: int = typer.Option(0, "--check", envvar=_env("CHECK"), show_envvar=True,
-                              help="> 0: also simulate the top configurations as whole clusters with that many "
-                                   "sessions and rank them by SLO attainment (the paper's Table 2)."),
-    processes: int = typer.Option(2, "--processes", envvar=_env("PROCESSES"), show_envvar=True,
-                                  help="Simulation processes."),
-    seed: int = typer.Option(0, "--seed", envvar=_env("SEED"), show_envvar=True),
-    out: Optional[Path] = typer.Option(None, "--out", envvar=_env("OUT"), show_envvar=True,
-                                       help="Write the plan (and checks) as JSON here."),
+    gpus: int = _option(..., "--gpus", help="GPU budget N."),
+    gpu: str = _option("H100", "--gpu", help="GPU preset: A100 | H100 | H200 | H20 | L40S | RTX4090."),
+    model_preset: str = _option("Llama-3.1-70B", "--model-preset", help="Model preset, e.g. llama-3.1-70b, Qwen3-32B."),
+    sessions: str = _option("toolbench", "--sessions", help="Session preset: toolbench | gaia | hotpotqa | dureader."),
+    rate: float = _option(0.0, "--rate", help="Session arrival rate (sessions/s); 0: half of what half the budget "
+                                              "could prefill."),
+    slo_ttft_ms: float = _option(350.0, "--slo-ttft-ms", help="TTFT objective (ms)."),
+    slo_itl_ms: float = _option(40.0, "--slo-itl-ms", help="ITL objective (ms)."),
+    tp_degrees: str = _option("1,2,4,8", "--tp-degrees", help="TP degrees to consider (those the model fits at are "
+                                                                "used)."),
+    link: str = _option("rdma-400g", "--link", help="KV transfer link preset."),
+    top: int = _option(3, "--top", help="Configurations to list."),
+    sim_sessions: int = _option(48, "--sim-sessions", help="Sessions per load-curve simulation (resolution vs "
+                                                            "planning time)."),
+    check: int = _option(0, "--check", help="> 0: also simulate the top configurations as whole clusters with that "
+                                            "many sessions and rank them by SLO attainment (the paper's Table 2)."),
+    processes: int = _option(2, "--processes", help="Simulation processes."),
+    seed: int = _option(0, "--seed"),
+    out: Optional[Path] = _option(None, "--out", help="Write the plan (and checks) as JSON here."),
 ) -> None:
     """Plan prefill/decode instance counts and TP degrees for a GPU budget (AMPD §5: an ILP over
     simulated per-replica P95 latencies, solved with HiGHS)."""

@@ -40,9 +40,9 @@ running decode with one token whatever the time.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Sequence
 
-from splitserve.core.policies.slo_aware import _number, _perf_model
+from splitserve.core.policies.options import number_option, perf_model_option
 from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
 from splitserve.perf_model import PerfModel
@@ -88,15 +88,13 @@ class PrefillReorderPolicy:
 
     def __init__(self, perf_model: PerfModel | dict | str | None = None, window: int | str = 3,
                  ttft_slo_ms: float | str | None = None, learning_rate: float | str = 0.2):
-        self.window: int = _number("window", window, minimum=1, maximum=7, integer=True)  # 7! = 5040 orderings
-        ttft = _number("ttft_slo_ms", ttft_slo_ms, minimum=0.0, allow_none=True)
+        self.window: int = number_option("window", window, minimum=1, maximum=7, integer=True)  # 7! = 5040 orderings
+        ttft = number_option("ttft_slo_ms", ttft_slo_ms, minimum=0.0, allow_none=True)
         self.default_ttft_slo_s: float | None = ttft / 1000 if ttft else None
-        self.learning_rate: float = _number("learning_rate", learning_rate, minimum=1e-6, maximum=1.0)
-        self.perf_model: PerfModel | None = _perf_model(perf_model)
+        self.learning_rate: float = number_option("learning_rate", learning_rate, minimum=1e-6, maximum=1.0)
+        self.perf_model: PerfModel | None = perf_model_option(perf_model)
         self.seconds_per_prefill_token = 0.0  # learned from executed steps when there is no perf model
         self.postponements: dict[StageKey, int] = {}  # waiting task -> times it was overtaken
-        self.reordered_steps = 0  # steps whose admission order differed from the queue's (for inspection)
-        self.last_ordering: tuple[StageKey, ...] = ()
 
     def next_batch(self, step: StepBuilder, now: float) -> None:
         offset = 0.0
@@ -115,7 +113,6 @@ class PrefillReorderPolicy:
         window = list(waiting[:self.window])
         order = self._ordering(window, now, offset)
         admission = [window[i] for i in order] + list(waiting[len(window):])
-        self.last_ordering = tuple(r.key for r in admission[:len(window)])
         admitted: set[StageKey] = set()
         for req in admission:
             if step.tokens_left == 0 or step.seqs_left == 0 or step.preempted_any:
@@ -133,12 +130,9 @@ class PrefillReorderPolicy:
             return tuple(range(len(window)))
         durations = [self._prefill_s(r.num_computed_tokens, r.num_remaining_tokens) for r in window]
         capped = [self.postponements.get(r.key, 0) >= self.window for r in window]
-        order, _ = best_ordering(deadlines, durations, capped, now, offset)
-        if order != tuple(range(len(window))):
-            self.reordered_steps += 1
-        return order
+        return best_ordering(deadlines, durations, capped, now, offset)[0]
 
-    def _count_postponements(self, waiting: Any, admitted: set[StageKey]) -> None:
+    def _count_postponements(self, waiting: Sequence[QueuedRequest], admitted: set[StageKey]) -> None:
         """A task still waiting is postponed in this step when a task behind it was admitted."""
         previous, counts = self.postponements, {}
         overtaken = False

@@ -51,49 +51,12 @@ or its JSON text.
 
 from __future__ import annotations
 
-import json
-import math
-from typing import Any
-
 from splitserve.core.policies.latency_table import LatencyTable
+from splitserve.core.policies.options import number_option, perf_model_option
 from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.perf_model import PerfModel
 
 __all__ = ["SloAwarePolicy"]
-
-
-def _number(name: str, value: Any, *, minimum: float, maximum: float = math.inf, integer: bool = False,
-            allow_none: bool = False) -> Any:
-    if value is None or (allow_none and isinstance(value, str) and value.strip().lower() in ("", "none")):
-        if allow_none:
-            return None
-        raise ValueError(f"{name} must be a number, got None")
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not (math.isfinite(number) and minimum <= number <= maximum) or (integer and number != int(number)):
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} in [{minimum:g}, {maximum:g}], got {value!r}")
-    return int(number) if integer else number
-
-
-def _perf_model(value: Any) -> PerfModel | None:
-    if value is None or isinstance(value, PerfModel):
-        return value
-    if isinstance(value, str):
-        if not value.strip():
-            return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"perf_model: not a perf model's JSON text ({err}); drivers load files") from None
-    if isinstance(value, dict):
-        try:
-            return PerfModel.from_dict(value)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"perf_model: {err}") from None
-    raise ValueError(f"perf_model must be a PerfModel, its to_dict() or its JSON text, got {type(value).__name__}")
 
 
 class SloAwarePolicy:
@@ -106,12 +69,12 @@ class SloAwarePolicy:
     def __init__(self, perf_model: PerfModel | dict | str | None = None, itl_slo_ms: float | str | None = None,
                  target_fraction: float | str = 0.9, min_prefill_tokens: int | str = 16,
                  learning_rate: float | str = 0.2):
-        itl = _number("itl_slo_ms", itl_slo_ms, minimum=0.0, allow_none=True)
+        itl = number_option("itl_slo_ms", itl_slo_ms, minimum=0.0, allow_none=True)
         self.default_itl_slo_s: float | None = itl / 1000 if itl else None
-        self.target_fraction: float = _number("target_fraction", target_fraction, minimum=1e-3, maximum=1.0)
-        self.min_prefill_tokens: int = _number("min_prefill_tokens", min_prefill_tokens, minimum=0, integer=True)
-        rate = _number("learning_rate", learning_rate, minimum=1e-6, maximum=1.0)
-        self.table = LatencyTable(_perf_model(perf_model), rate)
+        self.target_fraction: float = number_option("target_fraction", target_fraction, minimum=1e-3, maximum=1.0)
+        self.min_prefill_tokens: int = number_option("min_prefill_tokens", min_prefill_tokens, minimum=0, integer=True)
+        rate = number_option("learning_rate", learning_rate, minimum=1e-6, maximum=1.0)
+        self.table = LatencyTable(perf_model_option(perf_model), rate)
         self.last_prefill_budget: int | None = None  # M of the latest step (None: no objective); for inspection
 
     def next_batch(self, step: StepBuilder, now: float) -> None:
