@@ -5,6 +5,9 @@ stage waits for every chunk (`acquire_prefix`) and adopts the blocks, or recompu
 from tokens when the transfer failed, timed out or arrived corrupted.
 Sender: a stage with a KvSink pushes every completed chunk of `chunk_tokens` while it
 keeps computing (DynaServe §4.3), then the remainder when it ends, then frees its KV.
+Source of a lazy pull (AMPD §3): `lease_session` holds a session's pinned history blocks
+for another worker to read; the lease ends when the request's next stage arrives here
+(the pull is long done by then), on Cancel, or after the reservation TTL.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
-from splitserve.core import KvCapacityError, KvPushPlan, KvSink, StageKey, whole_block_chunk
+from splitserve.core import KvCapacityError, KvInBlocks, KvPushPlan, KvSink, StageKey, whole_block_chunk
 from splitserve.telemetry import percentile_buckets
 from workers.engine_loop import EngineLoop
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError, KvTransport
@@ -34,13 +37,27 @@ KV_EXPOSED_SECONDS = Histogram(
 KV_LAYER_SLICES = Counter("splitserve_worker_kv_layer_slices_total",
                           "Per-layer slices pushed from inside a stage's last step (NIXL, kv_layer_push)")
 KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
+KV_INCOMING_TOKENS = Counter("splitserve_worker_kv_incoming_tokens_total",
+                             "Tokens of KV taken from other workers instead of computed, by how", ["how"])
+HISTORY_LEASES = Counter("splitserve_worker_session_history_leases_total",
+                         "Pinned session histories lent to another worker's lazy pull (AMPD remote prefill)")
 
 
 @dataclass
 class _Reservation:
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # for tokens [start, num_tokens)
     num_tokens: int
+    created: float
+    start: int = 0  # tokens before it are this worker's already (a session's pinned history)
+
+
+@dataclass
+class _Lease:
+    """A session's pinned history blocks held for a lazy pull by `request_id`'s prefill worker."""
+
+    request_id: str
+    block_ids: list[int]
     created: float
 
 
@@ -73,6 +90,7 @@ class KvStageManager:
         # Push the last step's KV layer by layer as the engine computes it (transports that can).
         self.layer_push = layer_push
         self._reservations: dict[str, _Reservation] = {}
+        self._leases: list[_Lease] = []
         self._pushes: dict[str, _OutgoingPush] = {}
 
     def on_chunk(self, chunk: BlockTransfer, checksum_ok: bool) -> None:
@@ -86,21 +104,25 @@ class KvStageManager:
             self.transport.incoming_done(chunk.transfer_id)  # all in (or failed): stop polling fast
 
     # ---- receiving ----------------------------------------------------------------
-    async def prepare(self, request_id: str, transfer_id: str, num_tokens: int) -> list[int]:
-        """Reserve blocks for [0, num_tokens) of a request's KV; raises KvCapacityError."""
+    async def prepare(self, request_id: str, transfer_id: str, num_tokens: int, start: int = 0) -> list[int]:
+        """Reserve blocks for [start, num_tokens) of a request's KV; raises KvCapacityError, or
+        ValueError for a start that is not whole blocks below num_tokens."""
         self.reap_expired()
         if transfer_id in self._reservations:
             return self._reservations[transfer_id].block_ids
-        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens))
-        self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic())
-        self.tracker.expect(transfer_id, request_id, num_tokens, blocks)
+        if not 0 <= start < num_tokens or (start and start % self.memory.block_size):
+            raise ValueError(f"start must be a multiple of the block size {self.memory.block_size} "
+                             f"below num_tokens={num_tokens}, got {start}")
+        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - start))
+        self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic(), start)
+        self.tracker.expect(transfer_id, request_id, num_tokens - start, blocks, token_start=start)
         if self.transport is not None:
             # The sender starts pushing as soon as it computes: have the transport watch for it.
             self.transport.expect_incoming(transfer_id, self.reservation_ttl_s + self.transfer_timeout_s)
         return blocks
 
-    async def acquire_prefix(self, transfer_id: str, num_tokens: int) -> list[int] | None:
-        """Wait for an incoming transfer; its blocks when complete and intact, else None (recompute)."""
+    async def acquire_prefix(self, transfer_id: str, num_tokens: int) -> KvInBlocks | None:
+        """Wait for an incoming transfer; its KV when complete and intact, else None (recompute)."""
         reservation = self._reservations.get(transfer_id)
         if reservation is None:
             KV_OUTCOMES.labels("no_reservation").inc()
@@ -116,7 +138,8 @@ class KvStageManager:
             self.transport.incoming_done(transfer_id)
         if ok and reservation.num_tokens >= num_tokens:
             KV_OUTCOMES.labels("used").inc()
-            return reservation.block_ids
+            KV_INCOMING_TOKENS.labels("pushed").inc(num_tokens - reservation.start)
+            return KvInBlocks(tuple(reservation.block_ids), num_tokens, reservation.start)
         outcome = "corrupt" if corrupt else "timeout"
         log.warning("incoming KV %s unusable (%s); recomputing from tokens", transfer_id, outcome)
         KV_OUTCOMES.labels("recomputed").inc()
@@ -124,7 +147,7 @@ class KvStageManager:
         return None
 
     async def pull_prefix(self, request_id: str, source_worker: str, source_blocks: list[int],
-                          num_tokens: int, transfer_id: str) -> list[int] | None:
+                          num_tokens: int, transfer_id: str) -> KvInBlocks | None:
         """Lazy pull (AMPD §6): read [0, num_tokens) of KV from the source's blocks now; None → recompute."""
         needed = -(-num_tokens // self.memory.block_size)
         if len(source_blocks) < needed:
@@ -145,21 +168,49 @@ class KvStageManager:
             await self.loop.call(lambda engine: engine.release_reserved(blocks))
             return None
         KV_OUTCOMES.labels("pulled").inc()
-        return blocks
+        KV_INCOMING_TOKENS.labels("pulled").inc(num_tokens)
+        return KvInBlocks(tuple(blocks), num_tokens)
+
+    # ---- lending a session's history -------------------------------------------------------
+    async def lease_session(self, request_id: str, session_id: str, max_tokens: int) -> tuple[list[int], int]:
+        """Hold a pinned session history's whole blocks (up to max_tokens) for `request_id`'s lazy
+        pull; (block ids, tokens they hold), ([], 0) when nothing is pinned here."""
+        self.reap_expired()
+        blocks = await self.loop.call(lambda engine: engine.lease_session_kv(session_id, max_tokens))
+        if blocks:
+            self._leases.append(_Lease(request_id, blocks, time.monotonic()))
+            HISTORY_LEASES.inc()
+        return blocks, len(blocks) * self.memory.block_size
+
+    async def release_leases(self, request_id: str) -> int:
+        """The request's reader is done with its history (its next stage is here, or it ended)."""
+        mine = [lease for lease in self._leases if lease.request_id == request_id]
+        if mine:
+            self._leases = [lease for lease in self._leases if lease.request_id != request_id]
+            await self._return_leases(mine)
+        return len(mine)
+
+    async def _return_leases(self, leases: list[_Lease]) -> None:
+        blocks = [b for lease in leases for b in lease.block_ids]
+        await self.loop.call(lambda engine: engine.release_lease(blocks))
 
     async def release_for_request(self, request_id: str) -> int:
-        """Free every reservation of a cancelled request."""
+        """Free every reservation and history lease of a cancelled request."""
         doomed = [tid for tid, r in self._reservations.items() if r.request_id == request_id]
         for tid in doomed:
             await self._drop_reservation(tid)
-        return len(doomed)
+        return len(doomed) + await self.release_leases(request_id)
 
     def reap_expired(self) -> None:
-        """Free reservations no stage claimed in time (the coordinator died or gave up)."""
+        """Free reservations and leases nobody claimed in time (the coordinator died or gave up)."""
         now = time.monotonic()
         for tid, r in list(self._reservations.items()):
             if now - r.created > self.reservation_ttl_s:
                 asyncio.ensure_future(self._drop_reservation(tid))
+        stale = [lease for lease in self._leases if now - lease.created > self.reservation_ttl_s]
+        if stale:
+            self._leases = [lease for lease in self._leases if now - lease.created <= self.reservation_ttl_s]
+            asyncio.ensure_future(self._return_leases(stale))
 
     async def _drop_reservation(self, transfer_id: str) -> None:
         reservation = self._reservations.pop(transfer_id, None)
@@ -171,8 +222,10 @@ class KvStageManager:
 
     # ---- sending ---------------------------------------------------------------------
     def start_push(self, key: StageKey, sink: KvSink, stop_at: int) -> None:
-        """Push this stage's KV [0, stop_at) to the sink's blocks chunk by chunk as the engine computes it."""
-        plan = KvPushPlan(whole_block_chunk(sink.chunk_tokens, self.memory.block_size), stop_at)
+        """Push this stage's KV [sink.start, stop_at) to the sink's blocks chunk by chunk as the
+        engine computes it."""
+        plan = KvPushPlan(whole_block_chunk(sink.chunk_tokens, self.memory.block_size), stop_at,
+                          pushed_upto=sink.start)
         push = _OutgoingPush(key, sink, plan)
         push.task = asyncio.create_task(self._pusher(push))
         self._pushes[key] = push
@@ -240,7 +293,8 @@ class KvStageManager:
             layer = layer[0] if layer else None  # a per-layer slice (last step), or whole blocks
             first, last = start // bs, -(-end // bs)
             sink = push.sink
-            src, dst = table[first:last], sink.block_ids[first:last]
+            offset = sink.start // bs  # the sink's blocks begin at its start
+            src, dst = table[first:last], sink.block_ids[first - offset:last - offset]
             transfer = BlockTransfer(sink.transfer_id, self.worker_id, sink.worker_id, tuple(src), tuple(dst),
                                      start, end, request_id=push.key.request_id, layer=layer)
             checksum = None  # the transport checksums what it sends, off the event loop

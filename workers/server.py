@@ -54,7 +54,7 @@ def stage_spec_from_proto(stage: types_pb2.Stage, key: StageKey, kv: KvInBlocks 
     sink = None
     if stage.HasField("kv_sink") and stage.kv_sink.worker_id:
         s = stage.kv_sink
-        sink = KvSink(s.worker_id, s.transfer_id, tuple(s.block_ids), s.chunk_tokens)
+        sink = KvSink(s.worker_id, s.transfer_id, tuple(s.block_ids), s.chunk_tokens, s.start)
     slo = StageSlo(stage.slo.ttft_ms / 1000 or None, stage.slo.itl_ms / 1000 or None)
     return StageSpec(key, tuple(stage.prompt_token_ids), sampling_from_proto(stage.sampling),
                      output_ids=tuple(stage.generated_token_ids), end=stage.end or None, kv=kv, sink=sink,
@@ -147,11 +147,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if stage.kv_sources:
                 source = stage.kv_sources[0]
                 if source.lazy:
-                    blocks = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
-                                                      source.end, source.transfer_id or str(key))
+                    kv = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
+                                                  source.end, source.transfer_id or str(key))
                 else:
-                    blocks = await srv.kv.acquire_prefix(source.transfer_id, source.end)
-                kv = KvInBlocks(tuple(blocks), source.end) if blocks is not None else None
+                    kv = await srv.kv.acquire_prefix(source.transfer_id, source.end)
             spec = stage_spec_from_proto(stage, key, kv)
             arrived = time.monotonic()
             try:
@@ -160,6 +159,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if kv is not None:
                     await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
                 raise InvalidArgument(str(err)) from None
+            finally:
+                # A history this worker lent for the request's prefill elsewhere: that pull ended
+                # before this stage could start, and the stage holds its own references now.
+                await srv.kv.release_leases(stage.request_id)
             if spec.sink is not None:
                 total = len(spec.prompt_ids) + spec.sampling.max_tokens
                 srv.kv.start_push(key, spec.sink, spec.end if spec.end is not None and spec.end < total else total)
@@ -248,10 +251,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.server.draining:
             return worker_pb2.PrepareKvResponse(ok=False, error=f"worker {self.server.worker_id} is draining")
         try:
-            blocks = await self.server.kv.prepare(request.request_id, request.transfer_id, request.num_tokens)
+            blocks = await self.server.kv.prepare(request.request_id, request.transfer_id, request.num_tokens,
+                                                  request.start)
         except KvCapacityError as err:
             return worker_pb2.PrepareKvResponse(ok=False, error=str(err))
+        except ValueError as err:
+            await abort(context, InvalidArgument(str(err), param="start"))
         return worker_pb2.PrepareKvResponse(ok=True, block_ids=blocks)
+
+    async def LeaseSessionKv(self, request: worker_pb2.LeaseSessionKvRequest, context):
+        if not request.session_id or not request.request_id:
+            await abort(context, InvalidArgument("session_id and request_id are required", param="session_id"))
+        if self.server.draining:  # the prefill worker then recomputes the history
+            return worker_pb2.LeaseSessionKvResponse()
+        blocks, tokens = await self.server.kv.lease_session(request.request_id, request.session_id,
+                                                            request.max_tokens)
+        return worker_pb2.LeaseSessionKvResponse(block_ids=blocks, num_tokens=tokens)
 
     async def PullKv(self, request, context):
         async for chunk in self.server.grpc_kv.handle_pull(request):

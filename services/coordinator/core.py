@@ -174,22 +174,49 @@ class Coordinator:
         return plan
 
     async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, following: types_pb2.Stage,
-                       deadline: float) -> None:
-        """Reserve KV on the next stage's worker; stage pushes there, `following` reads it."""
+                       deadline: float, start: int = 0) -> None:
+        """Reserve KV on the next stage's worker; stage pushes there, `following` reads it.
+        `start` > 0: that worker holds [0, start) already, so only the rest travels."""
         transfer_id = f"{request_id}:{stage.stage_index}"
         stub = await self.workers.stub(following.worker_id)
         try:
             reply = await stub.PrepareKv(worker_pb2.PrepareKvRequest(
-                request_id=request_id, transfer_id=transfer_id, num_tokens=stage.end), timeout=_remaining(deadline))
+                request_id=request_id, transfer_id=transfer_id, num_tokens=stage.end, start=start),
+                timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         if not reply.ok:  # no room there now: the next stage recomputes this range instead
             log.info("no KV reservation on %s (%s); the next stage recomputes", following.worker_id, reply.error)
             return
         stage.kv_sink.CopyFrom(types_pb2.KvSink(worker_id=following.worker_id, transfer_id=transfer_id,
-                                                chunk_tokens=self.config.kv_chunk_tokens, block_ids=reply.block_ids))
-        following.kv_sources.append(types_pb2.KvSource(worker_id=stage.worker_id, start=0, end=stage.end,
+                                                chunk_tokens=self.config.kv_chunk_tokens, block_ids=reply.block_ids,
+                                                start=start))
+        following.kv_sources.append(types_pb2.KvSource(worker_id=stage.worker_id, start=start, end=stage.end,
                                                        transfer_id=transfer_id))
+
+    async def _lend_history(self, request_id: str, session: SessionRecord, first: types_pb2.Stage,
+                            last: types_pb2.Stage, prompt_len: int, deadline: float) -> int:
+        """A session round whose prefill runs away from the decode worker holding the history
+        (AMPD §3, a remote incremental prefill): that worker lends the pinned history, the first
+        stage pulls it lazily instead of recomputing it, and only the KV computed after it comes
+        back. Tokens of history lent (whole blocks; 0: none, everything is computed and pushed)."""
+        history = min(session.history_len, prompt_len - 1, first.end - 1)
+        if (history <= 0 or not session.decode_worker or last.worker_id != session.decode_worker
+                or first.worker_id == last.worker_id or not first.push_kv):
+            return 0
+        stub = await self.workers.stub(last.worker_id)
+        try:
+            lease = await stub.LeaseSessionKv(worker_pb2.LeaseSessionKvRequest(
+                session_id=session.session_id, request_id=request_id, max_tokens=history),
+                timeout=_remaining(deadline))
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        if lease.num_tokens == 0:  # the pin is gone (evicted, expired): the round recomputes it
+            return 0
+        first.kv_sources.append(types_pb2.KvSource(
+            worker_id=last.worker_id, start=0, end=lease.num_tokens, lazy=True,
+            transfer_id=f"{request_id}:history", block_ids=lease.block_ids))
+        return lease.num_tokens
 
     async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
                        session: SessionRecord | None = None):
@@ -199,6 +226,10 @@ class Coordinator:
             last.session.CopyFrom(types_pb2.SessionHold(
                 session_id=session.session_id, ttl_s=max(1, round(session.ttl_s)),
                 history_len=session.history_len if last.worker_id == session.decode_worker else 0))
+        history_lent = 0
+        if session is not None and len(stages) == 2:
+            history_lent = await self._lend_history(request_id, session, stages[0], stages[1],
+                                                    len(request.prompt_token_ids), deadline)
         for index, stage in enumerate(stages):
             stage.stage_index = index
             stage.prompt_token_ids[:] = request.prompt_token_ids
@@ -207,7 +238,7 @@ class Coordinator:
             stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
             stage.priority = request.priority
             if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
-                await self._wire_kv(request_id, stage, stages[index + 1], deadline)
+                await self._wire_kv(request_id, stage, stages[index + 1], deadline, history_lent)
             stub = await self.workers.stub(stage.worker_id)
             call = stub.Execute(stage, timeout=_remaining(deadline), metadata=outgoing_metadata(request_id))
             self._calls[request_id] = call

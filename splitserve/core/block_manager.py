@@ -167,14 +167,18 @@ class BlockManager:
             assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} was not a plain reservation"
             self._free_plain.append(block_id)
 
-    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
-        """Make reserved blocks (holding KV for [0, num_computed_tokens)) a new sequence's table."""
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int,
+              prefix: list[int] | tuple[int, ...] = ()) -> None:
+        """Make reserved blocks a new sequence's table: `prefix` (this worker's cached blocks,
+        one more reference each) then `block_ids`, together holding KV for [0, num_computed_tokens)."""
         assert not seq.block_table, "adopt() is for sequences holding no blocks"
-        needed = self.blocks_for_tokens(num_computed_tokens)
-        if len(block_ids) < needed:
-            raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed_tokens} tokens")
+        needed = self.blocks_for_tokens(num_computed_tokens) - len(prefix)
+        if len(block_ids) < needed or needed < 0:
+            raise ValueError(f"{len(prefix)} cached and {len(block_ids)} reserved blocks cannot hold "
+                             f"{num_computed_tokens} tokens")
+        self.retain(list(prefix))
         self.release_reserved(block_ids[needed:])
-        seq.block_table = list(block_ids[:needed])
+        seq.block_table = list(prefix) + list(block_ids[:needed])
         seq.num_computed_tokens = num_computed_tokens
         self.commit_computed(seq)
 

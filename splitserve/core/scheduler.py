@@ -140,6 +140,8 @@ class Scheduler:
         self._seed_rng = random.Random(config.seed)
         # Session histories kept between rounds (AMPD); evicted before any running request is preempted.
         self.session_pins = SessionPins(block_manager)
+        # Transferred new KV dropped because the history it continues was no longer cached here.
+        self.kv_prefix_misses = 0
 
     # ---- stages ------------------------------------------------------------------------
     @property
@@ -175,10 +177,27 @@ class Scheduler:
         if spec.session is not None:
             self.session_pins.note_round(spec.session)
         if isinstance(spec.kv, KvInBlocks):
-            self.block_manager.adopt(seq, list(spec.kv.block_ids), spec.kv.num_tokens)
+            self._adopt(seq, spec.kv)
         self.sequences[seq.key] = seq
         self.waiting.append(seq)
         return seq
+
+    def _adopt(self, seq: Sequence, kv: KvInBlocks) -> None:
+        """Take transferred KV as the stage's start. KV of [start, n) only (AMPD: the new KV of
+        a remote incremental prefill) needs [0, start) in this worker's prefix cache, where the
+        session's pinned history is; should it be gone, the transfer is dropped and the stage
+        computes from tokens (still exact, only slower)."""
+        bm = self.block_manager
+        prefix: list[int] = []
+        if kv.start:
+            if kv.start % bm.block_size:
+                raise ValueError(f"kv start must be a multiple of the block size {bm.block_size}, got {kv.start}")
+            prefix = bm.cached_prefix_blocks(seq)[: kv.start // bm.block_size]
+            if len(prefix) * bm.block_size < kv.start:
+                bm.release_reserved(list(kv.block_ids))
+                self.kv_prefix_misses += 1
+                return
+        bm.adopt(seq, list(kv.block_ids), kv.num_tokens, prefix)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark finished and free its KV unless it is held for export."""
@@ -231,6 +250,19 @@ class Scheduler:
 
     def release_reserved(self, block_ids: list[int]) -> None:
         self.block_manager.release_reserved(block_ids)
+
+    def lease_session_kv(self, session_id: str, max_tokens: int) -> list[int]:
+        """Hold the whole blocks of a pinned session history's first `max_tokens` tokens for
+        another worker's lazy pull (AMPD §3: a remote incremental prefill reads the history
+        from the decode worker). One more reference each, so that neither eviction nor expiry
+        of the pin can hand the blocks out while they are read; `release_lease` gives it back.
+        Empty when the session holds nothing here."""
+        blocks = self.session_pins.blocks_of(session_id)[: max(0, max_tokens) // self.block_manager.block_size]
+        self.block_manager.retain(blocks)
+        return blocks
+
+    def release_lease(self, block_ids: list[int]) -> None:
+        self.block_manager.release_blocks(block_ids)
 
     def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
         """A stage's block table and how many tokens of it hold computed KV."""

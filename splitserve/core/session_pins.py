@@ -96,6 +96,11 @@ class SessionPins:
         """Every pinned block, once per pin holding it (each pin holds one reference)."""
         return [b for pin in self._pins.values() for b in pin.block_ids]
 
+    def blocks_of(self, session_id: str) -> list[int]:
+        """The session's pinned blocks, in token order (empty when nothing is pinned)."""
+        pin = self._pins.get(session_id)
+        return list(pin.block_ids) if pin else []
+
     def pinned_tokens(self, session_id: str) -> int:
         pin = self._pins.get(session_id)
         return pin.num_tokens if pin else 0

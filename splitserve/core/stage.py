@@ -11,7 +11,9 @@ hands a stage to the scheduler. Where its first tokens' KV comes from is one fie
 
 * `None` — computed here from tokens (the prefix cache may still hit);
 * `KvInBlocks` — already written into this worker's blocks, which were reserved
-  (`Scheduler.reserve_kv`) and filled by a transfer (a push or a lazy pull);
+  (`Scheduler.reserve_kv`) and filled by a transfer (a push or a lazy pull); with
+  `start > 0` the blocks hold only `[start, num_tokens)` and the prefix `[0, start)` is
+  this worker's own (a session's pinned history, AMPD §3: only the new KV came back);
 * `KvPayload` — carried in memory in the driver's own format (a tensor in the real
   engine); the driver writes it into reserved blocks and passes `KvInBlocks` on.
 
@@ -31,10 +33,19 @@ from splitserve.core.session_pins import SessionHold
 
 @dataclass(frozen=True)
 class KvInBlocks:
-    """KV of tokens [0, num_tokens) already in this worker's blocks (reserved, then written)."""
+    """KV of tokens [start, num_tokens) already in this worker's blocks (reserved, then written).
+
+    `start` > 0 (a multiple of the block size): tokens [0, start) are in this worker's
+    prefix cache (a session's pinned history), so only the rest was transferred.
+    """
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.num_tokens:
+            raise ValueError(f"kv start must be in [0, num_tokens={self.num_tokens}], got {self.start}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +63,11 @@ class KvSink:
 
     worker_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]  # the receiver's blocks for tokens [0, the stage's end)
+    block_ids: tuple[int, ...]  # the receiver's blocks for tokens [start, the stage's end)
     chunk_tokens: int = 0  # 0: everything in one chunk at the end
+    # First token to push (a multiple of the block size): the receiver holds [0, start)
+    # already (AMPD: a session's history on its decode worker; only the new KV goes back).
+    start: int = 0
 
 
 @dataclass(frozen=True)

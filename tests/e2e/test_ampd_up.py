@@ -3,13 +3,16 @@
 Routing is pinned to remote (`--policy-param routing=remote`), so every round's prefill runs
 on the prefill worker and its KV is pushed to the session's decode worker: each round must
 still answer exactly what one worker answers for the whole history, the session must stay
-on one decode worker, and that worker must keep the history pinned between rounds.
+on one decode worker, and that worker must keep the history pinned between rounds. From the
+second round on, the prefill worker pulls the pinned history from the decode worker instead
+of recomputing it, and only the KV after it goes back (the workers' transfer counters).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 
 import pytest
 from real_model_support import (FRANCE, chat_prompt_ids, real_model, real_tokenizer,  # noqa: F401 (fixtures)
@@ -45,6 +48,16 @@ def _state(up, session_id: str):
     return asyncio.run(read())
 
 
+def _kv_tokens(up, worker_id: str, how: str) -> float:
+    """A worker's splitserve_worker_kv_incoming_tokens_total{how}; its metrics port is in its log."""
+    import httpx
+
+    port = re.search(r"metrics on :(\d+)", (up["log_dir"] / f"{worker_id}.log").read_text()).group(1)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    match = re.search(rf'^splitserve_worker_kv_incoming_tokens_total{{how="{how}"}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
 def test_remote_incremental_prefills_match_one_worker_and_keep_the_session_bound(up, real_tokenizer, llm):
     from workers.engine import SamplingParams
 
@@ -54,15 +67,26 @@ def test_remote_incremental_prefills_match_one_worker_and_keep_the_session_bound
     with Client(up["grpc"], timeout_s=300) as client:
         with client.open_session(ttl_s=120) as session:
             history: list[int] = []
-            for turn in turns:
+            for round_index, turn in enumerate(turns):
                 prompt = history + turn
+                _, _, workers = _state(up, session.session_id)
+                roles = {w.worker_id: w.role for w in workers}
+                prefill_worker = next(w for w, role in roles.items() if role == "prefill")
+                pulled = _kv_tokens(up, prefill_worker, "pulled")
+                pushed = {w: _kv_tokens(up, w, "pushed") for w, role in roles.items() if role == "decode"}
                 out = session.generate(turn, max_tokens=MAX_TOKENS, temperature=0)
                 expected = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0]
                 assert out.token_ids == expected.token_ids
-                history = prompt + out.token_ids
-                record, _, workers = _state(up, session.session_id)
-                roles = {w.worker_id: w.role for w in workers}
+                record, _, _ = _state(up, session.session_id)
                 assert roles[record.decode_worker] == "decode"  # bound to a decode worker, never the prefill one
+                pulled_now = _kv_tokens(up, prefill_worker, "pulled") - pulled
+                pushed_now = _kv_tokens(up, record.decode_worker, "pushed") - pushed[record.decode_worker]
+                if round_index == 0:
+                    assert pulled_now == 0 and pushed_now == len(prompt)  # no history yet: all of it
+                else:  # the history (whole blocks of it) came from the decode worker; only the rest went back
+                    assert pulled_now > 0 and pulled_now + pushed_now == len(prompt), (pulled_now, pushed_now)
+                    assert len(history) - 1 - pulled_now < 16  # less than one block (16) of it recomputed
+                history = prompt + out.token_ids
                 # The KV of all but the last sampled token (which the next round computes).
                 assert record.history_len == len(history) - 1
                 bound_workers.append(record.decode_worker)

@@ -246,3 +246,91 @@ def test_lazy_pull_of_kept_kv_equals_colocated(transport_cluster, reference):
         # the kept KV is freed on cancel
         assert alpha.Cancel(types_pb2.CancelRequest(request_id="lazy"), timeout=5).cancelled
     _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("case_index", [0, 1])
+def test_remote_incremental_prefill_pulls_the_history_and_pushes_back_only_new_kv(transport_cluster, reference,
+                                                                                   case_index):
+    """AMPD's remote incremental prefill, worker by worker over the real transport: beta (the
+    session's decode worker) holds round 1's history pinned and lends it; alpha pulls it lazily,
+    computes only the new tokens and pushes only their KV back; beta continues on its own history
+    plus that KV. The output equals one worker's for the whole prompt."""
+    from splitserve.proto import types_pb2
+
+    history = 20  # round 1's prompt: 5 whole blocks of 4, all pinned once it finishes
+    case = CASES[case_index]
+    session_id = f"hist-{uuid.uuid4().hex[:6]}"
+    sampling = types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=case["temperature"],
+                                        top_k=case.get("top_k", 0), ignore_eos=True,
+                                        **({"seed": case["seed"]} if "seed" in case else {}))
+    hold = types_pb2.SessionHold(session_id=session_id, ttl_s=60)
+    alpha_address, beta_address = transport_cluster.worker_addresses
+    pulled_before = _metric(transport_cluster, "worker-0", "splitserve_worker_kv_incoming_tokens_total", how="pulled")
+    pushed_before = _metric(transport_cluster, "worker-1", "splitserve_worker_kv_incoming_tokens_total", how="pushed")
+    with grpc.insecure_channel(alpha_address) as a_channel, grpc.insecure_channel(beta_address) as b_channel:
+        alpha, beta = worker_pb2_grpc.WorkerStub(a_channel), worker_pb2_grpc.WorkerStub(b_channel)
+        round_1 = list(beta.Execute(types_pb2.Stage(
+            request_id=f"{session_id}-1", start=0, end=history + 1, prompt_token_ids=PROMPT[:history],
+            sampling=types_pb2.SamplingParams(max_tokens=1, temperature=0.0), emit=True, session=hold), timeout=30))
+        assert round_1[-1].finish_reason == "length"
+
+        request_id = f"{session_id}-2"
+        lease = beta.LeaseSessionKv(worker_pb2.LeaseSessionKvRequest(
+            session_id=session_id, request_id=request_id, max_tokens=history), timeout=5)
+        assert lease.num_tokens == history and len(lease.block_ids) == history // 4
+        reserved = beta.PrepareKv(worker_pb2.PrepareKvRequest(
+            request_id=request_id, transfer_id=f"{request_id}:0", num_tokens=P, start=history), timeout=5)
+        assert reserved.ok and len(reserved.block_ids) == -(-P // 4) - history // 4  # the new tokens' blocks only
+        prefill = list(alpha.Execute(types_pb2.Stage(
+            request_id=request_id, stage_index=0, start=0, end=P, prompt_token_ids=PROMPT, sampling=sampling,
+            push_kv=True, emit=True,
+            kv_sources=[types_pb2.KvSource(worker_id="worker-1", start=0, end=history, lazy=True,
+                                           transfer_id=f"{request_id}:history", block_ids=lease.block_ids)],
+            kv_sink=types_pb2.KvSink(worker_id="worker-1", transfer_id=f"{request_id}:0", chunk_tokens=4,
+                                     start=history, block_ids=reserved.block_ids)), timeout=30))
+        tokens = [t for c in prefill for t in c.token_ids]
+        assert prefill[-1].finish_reason == "stage_end"
+        decode = list(beta.Execute(types_pb2.Stage(
+            request_id=request_id, stage_index=1, start=P, end=L, prompt_token_ids=PROMPT,
+            generated_token_ids=tokens, sampling=sampling, emit=True,
+            kv_sources=[types_pb2.KvSource(worker_id="worker-0", start=history, end=P,
+                                           transfer_id=f"{request_id}:0")],
+            session=types_pb2.SessionHold(session_id=session_id, ttl_s=60, history_len=history)), timeout=30))
+        tokens += [t for c in decode for t in c.token_ids]
+        assert tokens == reference[case_index]
+        # The history travelled once, decode worker -> prefill worker, and only the new KV came back.
+        assert _metric(transport_cluster, "worker-0", "splitserve_worker_kv_incoming_tokens_total",
+                       how="pulled") == pulled_before + history
+        assert _metric(transport_cluster, "worker-1", "splitserve_worker_kv_incoming_tokens_total",
+                       how="pushed") == pushed_before + P - history
+        assert beta.ReleaseSession(worker_pb2.ReleaseSessionRequest(session_id=session_id), timeout=5).released
+    _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
+
+
+def test_a_history_lease_is_freed_by_cancel_and_a_bad_start_is_refused(transport_cluster):
+    from splitserve.proto import types_pb2
+
+    session_id = f"lease-{uuid.uuid4().hex[:6]}"
+    _, beta_address = transport_cluster.worker_addresses
+    with grpc.insecure_channel(beta_address) as channel:
+        beta = worker_pb2_grpc.WorkerStub(channel)
+        list(beta.Execute(types_pb2.Stage(
+            request_id=f"{session_id}-1", start=0, end=17, prompt_token_ids=PROMPT[:16],
+            sampling=types_pb2.SamplingParams(max_tokens=1, temperature=0.0), emit=True,
+            session=types_pb2.SessionHold(session_id=session_id, ttl_s=60)), timeout=30))
+        lease = beta.LeaseSessionKv(worker_pb2.LeaseSessionKvRequest(
+            session_id=session_id, request_id="r2", max_tokens=10), timeout=5)
+        assert lease.num_tokens == 8  # whole blocks only
+        # Closing the session does not free what is lent: the reader may still be pulling.
+        assert beta.ReleaseSession(worker_pb2.ReleaseSessionRequest(session_id=session_id), timeout=5).released
+        load = beta.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert load.free_blocks == load.total_blocks - 2
+        assert beta.Cancel(types_pb2.CancelRequest(request_id="r2"), timeout=5).cancelled
+        unknown = beta.LeaseSessionKv(worker_pb2.LeaseSessionKvRequest(
+            session_id="never-opened", request_id="r3", max_tokens=10), timeout=5)
+        assert unknown.num_tokens == 0 and not unknown.block_ids
+        with pytest.raises(grpc.RpcError) as err:
+            beta.PrepareKv(worker_pb2.PrepareKvRequest(request_id="r4", transfer_id="r4:0", num_tokens=12, start=6),
+                           timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start" in err.value.details()
+    _assert_all_kv_freed(transport_cluster, timeout_s=5.0)

@@ -136,13 +136,14 @@ class ReferenceBlockManager:
             assert block.ref_count == 0 and block.block_hash is None
             self._free_plain.append(block_id)
 
-    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int, prefix=()) -> None:
         assert not seq.block_table
-        needed = self.blocks_for_tokens(num_computed_tokens)
-        if len(block_ids) < needed:
+        needed = self.blocks_for_tokens(num_computed_tokens) - len(prefix)
+        if len(block_ids) < needed or needed < 0:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_computed_tokens} tokens")
+        self.retain(list(prefix))
         self.release_reserved(block_ids[needed:])
-        seq.block_table = list(block_ids[:needed])
+        seq.block_table = list(prefix) + list(block_ids[:needed])
         seq.num_computed_tokens = num_computed_tokens
         self.commit_computed(seq)
 

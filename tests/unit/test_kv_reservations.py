@@ -79,11 +79,11 @@ def test_an_arrived_transfer_becomes_the_next_stages_kv_and_is_freed_with_it():
         blocks = await kv.prepare("req", "req:0", 8)
         kv.on_chunk(BlockTransfer("req:0", "src", "w", (), tuple(blocks), 0, 8, request_id="req"), True)
         got = await kv.acquire_prefix("req:0", 8)
-        assert got == blocks and bm.num_free_blocks == bm.num_blocks - 2
+        assert got == KvInBlocks(tuple(blocks), 8) and bm.num_free_blocks == bm.num_blocks - 2
         key = StageKey("req", 1)
-        spec = StageSpec(key, tuple(range(10)), SamplingParams(max_tokens=2), kv=KvInBlocks(tuple(got), 8))
+        spec = StageSpec(key, tuple(range(10)), SamplingParams(max_tokens=2), kv=got)
         seq = engine.add_stage(spec)
-        assert seq.block_table == got and seq.num_computed_tokens == 8  # adopted, nothing recomputed
+        assert seq.block_table == blocks and seq.num_computed_tokens == 8  # adopted, nothing recomputed
         out = engine.schedule()
         assert [(e.seq.key, e.start, e.num_new_tokens) for e in out.entries] == [(key, 8, 2)]
         while engine.has_unfinished():

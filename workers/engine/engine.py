@@ -153,6 +153,13 @@ class Engine:
     def release_reserved(self, block_ids: list[int]) -> None:
         self.scheduler.release_reserved(block_ids)
 
+    def lease_session_kv(self, session_id: str, max_tokens: int) -> list[int]:
+        """Hold a pinned session history's blocks for another worker's lazy pull."""
+        return self.scheduler.lease_session_kv(session_id, max_tokens)
+
+    def release_lease(self, block_ids: list[int]) -> None:
+        self.scheduler.release_lease(block_ids)
+
     def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
         """The stage's block table and how many tokens of it hold computed KV."""
         return self.scheduler.kv_blocks(key)

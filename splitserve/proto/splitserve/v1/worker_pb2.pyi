@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LeaseSessionKvRequest(_message.Message):
+    __slots__ = ("session_id", "request_id", "max_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    request_id: str
+    max_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class LeaseSessionKvResponse(_message.Message):
+    __slots__ = ("block_ids", "num_tokens")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class ReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,14 +38,16 @@ class ReleaseSessionResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PrepareKvRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "num_tokens")
+    __slots__ = ("request_id", "transfer_id", "num_tokens", "start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    start: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class PrepareKvResponse(_message.Message):
     __slots__ = ("ok", "block_ids", "error")

@@ -86,6 +86,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.LeaseSessionKv = channel.unary_unary(
+                '/splitserve.v1.Worker/LeaseSessionKv',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -152,6 +157,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseSessionKv(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +215,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'LeaseSessionKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseSessionKv,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -477,6 +493,33 @@ class Worker:
             '/splitserve.v1.Worker/ReleaseSession',
             splitserve_dot_v1_dot_worker__pb2.ReleaseSessionRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseSessionKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/LeaseSessionKv',
+            splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LeaseSessionKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
