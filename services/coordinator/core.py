@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -121,9 +122,12 @@ class Coordinator:
         """
         migration_deadline = None
         attempt = 0
+        calling = _Calling()
+        failed_workers: list[str] = []  # never placed there again by this request
         while True:
             attempt += 1
-            plan = await self._place(request, request_id, deadline, session)
+            calling.worker_id = ""
+            plan = await self._place(request, request_id, deadline, session, failed_workers)
             if emitted:  # migrating: one stage, everything recomputed from tokens
                 last = plan.stages[-1]
                 del plan.stages[:]
@@ -133,10 +137,12 @@ class Coordinator:
             self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
                                            emitted_token_ids=list(emitted), decision=dict(plan.decision)))
             try:
-                async for chunk in self._execute(request, request_id, plan, deadline, emitted, session):
+                async for chunk in self._execute(request, request_id, plan, deadline, emitted, session, calling):
                     yield chunk
                 return
             except Unavailable as err:
+                if calling.worker_id and calling.worker_id not in failed_workers:
+                    failed_workers.append(calling.worker_id)
                 # Free what the failed plan reserved before placing again, so a late cancel
                 # cannot hit the next attempt on the same worker.
                 await asyncio.gather(*(self._cancel_on(st.worker_id, request_id) for st in plan.stages))
@@ -152,8 +158,8 @@ class Coordinator:
                 self.workers.forget_soon()
                 await asyncio.sleep(min(0.05 * attempt, 0.5))  # back off while the registry drops the dead worker
 
-    async def _place(self, request, request_id: str, deadline: float,
-                     session: SessionRecord | None = None) -> types_pb2.Plan:
+    async def _place(self, request, request_id: str, deadline: float, session: SessionRecord | None = None,
+                     avoid_workers: list[str] = ()) -> types_pb2.Plan:
         sampling = request.sampling
         meta = types_pb2.RequestMeta(
             request_id=request_id, session_id=request.session_id, prompt_len=len(request.prompt_token_ids),
@@ -162,6 +168,7 @@ class Coordinator:
         )
         if request.HasField("predicted_output_len"):  # absent stays absent: the scheduler then predicts
             meta.predicted_output_len = request.predicted_output_len
+        meta.avoid_workers[:] = avoid_workers
         if session is not None and session.decode_worker:
             # At least the last prompt token is computed again (its logits give the first token).
             meta.history_len = min(session.history_len, len(request.prompt_token_ids) - 1)
@@ -174,10 +181,11 @@ class Coordinator:
         return plan
 
     async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, following: types_pb2.Stage,
-                       deadline: float, start: int = 0) -> None:
+                       deadline: float, calling: _Calling, start: int = 0) -> None:
         """Reserve KV on the next stage's worker; stage pushes there, `following` reads it.
         `start` > 0: that worker holds [0, start) already, so only the rest travels."""
         transfer_id = f"{request_id}:{stage.stage_index}"
+        calling.worker_id = following.worker_id
         stub = await self.workers.stub(following.worker_id)
         try:
             reply = await stub.PrepareKv(worker_pb2.PrepareKvRequest(
@@ -195,7 +203,7 @@ class Coordinator:
                                                        transfer_id=transfer_id))
 
     async def _lend_history(self, request_id: str, session: SessionRecord, first: types_pb2.Stage,
-                            last: types_pb2.Stage, prompt_len: int, deadline: float) -> int:
+                            last: types_pb2.Stage, prompt_len: int, deadline: float, calling: _Calling) -> int:
         """A session round whose prefill runs away from the decode worker holding the history
         (AMPD §3, a remote incremental prefill): that worker lends the pinned history, the first
         stage pulls it lazily instead of recomputing it, and only the KV computed after it comes
@@ -204,6 +212,7 @@ class Coordinator:
         if (history <= 0 or not session.decode_worker or last.worker_id != session.decode_worker
                 or first.worker_id == last.worker_id or not first.push_kv):
             return 0
+        calling.worker_id = last.worker_id
         stub = await self.workers.stub(last.worker_id)
         try:
             lease = await stub.LeaseSessionKv(worker_pb2.LeaseSessionKvRequest(
@@ -219,7 +228,8 @@ class Coordinator:
         return lease.num_tokens
 
     async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
-                       session: SessionRecord | None = None):
+                       session: SessionRecord | None = None, calling: _Calling | None = None):
+        calling = calling or _Calling()
         stages = list(plan.stages)
         if session is not None:  # the last stage's worker keeps the round's KV for the next round
             last = stages[-1]
@@ -229,7 +239,7 @@ class Coordinator:
         history_lent = 0
         if session is not None and len(stages) == 2:
             history_lent = await self._lend_history(request_id, session, stages[0], stages[1],
-                                                    len(request.prompt_token_ids), deadline)
+                                                    len(request.prompt_token_ids), deadline, calling)
         for index, stage in enumerate(stages):
             stage.stage_index = index
             stage.prompt_token_ids[:] = request.prompt_token_ids
@@ -238,7 +248,8 @@ class Coordinator:
             stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
             stage.priority = request.priority
             if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
-                await self._wire_kv(request_id, stage, stages[index + 1], deadline, history_lent)
+                await self._wire_kv(request_id, stage, stages[index + 1], deadline, calling, history_lent)
+            calling.worker_id = stage.worker_id
             stub = await self.workers.stub(stage.worker_id)
             call = stub.Execute(stage, timeout=_remaining(deadline), metadata=outgoing_metadata(request_id))
             self._calls[request_id] = call
@@ -336,6 +347,13 @@ class Coordinator:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.records.flush()
+
+
+@dataclass
+class _Calling:
+    """The worker a request's attempt is talking to, so that a failure names the worker to avoid."""
+
+    worker_id: str = ""
 
 
 def _remaining(deadline: float) -> float:

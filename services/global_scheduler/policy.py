@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
 from splitserve.state_records import PrefillTask, WorkerLoad
@@ -91,6 +91,13 @@ class ClusterView:
         """The worker with this id, or None."""
         return next((w for w in self.workers if w.worker_id == worker_id), None)
 
+    def without(self, worker_ids: Iterable[str]) -> ClusterView:
+        """This view without those workers (ones a request already failed on)."""
+        drop = set(worker_ids)
+        if not drop:
+            return self
+        return ClusterView(tuple(w for w in self.workers if w.worker_id not in drop), self.taken_at)
+
 
 @dataclass(frozen=True)
 class PlacementRequest:
@@ -108,6 +115,9 @@ class PlacementRequest:
     slo_ttft_ms: int = 0  # 0: no objective
     slo_itl_ms: int = 0
     priority: int = 0
+    # Workers this request already failed on (a retry or migration); the view the policy
+    # sees leaves them out, so a dead worker still in the registry is not chosen again.
+    avoid_workers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

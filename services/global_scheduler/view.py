@@ -128,12 +128,12 @@ class ClusterViewSource:
         if getattr(policy, "view_signals", False) and not self.with_signals:
             self.with_signals = True  # a policy that reads them was just set: read them now
             await self.refresh()
-        view = await self.current(timeout_s)
+        view = (await self.current(timeout_s)).without(request.avoid_workers)
         try:
             placement = policy.place(request, view, now())
         except NoWorkerAvailable:
             await self.refresh()
-            view = await self.current(timeout_s)
+            view = (await self.current(timeout_s)).without(request.avoid_workers)
             placement = policy.place(request, view, now())
         self.note_placed(placement.worker_ids)
         return orient_kv_transfers(placement, view)

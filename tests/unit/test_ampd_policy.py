@@ -212,3 +212,24 @@ def test_simulated_sessions_keep_history_on_the_bound_worker(routing, remote):
     for w in run.workers:  # sessions closed: every pin released, every block back
         assert len(w.scheduler.session_pins) == 0
         assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
+
+
+def test_workers_a_request_failed_on_are_left_out_of_its_view():
+    """The coordinator names the workers an attempt failed on (`avoid_workers`); the view the
+    policy sees leaves them out, so a bound decode worker that just died (still registered
+    until its heartbeat expires) is re-bound at once instead of being tried again."""
+    from services.global_scheduler.server import placement_request_from_meta
+    from splitserve.proto import types_pb2
+
+    meta = types_pb2.RequestMeta(request_id="r", session_id="s", prompt_len=1000, history_len=600, max_tokens=50,
+                                 bound_worker="d0", avoid_workers=["d0", "p0"])
+    req = placement_request_from_meta(meta)
+    assert req.avoid_workers == ("d0", "p0")
+    workers = [worker("p0", "prefill", ttft=0.01), worker("d0", "decode", itl=0.01), worker("d1", "decode")]
+    view = ClusterView(tuple(workers), NOW)
+    assert view.without(()) is view
+    narrowed = view.without(req.avoid_workers)
+    assert [w.worker_id for w in narrowed.workers] == ["d1"] and narrowed.taken_at == NOW
+    placement = orient_kv_transfers(policy().place(req, narrowed, NOW), narrowed)
+    assert placement.worker_ids == ("d1",)  # re-bound, and the prefill runs locally: p0 failed too
+    assert placement.decision["rebound"] == 1.0 and placement.decision["history_len"] == 0.0

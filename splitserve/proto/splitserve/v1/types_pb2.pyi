@@ -35,7 +35,7 @@ class Slo(_message.Message):
     def __init__(self, ttft_ms: _Optional[int] = ..., itl_ms: _Optional[int] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens", "bound_worker")
+    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens", "bound_worker", "avoid_workers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RequestMeta(_message.Message):
     ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BOUND_WORKER_FIELD_NUMBER: _ClassVar[int]
+    AVOID_WORKERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_len: int
@@ -56,7 +57,8 @@ class RequestMeta(_message.Message):
     arrival_unix_ms: int
     max_tokens: int
     bound_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., bound_worker: _Optional[str] = ...) -> None: ...
+    avoid_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., bound_worker: _Optional[str] = ..., avoid_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy", "block_ids")
