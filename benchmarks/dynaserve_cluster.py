@@ -99,7 +99,8 @@ def systems(mode_name: str) -> list[System]:
     ]
 
 
-def _model_dir(mode_name: str, work: Path) -> Path:
+def model_dir(mode_name: str, work: Path, max_model_len: int = 8192) -> Path:
+    """The real SmolLM2 model (real mode), or a tiny config for emulated workers of that context."""
     if mode_name == "real":
         from splitserve.model_presets import DEFAULT_PRESET, ensure_preset_model
 
@@ -108,17 +109,17 @@ def _model_dir(mode_name: str, work: Path) -> Path:
     from splitserve.demo_model import DemoModelSpec, build_demo_model
 
     spec = DemoModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=128, vocab_size=259, max_position_embeddings=8192)
+                         intermediate_size=128, vocab_size=259, max_position_embeddings=max_model_len)
     return build_demo_model(spec, work / "emulated-config", overwrite=True)
 
 
-def run_system(system: System, mode: Mode, mode_name: str, model_dir: Path, args, out_dir: Path) -> list[dict]:
+def run_system(system: System, mode: Mode, mode_name: str, model_path: Path, args, out_dir: Path) -> list[dict]:
     chunk = system.chunk_tokens or (mode.colocated_chunk if system.policy == "round_robin" else 2048)
     worker_args = {**mode.worker_args, "batch_policy": system.batch_policy, "max_num_batched_tokens": chunk}
     if system.batch_policy == "slo_aware":  # for requests without an SLO (bench sends one with each)
         worker_args["itl_slo_ms"] = mode.slo_itl_ms
     spec = ClusterSpec(
-        model=str(model_dir), workers=2, policy=system.policy, prefill_workers=system.prefill_workers,
+        model=str(model_path), workers=2, policy=system.policy, prefill_workers=system.prefill_workers,
         http_port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
         redis_prefix=f"ss:dynbench-{uuid.uuid4().hex[:8]}:", log_dir=out_dir / "logs" / system.name,
         worker_args=worker_args, scheduler_args={"policy_params": json.dumps(system.policy_params)},
@@ -210,10 +211,10 @@ def main() -> None:
     wanted = {name.strip() for name in args.systems.split(",")}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as work:
-        model_dir = _model_dir(args.mode, Path(work))
+        model_path = model_dir(args.mode, Path(work))
         for system in systems(args.mode):
             if system.name in wanted:
-                rows += run_system(system, mode, args.mode, model_dir, args, out_dir)
+                rows += run_system(system, mode, args.mode, model_path, args, out_dir)
     title = (f"2 workers, {args.mode} ({'A100 x Qwen2.5-14B' if args.mode == 'emulated' else 'SmolLM2-135M on CPU'}),"
              f" {mode.shape}, SLO TTFT <= {mode.slo_ttft_ms / 1000:g} s, p99 TBT <= {mode.slo_itl_ms:g} ms")
     console.print(_table(rows, title))
