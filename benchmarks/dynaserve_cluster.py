@@ -130,11 +130,14 @@ def run_system(system: System, mode: Mode, mode_name: str, model_path: Path, arg
     startup_s = time.monotonic() - started
     rows = []
     try:
-        for rate in mode.rates:
+        for index, rate in enumerate(mode.rates):
             run_dir = out_dir / f"{system.name}-{rate:g}"
+            # Each rate its own prompts (the same for every system): replaying the previous
+            # rate's prompts on this cluster would hit its prefix cache and flatter later rates.
+            seed = args.seed + index
             cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--target", cluster.gateway_grpc,
                    "--shape", mode.shape, "--arrival", f"poisson:rate={rate}", "-n", str(mode.requests),
-                   "--seed", str(args.seed), "--slo-ttft-ms", str(mode.slo_ttft_ms),
+                   "--seed", str(seed), "--slo-ttft-ms", str(mode.slo_ttft_ms),
                    "--slo-itl-ms", str(mode.slo_itl_ms), "--out-dir", str(run_dir)]
             console.print(f"[bold]{system.name}[/] at {rate:g} req/s: {' '.join(cmd[3:])}")
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout_s)
@@ -143,7 +146,8 @@ def run_system(system: System, mode: Mode, mode_name: str, model_path: Path, arg
                 raise RuntimeError(f"bench failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             summary = json.loads(records[0].read_text())["summary"]
             rows.append({"system": system.name, "policy": system.policy, "batch_policy": system.batch_policy,
-                         "chunk_tokens": chunk, "rate": rate, "startup_s": startup_s, **_pick(summary)})
+                         "chunk_tokens": chunk, "rate": rate, "seed": seed, "startup_s": startup_s,
+                         **_pick(summary)})
     finally:
         cluster.stop()
     return rows
@@ -200,7 +204,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, help="requests per run (default: emulated 90, real 24)")
     ap.add_argument("--real-itl-ms", type=float, default=250.0, help="real mode: p99 TBT objective (ms)")
     ap.add_argument("--systems", default="colocated,1P1D,DynaServe", help="comma list of systems to run")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="prompts of the i-th rate: seed + i")
     ap.add_argument("--run-timeout-s", type=float, default=900.0)
     ap.add_argument("--redis-url", default=os.environ.get("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench-results" / "dynaserve_cluster")

@@ -206,6 +206,13 @@ class PerfModel:
         memory = m0 + p.m_tok * tok + p.m_hist * hist + d.m_seq * b + d.m_ctx * bctx
         return np.where(has_p | has_d, np.maximum(compute, memory), 0.0)
 
+    def step_seconds(self, prefill_tokens: float, prefill_history: float, decode_batch: float,
+                     decode_context_tokens: float, prefill_pairs: float) -> float:
+        """`step_times` of one step in plain floats, the same arithmetic bit for bit, without
+        numpy's per-call cost (the scheduler's timelines hold a handful of segments)."""
+        hist = prefill_history if prefill_tokens > 0 else 0.0
+        return max(self._lines(prefill_tokens, prefill_pairs, hist, decode_batch, decode_context_tokens))
+
     def prefill_time(self, l_hist: int, l_incr: int) -> float:
         """Seconds to prefill `l_incr` new tokens on `l_hist` cached ones:
         max(c0 + c_tok*L + c_attn*L*(H + L/2), m0 + m_tok*L + m_hist*H); 0 if L == 0."""

@@ -37,7 +37,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 if TYPE_CHECKING:
     from splitserve.perf_model import PerfModel
@@ -325,11 +324,12 @@ class WorkerTimeline:
         seg = self.segments[i]
         history = request.history + request.prefill - tokens  # its last chunk's history
         context = seg.decode_context + seg.decodes * (last_prefill - seg.start)
-        before, after = self.perf_model.step_times(
-            [seg.prefill, seg.prefill + tokens], [seg.prefill_history, seg.prefill_history + history],
-            [seg.decodes] * 2, [context] * 2,
-            prefill_pairs=[seg.prefill_pairs, seg.prefill_pairs + tokens * (history + tokens / 2)])
-        return float(after - before)
+        step = self.perf_model.step_seconds
+        before = step(float(seg.prefill), float(seg.prefill_history), float(seg.decodes), float(context),
+                      float(seg.prefill_pairs))
+        after = step(float(seg.prefill + tokens), float(seg.prefill_history + history), float(seg.decodes),
+                     float(context), float(seg.prefill_pairs + tokens * (history + tokens / 2)))
+        return after - before
 
     def _fill_seconds_at_spare(self, spare_tokens: int) -> float:
         """Seconds of filling the spare budget up to cumulative `spare_tokens` (within the passes)."""
@@ -391,33 +391,42 @@ class WorkerTimeline:
     def _index(self) -> None:
         if not self._dirty:
             return
-        segs = self.segments
-        budget, perf = self.token_budget, self.perf_model
-        starts = [seg.start for seg in segs]
-        passes = np.array([seg.passes for seg in segs], dtype=np.float64)
-        decodes = np.array([seg.decodes for seg in segs], dtype=np.float64)
-        prefill = np.array([seg.prefill for seg in segs], dtype=np.float64)
-        history = np.array([seg.prefill_history for seg in segs], dtype=np.float64)
-        pairs = np.array([seg.prefill_pairs for seg in segs], dtype=np.float64)
-        # Summed decode context over a segment's mean pass (each pass reads one token more each).
-        context = np.array([seg.decode_context for seg in segs], dtype=np.float64) + decodes * (passes - 1) / 2
-        seconds = perf.step_times(prefill, history, decodes, context, prefill_pairs=pairs)
-        spare = np.maximum(0.0, budget - decodes - prefill)
-        # A probe's chunk filling the spare budget, priced as if it had no history of its own.
-        filled = perf.step_times(prefill + spare, history, decodes, context,
-                                 prefill_pairs=pairs + spare * spare / 2) - seconds
-        # One more decode of the pass's mean context (its prefill's length when nothing decodes).
-        mean = np.where(decodes > 0, context / np.maximum(decodes, 1), prefill)
-        one_more = perf.step_times(prefill, history, decodes + 1, context + mean, prefill_pairs=pairs) - seconds
-        self._starts = starts
-        self._seconds = seconds.tolist()
-        self._spare_per_pass = spare.astype(np.int64).tolist()
-        self._fill_per_pass = filled.tolist()
-        self._decode_per_pass = one_more.tolist()
-        self._times = np.concatenate(([self.origin], self.origin + np.cumsum(passes * seconds))).tolist()
-        self._spare = np.concatenate(([0], np.cumsum(passes * spare))).astype(np.int64).tolist()
-        self._fill_cost = np.concatenate(([0.0], np.cumsum(passes * filled))).tolist()
-        self._decode_cost = np.concatenate(([0.0], np.cumsum(passes * one_more))).tolist()
+        # Plain floats, segment by segment: a timeline holds a handful of segments, where
+        # numpy's per-call cost was most of a decision (the same arithmetic, bit for bit, as
+        # the vectorised form `test_timeline` checks it against).
+        budget, step = self.token_budget, self.perf_model.step_seconds
+        starts, seconds, spare_per_pass, fill_per_pass, decode_per_pass = [], [], [], [], []
+        origin = self.origin
+        times, spare_cum, fill_cum, decode_cum = [origin], [0], [0.0], [0.0]
+        run_time = run_spare = run_fill = run_decode = 0.0
+        for seg in self.segments:
+            passes, decodes, prefill = float(seg.passes), float(seg.decodes), float(seg.prefill)
+            history, pairs = float(seg.prefill_history), float(seg.prefill_pairs)
+            # Summed decode context over the segment's mean pass (each pass reads one token more each).
+            context = float(seg.decode_context) + decodes * (passes - 1) / 2
+            one = step(prefill, history, decodes, context, pairs)
+            spare = max(0.0, budget - decodes - prefill)
+            # A probe's chunk filling the spare budget, priced as if it had no history of its own.
+            filled = step(prefill + spare, history, decodes, context, pairs + spare * spare / 2) - one
+            # One more decode of the pass's mean context (its prefill's length when nothing decodes).
+            mean = context / max(decodes, 1.0) if decodes > 0 else prefill
+            more = step(prefill, history, decodes + 1, context + mean, pairs) - one
+            starts.append(seg.start)
+            seconds.append(one)
+            spare_per_pass.append(int(spare))
+            fill_per_pass.append(filled)
+            decode_per_pass.append(more)
+            run_time += passes * one
+            run_spare += passes * spare
+            run_fill += passes * filled
+            run_decode += passes * more
+            times.append(origin + run_time)
+            spare_cum.append(int(run_spare))
+            fill_cum.append(run_fill)
+            decode_cum.append(run_decode)
+        self._starts, self._seconds, self._spare_per_pass = starts, seconds, spare_per_pass
+        self._fill_per_pass, self._decode_per_pass = fill_per_pass, decode_per_pass
+        self._times, self._spare, self._fill_cost, self._decode_cost = times, spare_cum, fill_cum, decode_cum
         self._dirty = False
 
     def _extend_to(self, pass_index: int) -> None:

@@ -139,3 +139,54 @@ def test_bad_micro_requests_are_refused_by_name():
     with pytest.raises(ValueError, match="already"):
         timeline.commit(MicroRequest("x", 10, 0, 1))
     assert not timeline.remove("unknown")
+
+
+def _vectorised_tables(timeline: WorkerTimeline) -> dict[str, list]:
+    """The timeline's per-segment tables computed with `PerfModel.step_times` over numpy arrays
+    (how `_index` computed them before it moved to plain floats)."""
+    import numpy as np
+
+    segs, budget, perf = timeline.segments, timeline.token_budget, timeline.perf_model
+    passes = np.array([s.passes for s in segs], dtype=np.float64)
+    decodes = np.array([s.decodes for s in segs], dtype=np.float64)
+    prefill = np.array([s.prefill for s in segs], dtype=np.float64)
+    history = np.array([s.prefill_history for s in segs], dtype=np.float64)
+    pairs = np.array([s.prefill_pairs for s in segs], dtype=np.float64)
+    context = np.array([s.decode_context for s in segs], dtype=np.float64) + decodes * (passes - 1) / 2
+    seconds = perf.step_times(prefill, history, decodes, context, prefill_pairs=pairs)
+    spare = np.maximum(0.0, budget - decodes - prefill)
+    filled = perf.step_times(prefill + spare, history, decodes, context, prefill_pairs=pairs + spare * spare / 2) \
+        - seconds
+    mean = np.where(decodes > 0, context / np.maximum(decodes, 1), prefill)
+    one_more = perf.step_times(prefill, history, decodes + 1, context + mean, prefill_pairs=pairs) - seconds
+    return {
+        "_seconds": seconds.tolist(), "_spare_per_pass": spare.astype(np.int64).tolist(),
+        "_fill_per_pass": filled.tolist(), "_decode_per_pass": one_more.tolist(),
+        "_times": np.concatenate(([timeline.origin], timeline.origin + np.cumsum(passes * seconds))).tolist(),
+        "_spare": np.concatenate(([0], np.cumsum(passes * spare))).astype(np.int64).tolist(),
+        "_fill_cost": np.concatenate(([0.0], np.cumsum(passes * filled))).tolist(),
+        "_decode_cost": np.concatenate(([0.0], np.cumsum(passes * one_more))).tolist(),
+    }
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(requests, st.floats(0.0, 5.0))
+def test_the_plain_float_tables_equal_the_vectorised_ones_bit_for_bit(reqs, advance_s):
+    timeline = WorkerTimeline(PERF, BUDGET, origin=1_795_000_000.0)  # an epoch-sized clock
+    for r in reqs:
+        timeline.commit(r)
+    for now in (timeline.origin, timeline.origin + advance_s):
+        timeline.advance(now)
+        timeline._dirty = True
+        timeline._index()
+        expected = _vectorised_tables(timeline)
+        assert {name: getattr(timeline, name) for name in expected} == expected
+
+
+@given(st.floats(0, 1e5), st.floats(0, 1e5), st.integers(0, 512), st.floats(0, 1e7), st.floats(0, 1e9))
+def test_one_step_in_plain_floats_equals_step_times(tokens, history, batch, context, pairs):
+    import numpy as np
+
+    vectorised = PERF.step_times(np.array([tokens]), np.array([history]), np.array([batch]), np.array([context]),
+                                 prefill_pairs=np.array([pairs]))[0]
+    assert PERF.step_seconds(tokens, history, float(batch), context, pairs) == vectorised
