@@ -39,6 +39,9 @@ KV_LAYER_SLICES = Counter("splitserve_worker_kv_layer_slices_total",
 KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
 KV_INCOMING_TOKENS = Counter("splitserve_worker_kv_incoming_tokens_total",
                              "Tokens of KV taken from other workers instead of computed, by how", ["how"])
+HISTORY_CACHED_TOKENS = Counter(
+    "splitserve_worker_history_cached_tokens_total",
+    "History tokens a lazy pull found in this worker's own prefix cache, so did not pull")
 HISTORY_LEASES = Counter("splitserve_worker_session_history_leases_total",
                          "Pinned session histories lent to another worker's lazy pull (AMPD remote prefill)")
 
@@ -147,19 +150,35 @@ class KvStageManager:
         return None
 
     async def pull_prefix(self, request_id: str, source_worker: str, source_blocks: list[int],
-                          num_tokens: int, transfer_id: str) -> KvInBlocks | None:
-        """Lazy pull (AMPD §6): read [0, num_tokens) of KV from the source's blocks now; None → recompute."""
-        needed = -(-num_tokens // self.memory.block_size)
+                          num_tokens: int, transfer_id: str, token_ids: list[int] | None = None) -> KvInBlocks | None:
+        """Lazy pull (AMPD §6): read [0, num_tokens) of KV from the source's blocks now; None → recompute.
+
+        With the stage's `token_ids`, the whole blocks this worker's own prefix cache holds
+        are not pulled: they are held (released with the request's leases, once the stage is
+        added) and only the rest comes over (`KvInBlocks.start`).
+        """
+        bs = self.memory.block_size
+        needed = -(-num_tokens // bs)
         if len(source_blocks) < needed:
             KV_OUTCOMES.labels("recomputed").inc()
             return None
+        local = 0
+        if token_ids is not None and num_tokens % bs == 0:
+            held = await self.loop.call(lambda engine: engine.hold_cached_prefix(token_ids, num_tokens))
+            if held:
+                self._leases.append(_Lease(request_id, held, time.monotonic()))
+                local = len(held) * bs
+                HISTORY_CACHED_TOKENS.inc(local)
+            if local >= num_tokens:  # all of it is here: the stage hits its own prefix cache
+                KV_OUTCOMES.labels("cached").inc()
+                return None
         try:
-            blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens))
+            blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - local))
         except KvCapacityError:
             KV_OUTCOMES.labels("recomputed").inc()
             return None
-        transfer = BlockTransfer(transfer_id, source_worker, self.worker_id, tuple(source_blocks[:needed]),
-                                 tuple(blocks), 0, num_tokens, request_id=request_id)
+        transfer = BlockTransfer(transfer_id, source_worker, self.worker_id, tuple(source_blocks[local // bs:needed]),
+                                 tuple(blocks), local, num_tokens, request_id=request_id)
         try:
             await self.transport.pull(transfer, self.transfer_timeout_s)
         except Exception as err:  # KvTransferError, or the peer is gone
@@ -168,8 +187,8 @@ class KvStageManager:
             await self.loop.call(lambda engine: engine.release_reserved(blocks))
             return None
         KV_OUTCOMES.labels("pulled").inc()
-        KV_INCOMING_TOKENS.labels("pulled").inc(num_tokens)
-        return KvInBlocks(tuple(blocks), num_tokens)
+        KV_INCOMING_TOKENS.labels("pulled").inc(num_tokens - local)
+        return KvInBlocks(tuple(blocks), num_tokens, local)
 
     # ---- lending a session's history -------------------------------------------------------
     async def lease_session(self, request_id: str, session_id: str, max_tokens: int) -> tuple[list[int], int]:

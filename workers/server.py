@@ -148,7 +148,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 source = stage.kv_sources[0]
                 if source.lazy:
                     kv = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
-                                                  source.end, source.transfer_id or str(key))
+                                                  source.end, source.transfer_id or str(key),
+                                                  list(stage.prompt_token_ids) + list(stage.generated_token_ids))
                 else:
                     kv = await srv.kv.acquire_prefix(source.transfer_id, source.end)
             spec = stage_spec_from_proto(stage, key, kv)

@@ -35,6 +35,7 @@ from itertools import islice
 from typing import Callable, Mapping
 
 from splitserve.core.block_manager import BlockManager
+from splitserve.core.sampling import SamplingParams
 from splitserve.core.policy import BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget
 from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.session_pins import SessionPins
@@ -263,6 +264,18 @@ class Scheduler:
 
     def release_lease(self, block_ids: list[int]) -> None:
         self.block_manager.release_blocks(block_ids)
+
+    def hold_cached_prefix(self, token_ids: list[int] | tuple[int, ...], max_tokens: int) -> list[int]:
+        """The blocks of this worker's prefix cache holding the longest cached prefix of
+        `token_ids` (whole blocks, at most `max_tokens`), one more reference each so they stay
+        until the stage that uses them is added; `release_lease` gives it back. A remote
+        incremental prefill pulls only the history after them (AMPD: the prefill worker often
+        computed most of the history itself, in the session's earlier rounds)."""
+        bm = self.block_manager
+        probe = Sequence(StageKey("", 0), list(token_ids), len(token_ids), SamplingParams(), 0, 0.0)
+        blocks = bm.cached_prefix_blocks(probe)[: max(0, max_tokens) // bm.block_size]
+        bm.retain(blocks)
+        return blocks
 
     def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
         """A stage's block table and how many tokens of it hold computed KV."""

@@ -166,3 +166,45 @@ def test_a_push_from_the_history_end_maps_onto_the_receivers_new_blocks():
             (20, 24, (15,), (90,)), (24, 27, (16,), (91,))]
 
     asyncio.run(scenario())
+
+
+class _RecordingPuller:
+    def __init__(self):
+        self.pulls: list[BlockTransfer] = []
+
+    async def pull(self, transfer: BlockTransfer, timeout_s: float) -> int:
+        self.pulls.append(transfer)
+        return 0
+
+
+def test_a_lazy_pull_takes_only_what_the_local_prefix_cache_lacks():
+    async def scenario():
+        sim = Sim(32, BS, 64, 4)
+        history = list(range(500, 520))  # 20 tokens: 5 blocks on the decode worker
+        # This (prefill) worker computed the first 12 of them itself in an earlier round.
+        sim.add("earlier", history[:12] + [999], max_tokens=1)
+        sim.run()
+        kv = KvStageManager("p", _Loop(sim.sched), memory=SimpleNamespace(block_size=BS), tracker=TransferTracker(),
+                            transfer_timeout_s=1.0, reservation_ttl_s=60)
+        kv.transport = _RecordingPuller()
+        prompt = history + [7, 8, 9, 10, 11]
+        got = await kv.pull_prefix("r1", "d", [90, 91, 92, 93, 94], 20, "r1:history", token_ids=prompt)
+        (pull,) = kv.transport.pulls
+        assert (pull.token_start, pull.token_end, pull.src_blocks) == (12, 20, (93, 94))  # the last 2 blocks only
+        assert got == KvInBlocks(pull.dst_blocks, 20, 12)
+        seq = sim.sched.add_stage(StageSpec(StageKey("r1", 0), tuple(prompt), SamplingParams(max_tokens=2),
+                                            end=len(prompt), kv=got))
+        held = seq.block_table[:3]
+        assert seq.block_table[3:] == list(pull.dst_blocks) and seq.num_computed_tokens == 20
+        assert sim.bm.ref_counts(held) == [2, 2, 2]  # the stage's and the pull's hold
+        assert await kv.release_leases("r1") == 1
+        assert sim.bm.ref_counts(held) == [1, 1, 1]
+
+        # Everything cached here already: nothing is pulled, the stage hits its own cache.
+        sim.sched.abort(seq.key)
+        again = await kv.pull_prefix("r2", "d", [90, 91, 92], 12, "r2:history", token_ids=history[:12] + [5])
+        assert again is None and len(kv.transport.pulls) == 1
+        assert await kv.release_leases("r2") == 1
+        assert sim.bm.num_used_blocks == 0
+
+    asyncio.run(scenario())

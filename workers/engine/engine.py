@@ -160,6 +160,10 @@ class Engine:
     def release_lease(self, block_ids: list[int]) -> None:
         self.scheduler.release_lease(block_ids)
 
+    def hold_cached_prefix(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Hold this worker's cached blocks of the longest cached prefix of `token_ids`."""
+        return self.scheduler.hold_cached_prefix(token_ids, max_tokens)
+
     def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
         """The stage's block table and how many tokens of it hold computed KV."""
         return self.scheduler.kv_blocks(key)
