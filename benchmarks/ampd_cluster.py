@@ -7,7 +7,8 @@ Redis, the global scheduler, the coordinator, the gateway and the workers, and
 gateway) opens Poisson-arriving multi-round sessions with exponential tool calls between
 rounds. Per system and session rate: SLO attainment, TTFT of first and later rounds, the
 request p99 inter-token gap, throughput; and from the workers' own counters, how much
-history KV was pulled (remote incremental prefills, AMPD §3) and how much KV was pushed.
+history KV was pulled (remote incremental prefills, AMPD §3), how much of it the prefill
+worker found in its own prefix cache instead, and how much KV was pushed.
 
 Two modes:
 
@@ -124,7 +125,8 @@ def _worker_counter(cluster, name: str, labels: str = "") -> float:
 
 def _kv_counters(cluster) -> dict[str, float]:
     return {"kv_pulled_tokens": _worker_counter(cluster, "splitserve_worker_kv_incoming_tokens_total", '{how="pulled"}'),
-            "kv_pushed_tokens": _worker_counter(cluster, "splitserve_worker_kv_incoming_tokens_total", '{how="pushed"}')}
+            "kv_pushed_tokens": _worker_counter(cluster, "splitserve_worker_kv_incoming_tokens_total", '{how="pushed"}'),
+            "history_cached_tokens": _worker_counter(cluster, "splitserve_worker_history_cached_tokens_total")}
 
 
 def run_system(system: System, mode: Mode, model_path: Path, args, out_dir: Path) -> list[dict]:
@@ -183,7 +185,8 @@ def _pick(summary: dict) -> dict:
 
 def _table(rows: list[dict], title: str) -> Table:
     table = Table("system", "deployment", "rate", "attainment", "TTFT p50 first / later rounds ms", "TTFT p99 ms",
-                  "request p99 TBT p50 ms", "tok/s", "history pulled / KV pushed tokens", "failed", title=title)
+                  "request p99 TBT p50 ms", "tok/s", "history pulled / cached / KV pushed tokens", "failed",
+                  title=title)
 
     def ms(value):
         return "-" if value is None else f"{value:,.0f}"
@@ -194,7 +197,8 @@ def _table(rows: list[dict], title: str) -> Table:
         table.add_row(r["system"], deployment, f"{r['rate']:g}", f"{r['attainment']:.0%}",
                       f"{ms(r['ttft_initial_p50_ms'])} / {ms(r['ttft_incremental_p50_ms'])}", ms(r["ttft_p99_ms"]),
                       ms(r["tbt_p99_p50_ms"]), f"{r['throughput_tok_s']:,.0f}",
-                      f"{r['kv_pulled_tokens']:,.0f} / {r['kv_pushed_tokens']:,.0f}", str(r["failed"]))
+                      f"{r['kv_pulled_tokens']:,.0f} / {r['history_cached_tokens']:,.0f} / {r['kv_pushed_tokens']:,.0f}",
+                      str(r["failed"]))
     return table
 
 
