@@ -35,8 +35,8 @@ from itertools import islice
 from typing import Callable, Mapping
 
 from splitserve.core.block_manager import BlockManager
-from splitserve.core.sampling import SamplingParams
 from splitserve.core.policy import BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget
+from splitserve.core.sampling import SamplingParams
 from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.session_pins import SessionPins
 from splitserve.core.stage import KvInBlocks, StageSpec
