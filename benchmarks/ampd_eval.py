@@ -190,7 +190,8 @@ def run_case(case: tuple) -> dict[str, Any]:
         "ttft_incremental_mean_ms": 1000 * statistics.fmean(incremental) if incremental else None,
         "itl_mean_ms": 1000 * statistics.fmean(tpot) if tpot else None,
         "local_share": stats.incremental_prefills_local / later if later else None,
-        "kv_pulled_tokens": stats.kv_pulled_tokens, "kv_transfers": stats.kv_transfers,
+        "kv_pulled_tokens": stats.kv_pulled_tokens, "history_cached_tokens": stats.history_cached_tokens,
+        "kv_transfers": stats.kv_transfers,
         "preemptions": stats.preemptions, "wall_s": wall,
     }
 

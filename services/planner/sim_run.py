@@ -57,6 +57,7 @@ class SimStats:
     kv_recomputes: int = 0
     kv_pulls: int = 0  # session histories read by a remote incremental prefill (AMPD)
     kv_pulled_tokens: int = 0
+    history_cached_tokens: int = 0  # of those histories, found in the prefill worker's own cache
     # Where session rounds after the first ran their prefill: on the worker that decodes
     # them (local) or on another one (remote): AMPD's routing share.
     incremental_prefills_local: int = 0
@@ -91,6 +92,7 @@ class _Request:
     done: bool = False
     history_len: int = 0  # tokens of the session's history whose KV `bound_worker` holds
     bound_worker: str = ""  # the session's worker when the round was placed ("" : none)
+    lent_blocks: list[int] | None = None  # the history's blocks `bound_worker` lends to the lazy pull
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt_ids)
@@ -308,23 +310,36 @@ class SimRun:
             return
         worker = stage.worker
         if stage.index == 0 and request.bound_worker and worker.worker_id != request.bound_worker \
-                and request.history_len and not stage.pulled_tokens:
-            # AMPD's remote incremental prefill: the history's KV is read from the session's
-            # worker before the prefill runs (the lazy pull, §6), over that worker's link;
-            # with no room here the history is recomputed instead.
-            tokens = min(request.history_len, stage.end - 1)  # a split stage may end inside the history
-            blocks = worker.reserve_kv(tokens, self.now)
-            if blocks is not None:
-                stage.reserved_blocks, stage.pulled_tokens = blocks, tokens
-                self.stats.kv_pulls += 1
-                self.stats.kv_pulled_tokens += tokens
-                self._push(self.by_id[request.bound_worker].pull_out(tokens, self.now), _STAGE_START, stage)
-                return
+                and request.history_len and not stage.history_prepared and len(request.stages) == 2:
+            # AMPD's remote incremental prefill, as the coordinator and workers run it: the
+            # session's worker lends the history's whole blocks; this worker pulls those its own
+            # prefix cache lacks (the lazy pull, §6) over that worker's link before the prefill
+            # runs, and pushes back only the KV after the history. No room: recomputed.
+            stage.history_prepared = True
+            bound = self.by_id[request.bound_worker]
+            request.lent_blocks = bound.lease_session(request.session_id, min(request.history_len, stage.end - 1),
+                                                      self.now)
+            bs = worker.block_manager.block_size
+            lent = len(request.lent_blocks) * bs
+            stage.push_from = lent  # the session's worker holds [0, lent): only the rest goes back
+            if lent:
+                stage.held_blocks = worker.hold_cached_prefix(request.prompt_ids, lent, self.now)
+                local = len(stage.held_blocks) * bs
+                self.stats.history_cached_tokens += local
+                blocks = worker.reserve_kv(lent - local, self.now) if local < lent else None
+                if blocks is not None:
+                    stage.reserved_blocks, stage.pulled_tokens, stage.kv_start = blocks, lent, local
+                    self.stats.kv_pulls += 1
+                    self.stats.kv_pulled_tokens += lent - local
+                    self._push(bound.pull_out(lent - local, self.now), _STAGE_START, stage)
+                    return
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
         if following is not None and stage.push_kv:
             # The coordinator reserves the next stage's KV before running this one; with no
             # room there (or no push up the worker order), the next stage recomputes this range.
-            following.reserved_blocks = following.worker.reserve_kv(stage.end, self.now)
+            start = stage.push_from if request.lent_blocks else 0  # what the session's worker lent it has
+            following.reserved_blocks = following.worker.reserve_kv(stage.end - start, self.now)
+            following.kv_start = start
             self._kick(following.worker)
         if stage.index == 0:
             tokens, prefix_len = request.prompt_ids, stage.pulled_tokens
@@ -345,6 +360,9 @@ class SimRun:
         except ValueError as err:  # what the worker answers INVALID_ARGUMENT to
             self._fail(request, f"InvalidArgument: {err}")
             return
+        if request.lent_blocks is not None and worker.worker_id == request.bound_worker:
+            worker.release_lease(request.lent_blocks, self.now)  # the pull is long done
+            request.lent_blocks = None
         self._kick(worker)
 
     def _stage_ended(self, stage: StageRun) -> None:
@@ -416,7 +434,13 @@ class SimRun:
         request.done = True
         self.results.append(result)
         del self._in_flight[request.request_id]
+        if request.lent_blocks is not None and request.bound_worker in self.by_id:
+            self.by_id[request.bound_worker].release_lease(request.lent_blocks, self.now)
+            request.lent_blocks = None
         for stage in request.stages:  # reservations and stages the request no longer needs
+            if stage.held_blocks:
+                stage.worker.release_lease(stage.held_blocks, self.now)
+                stage.held_blocks = None
             if stage.reserved_blocks is not None:
                 stage.worker.release_reserved(stage.reserved_blocks, self.now)
                 stage.reserved_blocks = None

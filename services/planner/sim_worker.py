@@ -62,7 +62,11 @@ class StageRun:
     last_token_pending: bool = False  # sampled by the last step; delivered after the push
     added_at: float = 0.0  # when the stage reached this worker (its TTFT sample starts there)
     last_token_at: float | None = None  # when this worker last produced a token of it
-    pulled_tokens: int = 0  # history KV pulled into `reserved_blocks` before it started (AMPD lazy pull)
+    pulled_tokens: int = 0  # history KV in place before it started: pulled into `reserved_blocks`
+    # from `kv_start` on (AMPD lazy pull), before that held in this worker's own prefix cache
+    kv_start: int = 0  # `reserved_blocks` hold tokens [kv_start, ...); before it: this worker's cache
+    held_blocks: list[int] | None = None  # own cached blocks held until the stage is added
+    history_prepared: bool = False  # the lazy pull of its session's history was set up (or not needed)
     push_from: int = 0  # first token its push sends (the next worker holds the history before it)
 
     @property
@@ -135,6 +139,21 @@ class SimWorker:
         self._before_change(now)
         self.scheduler.release_session(session_id)
 
+    def lease_session(self, session_id: str, max_tokens: int, now: float) -> list[int]:
+        """Lend a pinned session history's whole blocks to a lazy pull (Worker.LeaseSessionKv)."""
+        self._before_change(now)
+        return self.scheduler.lease_session_kv(session_id, max_tokens)
+
+    def hold_cached_prefix(self, token_ids: list[int], max_tokens: int, now: float) -> list[int]:
+        """Hold this worker's cached blocks of the longest cached prefix (`Scheduler.hold_cached_prefix`)."""
+        self._before_change(now)
+        return self.scheduler.hold_cached_prefix(token_ids, max_tokens)
+
+    def release_lease(self, block_ids: list[int], now: float) -> None:
+        """Give back lent or held blocks."""
+        self._before_change(now)
+        self.scheduler.release_lease(block_ids)
+
     def pull_out(self, tokens: int, now: float) -> float:
         """Another worker reads `tokens` tokens of KV from here (a lazy pull): when they have arrived."""
         self.link_free_at = max(self.link_free_at, now) + self.perf_model.kv_transfer_time(tokens)
@@ -154,7 +173,8 @@ class SimWorker:
         is the request's objectives (the coordinator copies them into every stage); `session`
         pins the stage's KV under its session when it finishes (the round's last stage)."""
         self._before_change(now)
-        kv = KvInBlocks(tuple(stage.reserved_blocks), prefix_len) if stage.reserved_blocks is not None else None
+        kv = KvInBlocks(tuple(stage.reserved_blocks), prefix_len, stage.kv_start) \
+            if stage.reserved_blocks is not None else None
         sink = None
         if push_to is not None:
             sink = KvSink(push_to.worker.worker_id, str(stage.key), tuple(push_to.reserved_blocks),
@@ -162,7 +182,12 @@ class SimWorker:
         spec = StageSpec(stage.key, token_ids[:prompt_len], SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0),
                          output_ids=token_ids[prompt_len:], end=stage.end, kv=kv, sink=sink, arrival_time=now, slo=slo,
                          session=session)
-        stage.seq = self.scheduler.add_stage(spec)
+        try:
+            stage.seq = self.scheduler.add_stage(spec)
+        finally:
+            if stage.held_blocks:  # the stage holds its own references now (or was refused)
+                self.scheduler.release_lease(stage.held_blocks)
+            stage.held_blocks = None
         stage.reserved_blocks = None
         stage.added_at = now
         if sink is not None:

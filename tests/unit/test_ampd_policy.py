@@ -204,9 +204,14 @@ def test_simulated_sessions_keep_history_on_the_bound_worker(routing, remote):
     hits = sum(w.scheduler.session_pins.history_hits for w in decode_workers)
     assert lost == 0 and hits == 12  # rounds 1 and 2 of every session found their history
     if remote:
-        # Every later round pulled its history (prompt + output of the rounds before) once.
+        # Every later round read its history (prompt + output of the rounds before, less the last
+        # sampled token: 719 and 1,039 tokens) once, in the whole blocks of 16 pinned on the
+        # decode worker (704 and 1,024 tokens) ...
         assert run.stats.kv_pulls == 12
-        assert run.stats.kv_pulled_tokens == 6 * ((700 + 20) + (700 + 20 + 300 + 20))
+        assert run.stats.kv_pulled_tokens + run.stats.history_cached_tokens == 6 * (704 + 1024)
+        # ... of which the prefill worker had computed the earlier prompts itself (688 and 1,008
+        # tokens in whole blocks): only the block with the end of the last output came over.
+        assert run.stats.kv_pulled_tokens == 6 * (16 + 16)
     else:
         assert run.stats.kv_pulls == 0 and run.stats.kv_transfers == 0
     for w in run.workers:  # sessions closed: every pin released, every block back
