@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from benchmarks.dynaserve_cluster import model_dir  # noqa: E402
+from benchmarks.dynaserve_cluster import model_dir, run_bench  # noqa: E402
 from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
@@ -151,18 +150,12 @@ def run_system(system: System, mode: Mode, model_path: Path, args, out_dir: Path
             # rate's prompts on this cluster would hit its prefix cache and flatter later rates.
             seed = args.seed + index
             before = _kv_counters(cluster)
-            cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--target", cluster.gateway_grpc,
-                   "--sessions", "toolbench", "--num-sessions", str(mode.sessions), "--length-scale",
-                   str(mode.length_scale), "--tool-delay", mode.tool_delay, "--arrival", f"poisson:rate={rate}",
-                   "--seed", str(seed), "--slo-ttft-ms", str(mode.slo_ttft_ms),
-                   "--slo-itl-ms", str(mode.slo_itl_ms), "--out-dir", str(run_dir)]
-            console.print(f"[bold]{system.name}[/] at {rate:g} sessions/s: {' '.join(cmd[3:])}")
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout_s)
-            records = sorted(run_dir.glob("*.json"))
-            if proc.returncode != 0 or not records:
-                raise RuntimeError(f"bench failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            summary = run_bench(cluster.gateway_grpc, [
+                "--sessions", "toolbench", "--num-sessions", str(mode.sessions), "--length-scale",
+                str(mode.length_scale), "--tool-delay", mode.tool_delay, "--arrival", f"poisson:rate={rate}",
+                "--seed", str(seed), "--slo-ttft-ms", str(mode.slo_ttft_ms), "--slo-itl-ms", str(mode.slo_itl_ms),
+            ], run_dir, args.run_timeout_s, f"{system.name} at {rate:g} sessions/s")
             after = _kv_counters(cluster)
-            summary = json.loads(records[0].read_text())["summary"]
             rows.append({"system": system.name, "policy": system.policy, "workers": system.workers,
                          "prefill_workers": system.prefill_workers, "tp": system.tp,
                          "batch_policy": system.batch_policy, "rate": rate, "seed": seed, "startup_s": startup_s,

@@ -113,6 +113,17 @@ def model_dir(mode_name: str, work: Path, max_model_len: int = 8192) -> Path:
     return build_demo_model(spec, work / "emulated-config", overwrite=True)
 
 
+def run_bench(target: str, bench_args: list[str], run_dir: Path, timeout_s: float, what: str) -> dict:
+    """`splitserve bench --target TARGET ...bench_args --out-dir RUN_DIR` in its own process; its summary."""
+    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--target", target, *bench_args, "--out-dir", str(run_dir)]
+    console.print(f"[bold]{what}[/]: {' '.join(cmd[3:])}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    records = sorted(run_dir.glob("*.json"))
+    if proc.returncode != 0 or not records:
+        raise RuntimeError(f"bench failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads(records[0].read_text())["summary"]
+
+
 def run_system(system: System, mode: Mode, mode_name: str, model_path: Path, args, out_dir: Path) -> list[dict]:
     chunk = system.chunk_tokens or (mode.colocated_chunk if system.policy == "round_robin" else 2048)
     worker_args = {**mode.worker_args, "batch_policy": system.batch_policy, "max_num_batched_tokens": chunk}
@@ -135,16 +146,10 @@ def run_system(system: System, mode: Mode, mode_name: str, model_path: Path, arg
             # Each rate its own prompts (the same for every system): replaying the previous
             # rate's prompts on this cluster would hit its prefix cache and flatter later rates.
             seed = args.seed + index
-            cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--target", cluster.gateway_grpc,
-                   "--shape", mode.shape, "--arrival", f"poisson:rate={rate}", "-n", str(mode.requests),
-                   "--seed", str(seed), "--slo-ttft-ms", str(mode.slo_ttft_ms),
-                   "--slo-itl-ms", str(mode.slo_itl_ms), "--out-dir", str(run_dir)]
-            console.print(f"[bold]{system.name}[/] at {rate:g} req/s: {' '.join(cmd[3:])}")
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout_s)
-            records = sorted(run_dir.glob("*.json"))
-            if proc.returncode != 0 or not records:
-                raise RuntimeError(f"bench failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-            summary = json.loads(records[0].read_text())["summary"]
+            summary = run_bench(cluster.gateway_grpc, [
+                "--shape", mode.shape, "--arrival", f"poisson:rate={rate}", "-n", str(mode.requests),
+                "--seed", str(seed), "--slo-ttft-ms", str(mode.slo_ttft_ms), "--slo-itl-ms", str(mode.slo_itl_ms),
+            ], run_dir, args.run_timeout_s, f"{system.name} at {rate:g} req/s")
             rows.append({"system": system.name, "policy": system.policy, "batch_policy": system.batch_policy,
                          "chunk_tokens": chunk, "rate": rate, "seed": seed, "startup_s": startup_s,
                          **_pick(summary)})

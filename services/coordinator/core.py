@@ -228,8 +228,7 @@ class Coordinator:
         return lease.num_tokens
 
     async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
-                       session: SessionRecord | None = None, calling: _Calling | None = None):
-        calling = calling or _Calling()
+                       session: SessionRecord | None, calling: _Calling):
         stages = list(plan.stages)
         if session is not None:  # the last stage's worker keeps the round's KV for the next round
             last = stages[-1]
