@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, islice, takewhile
+from itertools import chain, takewhile
 from operator import is_not
 
 from splitserve.core.sequence import Sequence
 
 _ROOT_HASH = 0x5EED
+# Blocks whose contents are kept together in one token list when they are indexed (a "run").
+_RUN_BLOCKS = 32
 _is_not_none = partial(is_not, None)
 
 
@@ -31,14 +33,20 @@ class Block:
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences; reuses cached full blocks by hash.
 
-    Free blocks live in two pools: never-hashed ones (`_free_plain`) and cached ones
-    whose KV is still valid (`_free_cached`, LRU order), reused only when no plain block
-    is left, so a prefix freed recently can still be hit.
+    Free blocks live in two pools: never-hashed ones (the plain pool, FIFO) and cached
+    ones whose KV is still valid (the LRU), reused only when no plain block is left, so a
+    prefix freed recently can still be hit.
 
-    A 12k-token prompt is ~750 blocks, so each operation takes a whole range of blocks
-    in one loop (no method call per block) and builds token tuples and hashes in bulk:
-    at that size per-block interpreter overhead, not the bookkeeping, is the cost (the
-    simulator runs this code for millions of blocks).
+    A 12k-token prompt is ~750 blocks and the simulator runs this code for millions of
+    blocks (an hour of Mooncake: 9.3M blocks computed, 8.1M evicted on 64 workers), where
+    the cost is memory traffic, not bytecodes: per-block state is flat lists indexed by
+    block id (reference count, indexed hash, contents) rather than an object per block,
+    and an indexed block's contents are not a tuple of its own but a slice of a run: one
+    token list per up to `_RUN_BLOCKS` blocks indexed together (`_block_run`, with the
+    block's place in it in `_block_offset`). A tuple per block meant creating, keeping
+    and freeing 9.3M objects: a sixth of the simulator's time. A run lives until its last
+    block is evicted, so it keeps at most `_RUN_BLOCKS` blocks' tokens per indexed block.
+    `blocks` builds `Block` views for tests and debugging.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -49,9 +57,27 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_plain: deque[int] = deque(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._ref_count = [0] * num_blocks
+        # A block's hash and contents (`_block_run[b][_block_offset[b] * block_size:]`,
+        # block_size tokens) are set only while it is the indexed holder of that hash in the
+        # prefix cache (`_hash_to_block[hash] == block id`). Runs are never mutated.
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_run: list[list[int] | None] = [None] * num_blocks
+        self._block_offset = [0] * num_blocks
+        self._run_blocks = _RUN_BLOCKS  # tests lower it so that small tables span several runs
+        # The plain pool is a FIFO: a list consumed from `_plain_head`, compacted now and
+        # then, so that taking n blocks is one slice instead of n pops.
+        self._plain: list[int] = list(range(num_blocks))
+        self._plain_head = 0
+        # The LRU of free cached blocks, least recently freed first, kept lazily: a block
+        # enters at the tail when freed and is not taken out when a prefix hit takes it
+        # back, so an entry counts only if it is its block's last (`_lru_entries`) and the
+        # block is still free and cached. Eviction skips the rest; `_compact_lru` drops them
+        # once they outnumber the blocks. (An OrderedDict did the same with a node per entry
+        # and two dict operations per block freed and evicted: a third of the simulator's time.)
+        self._lru: deque[int] = deque()
+        self._lru_entries = [0] * num_blocks
+        self._num_free_cached = 0
         self._hash_to_block: dict[int, int] = {}
         self._cache_epoch = 0  # bumped by reset_prefix_cache: every commit_state walks again
         self.num_evictions = 0  # cached blocks taken for reuse (their prefix-cache entries dropped)
@@ -61,16 +87,39 @@ class BlockManager:
     # ---- queries -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return len(self._plain) - self._plain_head + self._num_free_cached
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    @property
+    def blocks(self) -> list[Block]:
+        """Every block's state as a `Block` (a snapshot, O(num_blocks): for tests and debugging)."""
+        return [Block(i, r, h, self._contents(i)) for i, (r, h) in enumerate(zip(self._ref_count, self._block_hash))]
+
+    def _contents(self, block_id: int) -> tuple[int, ...]:
+        """The tokens an indexed block holds (() for a block not in the prefix cache)."""
+        run, bs = self._block_run[block_id], self.block_size
+        if run is None:
+            return ()
+        start = self._block_offset[block_id] * bs
+        return tuple(run[start:start + bs])
+
+    @property
+    def free_plain_blocks(self) -> list[int]:
+        """The free never-hashed blocks, in the order they will be taken (a snapshot)."""
+        return self._plain[self._plain_head:]
+
+    @property
+    def free_cached_blocks(self) -> list[int]:
+        """The free cached blocks, least recently freed (first evicted) first (a snapshot)."""
+        return self._lru_order()
+
     def ref_counts(self, block_ids: list[int]) -> list[int]:
         """The reference counts of these blocks."""
-        blocks = self.blocks
-        return [blocks[b].ref_count for b in block_ids]
+        ref_count = self._ref_count
+        return [ref_count[b] for b in block_ids]
 
     def indexes_any(self, hashes: list[int]) -> bool:
         """Whether any of these hashes is in the prefix index."""
@@ -80,16 +129,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> list[int]:
-        """Extend `seq.block_hashes` (and `seq.block_tokens`) to cover every full block of its tokens."""
-        hashes, block_tokens, bs = seq.block_hashes, seq.block_tokens, self.block_size
+        """Extend `seq.block_hashes` to cover every full block of its tokens."""
+        hashes, bs = seq.block_hashes, self.block_size
         start, end = len(hashes) * bs, len(seq.token_ids) // bs * bs
         if end <= start:
             return hashes
-        # zip() over bs references to one iterator yields consecutive bs-token tuples.
-        new = list(zip(*[iter(seq.token_ids[start:end])] * bs))
         h = hashes[-1] if hashes else _ROOT_HASH
-        hashes += [h := hash((h, tokens)) for tokens in new]  # = hash_block(h, tokens), chained
-        block_tokens += new
+        # zip() over bs references to one iterator yields consecutive bs-token tuples (one
+        # tuple, reused: nothing else keeps it).
+        hashes += [h := hash((h, tokens)) for tokens in zip(*[iter(seq.token_ids[start:end])] * bs)]  # = hash_block
         return hashes
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
@@ -106,11 +154,26 @@ class BlockManager:
         # The indexed blocks up to the first miss, then their contents checked at once:
         # equal hashes of unequal blocks (a collision) cut the prefix where they differ.
         hits = list(takewhile(_is_not_none, map(self._hash_to_block.get, hashes[:max_blocks])))
-        stored = [self.blocks[b].token_ids for b in hits]
-        wanted = seq.block_tokens[: len(hits)]
-        if stored != wanted:
-            del hits[next(i for i, (a, b) in enumerate(zip(stored, wanted)) if a != b) :]
+        del hits[self._matching_contents(hits, seq.token_ids):]
         return hits
+
+    def _matching_contents(self, hits: list[int], token_ids: list[int]) -> int:
+        """How many of `hits` (the blocks for positions 0, 1, ...) hold exactly those
+        positions' tokens: the consecutive blocks of one run are compared in one slice."""
+        runs, offsets, bs, n = self._block_run, self._block_offset, self.block_size, len(hits)
+        i = 0
+        while i < n:
+            run, offset = runs[hits[i]], offsets[hits[i]]
+            j = i + 1  # hits[i:j]: consecutive blocks of one run
+            while j < n and runs[hits[j]] is run and offsets[hits[j]] == offset + j - i:
+                j += 1
+            if run[offset * bs:(offset + j - i) * bs] != token_ids[i * bs:j * bs]:
+                # A collision (equal hashes of unequal blocks): the prefix ends at the first differing block.
+                while run[offset * bs:(offset + 1) * bs] == token_ids[i * bs:(i + 1) * bs]:
+                    i, offset = i + 1, offset + 1
+                return i
+            i = j
+        return n
 
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks a running sequence needs to hold `num_new_tokens` more computed tokens."""
@@ -124,8 +187,8 @@ class BlockManager:
         """Free blocks consumed by admitting `seq` with these prefix hits and new tokens."""
         cached_tokens = len(prefix_hits) * self.block_size
         new_blocks = self.blocks_for_tokens(cached_tokens + num_new_tokens) - len(prefix_hits)
-        blocks = self.blocks
-        reclaimed = [blocks[b].ref_count for b in prefix_hits].count(0)
+        ref_count = self._ref_count
+        reclaimed = [ref_count[b] for b in prefix_hits].count(0)
         return new_blocks + reclaimed
 
     # ---- mutations -----------------------------------------------------------
@@ -134,12 +197,7 @@ class BlockManager:
         assert not seq.block_table, "admit() is for sequences holding no blocks"
         if self.admission_cost(seq, prefix_hits, num_new_tokens) > self.num_free_blocks:
             raise MemoryError("not enough free KV blocks to admit sequence")
-        blocks, free_cached = self.blocks, self._free_cached
-        for block_id in prefix_hits:
-            block = blocks[block_id]
-            if block.ref_count == 0:
-                del free_cached[block_id]  # back in use: out of the LRU
-            block.ref_count += 1
+        self.retain(prefix_hits)
         seq.block_table = list(prefix_hits)
         seq.num_computed_tokens = len(prefix_hits) * self.block_size
         self.prefix_queries_tokens += seq.num_tokens
@@ -161,11 +219,12 @@ class BlockManager:
 
     def release_reserved(self, block_ids: list[int]) -> None:
         """Return reserved blocks that no sequence adopted."""
+        ref_count, block_hash, plain = self._ref_count, self._block_hash, self._plain
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} was not a plain reservation"
-            self._free_plain.append(block_id)
+            ref_count[block_id] -= 1
+            assert ref_count[block_id] == 0 and block_hash[block_id] is None, \
+                f"block {block_id} was not a plain reservation"
+            plain.append(block_id)
 
     def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int,
               prefix: list[int] | tuple[int, ...] = ()) -> None:
@@ -205,20 +264,27 @@ class BlockManager:
             walked, pending = state[1], state[2]
             if walked == full and not pending:
                 return  # nothing new (most decode steps)
-        blocks, index, block_tokens = self.blocks, self._hash_to_block, seq.block_tokens
+        block_hash, block_run, block_offset = self._block_hash, self._block_run, self._block_offset
+        index_if_absent = self._hash_to_block.setdefault  # one probe of the index per block, not two
+        token_ids, bs = seq.token_ids, self.block_size
+        run: list[int] = []
+        run_start = run_end = 0  # the blocks [run_start, run_end) whose tokens `run` holds
         still: list[int] = []
         # Blocks in table order: the pending ones (all below `walked`), then the new ones.
-        for i, block_id, h in chain(((i, table[i], hashes[i]) for i in pending),
-                                    zip(range(walked, full), table[walked:full], hashes[walked:full])):
-            block = blocks[block_id]
-            if block.block_hash is not None:
+        for i in chain(pending, range(walked, full)):
+            block_id = table[i]
+            if block_hash[block_id] is not None:
                 continue  # indexed already
-            if h in index:
+            h = hashes[i]
+            if index_if_absent(h, block_id) != block_id:
                 still.append(i)  # another sequence computed this hash first: look again later
                 continue
-            block.block_hash = h
-            block.token_ids = block_tokens[i]
-            index[h] = block_id
+            if not run_start <= i < run_end:
+                run_start, run_end = i, min(full, i + self._run_blocks)
+                run = token_ids[run_start * bs:run_end * bs]
+            block_hash[block_id] = h
+            block_run[block_id] = run
+            block_offset[block_id] = i - run_start
         seq.commit_state = (table, max(walked, full), still, self._cache_epoch)
 
     def indexed_prefix(self, seq: Sequence) -> list[int]:
@@ -233,36 +299,42 @@ class BlockManager:
     def retain(self, block_ids: list[int]) -> None:
         """Take one more reference on in-use or cached blocks (a session pin); a cached free
         block leaves the LRU. Given back with `release_blocks`."""
-        blocks, free_cached = self.blocks, self._free_cached
+        ref_count, block_hash = self._ref_count, self._block_hash
         for block_id in block_ids:
-            block = blocks[block_id]
-            if block.ref_count == 0:
-                assert block.block_hash is not None, f"block {block_id} is free and uncached: nothing to retain"
-                del free_cached[block_id]
-            block.ref_count += 1
+            if ref_count[block_id] == 0:
+                assert block_hash[block_id] is not None, f"block {block_id} is free and uncached: nothing to retain"
+                self._num_free_cached -= 1  # its LRU entry lapses: the block is in use
+            ref_count[block_id] += 1
 
     def freeable_if_released(self, block_ids: list[int]) -> int:
         """How many blocks would become free if one reference per listed occurrence were dropped."""
         drops: dict[int, int] = {}
         for block_id in block_ids:
             drops[block_id] = drops.get(block_id, 0) + 1
-        blocks = self.blocks
-        return sum(blocks[b].ref_count == n for b, n in drops.items())
+        ref_count = self._ref_count
+        return sum(ref_count[b] == n for b, n in drops.items())
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference on each block; a block left with none becomes free (cached
         ones into the LRU, tail first so that a prefix's head outlives its tail)."""
-        blocks, free_cached, free_plain = self.blocks, self._free_cached, self._free_plain
+        ref_count, block_hash, plain = self._ref_count, self._block_hash, self._plain
+        lru, lru_entries = self._lru, self._lru_entries
+        freed_cached = 0
         for block_id in reversed(block_ids):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    free_cached[block_id] = None
+            count = ref_count[block_id] - 1
+            ref_count[block_id] = count
+            if count == 0:
+                if block_hash[block_id] is not None:
+                    lru.append(block_id)
+                    lru_entries[block_id] += 1
+                    freed_cached += 1
                 else:
-                    free_plain.append(block_id)
+                    plain.append(block_id)
             else:
-                assert block.ref_count > 0, f"block {block_id} freed twice"
+                assert count > 0, f"block {block_id} freed twice"
+        self._num_free_cached += freed_cached
+        if len(lru) > 2 * self.num_blocks:
+            self._compact_lru()
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
@@ -273,13 +345,13 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after weights change)."""
         self._cache_epoch += 1
-        for block_id in list(self._free_cached):
-            self._uncache(block_id)
-            self._free_plain.append(block_id)
-        self._free_cached.clear()
-        for block in self.blocks:
-            if block.block_hash is not None:
-                self._uncache(block.block_id)
+        self._plain += self._lru_order()  # free cached blocks become plain, LRU order kept
+        self._lru.clear()
+        self._lru_entries = [0] * self.num_blocks
+        self._num_free_cached = 0
+        self._hash_to_block.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._block_run = [None] * self.num_blocks
 
     # ---- internals -----------------------------------------------------------
     def _allocate(self, n: int) -> list[int]:
@@ -288,30 +360,61 @@ class BlockManager:
         Plain blocks first, in FIFO order; then cached ones, least recently freed first,
         each evicted from the prefix cache as it is taken.
         """
-        plain, blocks = self._free_plain, self.blocks
-        if n < len(plain):
-            taken = [plain.popleft() for _ in range(n)]
-        else:
-            taken = list(plain)
-            plain.clear()
-        if len(taken) < n:
-            free_cached, index = self._free_cached, self._hash_to_block
-            evicted = list(islice(free_cached, n - len(taken)))  # the LRU's head
-            self.num_evictions += len(evicted)
-            for block_id in evicted:
-                del free_cached[block_id]
-                block = blocks[block_id]
-                del index[block.block_hash]  # a block's hash is set only while it is the indexed holder
-                block.block_hash = None
-                block.token_ids = ()
-            taken += evicted
+        plain, head = self._plain, self._plain_head
+        taken = plain[head:head + n]
+        head += len(taken)
+        if head > 4096 and head * 2 > len(plain):
+            del plain[:head]  # compact: the consumed head outgrew what is left
+            head = 0
+        self._plain_head = head
+        ref_count = self._ref_count
         for block_id in taken:
-            blocks[block_id].ref_count = 1
+            ref_count[block_id] = 1
+        if len(taken) < n:
+            taken += self._evict(n - len(taken))
         return taken
 
-    def _uncache(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
-            del self._hash_to_block[block.block_hash]
-        block.block_hash = None
-        block.token_ids = ()
+    def _evict(self, n: int) -> list[int]:
+        """Take the `n` least recently freed cached blocks out of the LRU and the prefix cache,
+        each with one reference."""
+        lru_entries, ref_count, block_hash, block_run = self._lru_entries, self._ref_count, self._block_hash, self._block_run
+        popleft, drop_hash = self._lru.popleft, self._hash_to_block.pop
+        evicted: list[int] = []
+        take = evicted.append
+        left = n
+        while left:
+            block_id = popleft()
+            entries = lru_entries[block_id] - 1
+            lru_entries[block_id] = entries
+            if entries or ref_count[block_id]:
+                continue  # a lapsed entry: the block was freed again later, or is in use
+            # The last entry of a free block: it is cached (only cached blocks enter the LRU,
+            # and only eviction uncaches them), the indexed holder of its hash.
+            drop_hash(block_hash[block_id])
+            block_hash[block_id] = None
+            block_run[block_id] = None
+            ref_count[block_id] = 1
+            take(block_id)
+            left -= 1
+        self._num_free_cached -= n
+        self.num_evictions += n
+        return evicted
+
+    def _lru_order(self) -> list[int]:
+        """The free cached blocks, least recently freed first: each one's last LRU entry."""
+        seen = list(self._lru_entries)
+        order = []
+        ref_count, block_hash = self._ref_count, self._block_hash
+        for block_id in self._lru:
+            seen[block_id] -= 1
+            if not seen[block_id] and not ref_count[block_id] and block_hash[block_id] is not None:
+                order.append(block_id)
+        return order
+
+    def _compact_lru(self) -> None:
+        """Drop the lapsed LRU entries (they outnumbered the blocks)."""
+        order = self._lru_order()
+        self._lru = deque(order)
+        self._lru_entries = [0] * self.num_blocks
+        for block_id in order:
+            self._lru_entries[block_id] = 1

@@ -73,11 +73,9 @@ class Sequence:
     itl_slo_s: float | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching),
-    # and those blocks' token tuples: hashed once, then shared with the blocks that index
-    # them. Both are extended together, by `BlockManager.update_block_hashes` only.
+    # Chained hashes of the full blocks of token_ids, extended lazily (prefix caching) by
+    # `BlockManager.update_block_hashes` only.
     block_hashes: list[int] = field(default_factory=list)
-    block_tokens: list[tuple[int, ...]] = field(default_factory=list)
     # How far `BlockManager.commit_computed` has indexed this block table (see there).
     commit_state: tuple | None = None
     status: SequenceStatus = SequenceStatus.WAITING

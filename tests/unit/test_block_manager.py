@@ -67,7 +67,7 @@ def check_accounting(bm: BlockManager, seqs) -> None:
         for b in s.block_table:
             refs[b] += 1
     assert [b.ref_count for b in bm.blocks] == refs
-    plain, cached = list(bm._free_plain), list(bm._free_cached)
+    plain, cached = list(bm.free_plain_blocks), list(bm.free_cached_blocks)
     free = plain + cached
     assert len(set(free)) == len(free), "a block is in the free pools twice"
     assert set(free) == {i for i, r in enumerate(refs) if r == 0}, "free pools != unreferenced blocks"
@@ -219,7 +219,7 @@ def test_prefix_caching_disabled_never_hits_nor_indexes():
     assert all(b.block_hash is None for b in bm.blocks)
     assert bm.cached_prefix_blocks(make_seq(range(9))) == []
     bm.free(a)
-    assert len(bm._free_cached) == 0 and bm.num_free_blocks == 8
+    assert len(bm.free_cached_blocks) == 0 and bm.num_free_blocks == 8
 
 
 # ---- commit_computed --------------------------------------------------------------
@@ -275,7 +275,7 @@ def test_duplicate_content_is_indexed_once():
     bm.free(b)
     check_accounting(bm, [])
     # b's duplicates were never indexed, so they are plain; a's are cached
-    assert set(bm._free_cached) == set(a_table[:2])
+    assert set(bm.free_cached_blocks) == set(a_table[:2])
 
 
 # ---- free, LRU pool, eviction -----------------------------------------------------
@@ -287,8 +287,8 @@ def test_free_moves_hashed_blocks_to_cached_pool_and_rest_to_plain():
     table = list(seq.block_table)
     bm.free(seq)
     assert seq.block_table == [] and seq.num_computed_tokens == 0
-    assert list(bm._free_cached) == [table[1], table[0]]  # tail first
-    assert table[2] in bm._free_plain
+    assert list(bm.free_cached_blocks) == [table[1], table[0]]  # tail first
+    assert table[2] in bm.free_plain_blocks
     assert bm.num_free_blocks == 8
     check_accounting(bm, [])
 
@@ -306,7 +306,7 @@ def test_freed_cached_blocks_can_be_hit_again():
     assert b.num_computed_tokens == 8
     assert bm.num_free_blocks == 5
     assert all(bm.blocks[x].ref_count == 1 for x in b.block_table)
-    assert not (set(hits) & set(bm._free_cached))
+    assert not (set(hits) & set(bm.free_cached_blocks))
     check_accounting(bm, [b])
 
 
@@ -315,10 +315,10 @@ def test_plain_free_blocks_are_used_before_evicting_cached_ones():
     a = admit_and_compute(bm, range(5))  # 3 blocks, 2 hashed
     a_table = list(a.block_table)
     bm.free(a)
-    assert len(bm._free_plain) == 4 and len(bm._free_cached) == 2
+    assert len(bm.free_plain_blocks) == 4 and len(bm.free_cached_blocks) == 2
     filler = make_seq([100] * 8)
     bm.admit(filler, [], 8)  # takes exactly the 4 plain blocks
-    assert len(bm._free_cached) == 2
+    assert len(bm.free_cached_blocks) == 2
     assert len(bm._hash_to_block) == 2
     assert not set(filler.block_table) & set(a_table[:2])
     assert bm.cached_prefix_blocks(make_seq(range(5))) == a_table[:2]
@@ -334,7 +334,7 @@ def test_eviction_order_lru_and_tail_before_head():
     bm.free(a)  # a freed first: least recently freed
     bm.free(b)
     expected = [a_table[2], a_table[1], a_table[0], b_table[2], b_table[1], b_table[0]]
-    assert list(bm._free_cached) == expected
+    assert list(bm.free_cached_blocks) == expected
     taken = []
     for i in range(6):
         s = make_seq([200 + i])
@@ -363,7 +363,7 @@ def test_hitting_a_cached_block_refreshes_its_lru_position():
     c = admit_and_compute(bm, [1, 1, 8])
     assert c.block_table[0] == a_head
     bm.free(c)
-    assert list(bm._free_cached) == [b_head, a_head]
+    assert list(bm.free_cached_blocks) == [b_head, a_head]
     # 2 plain + then b's head is evicted before a's
     hog = make_seq([0] * 6)
     bm.admit(hog, [], 6)
@@ -428,11 +428,11 @@ def test_admit_raises_memory_error_and_leaves_state_untouched():
     hog = make_seq(range(8))
     bm.admit(hog, [], 8)
     seq = make_seq(range(100, 109))
-    snapshot = (list(bm._free_plain), list(bm._free_cached), [b.ref_count for b in bm.blocks])
+    snapshot = (list(bm.free_plain_blocks), list(bm.free_cached_blocks), [b.ref_count for b in bm.blocks])
     with pytest.raises(MemoryError):
         bm.admit(seq, [], 9)
     assert seq.block_table == []
-    assert snapshot == (list(bm._free_plain), list(bm._free_cached), [b.ref_count for b in bm.blocks])
+    assert snapshot == (list(bm.free_plain_blocks), list(bm.free_cached_blocks), [b.ref_count for b in bm.blocks])
     bm.admit(seq, [], 4)  # a chunk that fits is fine
     assert len(seq.block_table) == 1
 
@@ -494,18 +494,18 @@ def test_reset_prefix_cache_forgets_everything_but_keeps_capacity():
     live = admit_and_compute(bm, [1, 1, 2, 2, 3])
     dead = admit_and_compute(bm, [4, 4, 5, 5, 6])
     bm.free(dead)
-    assert len(bm._free_cached) == 2
+    assert len(bm.free_cached_blocks) == 2
     free_before = bm.num_free_blocks
     bm.reset_prefix_cache()
     assert bm.num_free_blocks == free_before
-    assert len(bm._free_cached) == 0
+    assert len(bm.free_cached_blocks) == 0
     assert bm._hash_to_block == {}
     assert all(b.block_hash is None and b.token_ids == () for b in bm.blocks)
     assert bm.cached_prefix_blocks(make_seq([1, 1, 2, 2, 3])) == []
     assert bm.cached_prefix_blocks(make_seq([4, 4, 5, 5, 6])) == []
     check_accounting(bm, [live])
     bm.free(live)  # live's blocks were un-indexed: they go back as plain
-    assert len(bm._free_plain) == 8 and len(bm._free_cached) == 0
+    assert len(bm.free_plain_blocks) == 8 and len(bm.free_cached_blocks) == 0
     # caching works again afterwards
     again = admit_and_compute(bm, [1, 1, 2, 2, 3])
     bm.free(again)
@@ -538,9 +538,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """
 
     @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]),
-                caching=st.booleans())
-    def init(self, num_blocks, block_size, caching):
+                caching=st.booleans(), run_blocks=st.integers(1, 3))
+    def init(self, num_blocks, block_size, caching, run_blocks):
         self.bm = BlockManager(num_blocks, block_size, caching)
+        self.bm._run_blocks = run_blocks  # small runs: one commit indexes several
         self.kv: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
         self.seqs: list[Sequence] = []
 
@@ -679,21 +680,22 @@ class FullWalkBlockManager(BlockManager):
         if not self.enable_prefix_caching:
             return
         hashes = self.update_block_hashes(seq)
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        blocks, index = self.blocks, self._hash_to_block
-        for block_id, h, tokens in zip(seq.block_table[:full], hashes, seq.block_tokens):
-            block = blocks[block_id]
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        index = self._hash_to_block
+        for i, (block_id, h) in enumerate(zip(seq.block_table[:full], hashes)):
             # Skip blocks indexed already, and hashes another sequence computed first.
-            if block.block_hash is None and h not in index:
-                block.block_hash = h
-                block.token_ids = tokens
+            if self._block_hash[block_id] is None and h not in index:
+                self._block_hash[block_id] = h
+                self._block_run[block_id] = seq.token_ids[i * bs:(i + 1) * bs]  # a run of one block
+                self._block_offset[block_id] = 0
                 index[h] = block_id
 
 
 def manager_state(bm: BlockManager) -> tuple:
     """Everything observable: per-block state, both free pools in order, the index in insertion order."""
-    return ([(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm._free_plain),
-            list(bm._free_cached), list(bm._hash_to_block.items()), bm.prefix_hits_tokens, bm.prefix_queries_tokens)
+    return ([(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm.free_plain_blocks),
+            list(bm.free_cached_blocks), list(bm._hash_to_block.items()), bm.prefix_hits_tokens, bm.prefix_queries_tokens)
 
 
 def test_a_block_left_unindexed_is_indexed_once_the_holder_of_its_hash_is_evicted():
@@ -793,9 +795,10 @@ class CommitEquivalenceMachine(RuleBasedStateMachine):
     manager (reservations and adoption, stage ends, resets, commits skipped or repeated,
     even computed counts moved back); every piece of state must stay identical."""
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]))
-    def init(self, num_blocks, block_size):
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), run_blocks=st.integers(1, 3))
+    def init(self, num_blocks, block_size, run_blocks):
         self.bms = [BlockManager(num_blocks, block_size), FullWalkBlockManager(num_blocks, block_size)]
+        self.bms[0]._run_blocks = run_blocks
         self.twins: list[list[Sequence]] = []
         self.reservations: list[list[int]] = []
         self.n = 0
@@ -926,3 +929,40 @@ def test_whole_simulations_match_the_full_walk(monkeypatch, policy, roles):
     for key in ("virtual_s", "events", "steps", "kv_transfers", "kv_recomputes", "preemptions"):
         assert incremental[1][key] == full[1][key], key
     assert full[1]["preemptions"] > 0  # a small cache: eviction, preemption and re-admission happened
+
+
+# ---- the lazily kept LRU and the runs of indexed contents -----------------------------
+
+
+def test_prefix_hits_that_never_evict_keep_the_lru_bounded_and_in_order():
+    """Every hit on a free cached block leaves a lapsed LRU entry behind; with no eviction to
+    consume them they are compacted away, and the LRU order stays the one of the frees."""
+    bm = BlockManager(8, 2)
+    first = admit_and_compute(bm, [1, 2, 3, 4, 5, 6, 7])
+    table = list(first.block_table)
+    bm.free(first)
+    for n in range(200):
+        seq = admit_and_compute(bm, [1, 2, 3, 4, 5, 6, 7])
+        assert seq.block_table[:3] == table[:3]  # all three full blocks hit
+        bm.free(seq)
+        assert len(bm._lru) <= 2 * bm.num_blocks
+    assert bm.free_cached_blocks == [table[2], table[1], table[0]]  # tail first, as freed
+    assert bm.num_free_blocks == 8
+    # The LRU still evicts in that order once plain blocks run out.
+    assert bm.reserve(8)[-3:] == [table[2], table[1], table[0]]
+    assert bm.num_evictions == 3 and bm._hash_to_block == {}
+
+
+def test_a_collision_inside_a_later_run_cuts_the_prefix_at_that_block():
+    bm = BlockManager(16, 2)
+    bm._run_blocks = 2  # blocks 0-1 in one run, 2-3 in the next
+    a = make_seq(list(range(9)))
+    bm.admit(a, [], 9)
+    a.num_computed_tokens = 9
+    bm.commit_computed(a)
+    assert len({id(bm._block_run[b]) for b in a.block_table[:4]}) == 2
+    b = make_seq([0, 1, 2, 3, 4, 5, 99, 7, 8])
+    b.block_hashes = list(a.block_hashes)  # made equal: the fourth block collides
+    assert bm.cached_prefix_blocks(b) == a.block_table[:3]
+    c = make_seq(list(range(9)))
+    assert bm.cached_prefix_blocks(c) == a.block_table[:4]

@@ -50,6 +50,14 @@ class ReferenceBlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free_plain) + len(self._free_cached)
 
+    @property
+    def free_plain_blocks(self) -> list[int]:
+        return list(self._free_plain)
+
+    @property
+    def free_cached_blocks(self) -> list[int]:
+        return list(self._free_cached)
+
     def indexes_any(self, hashes: list[int]) -> bool:
         return any(h in self._hash_to_block for h in hashes)
 
@@ -240,8 +248,8 @@ def _seq(tokens, rid: str, stop_at: int | None = None) -> Sequence:
 
 
 def _state(bm) -> tuple:
-    return ([(b.block_id, b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm._free_plain),
-            list(bm._free_cached), dict(bm._hash_to_block), bm.prefix_hits_tokens, bm.prefix_queries_tokens)
+    return ([(b.block_id, b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks], list(bm.free_plain_blocks),
+            list(bm.free_cached_blocks), dict(bm._hash_to_block), bm.prefix_hits_tokens, bm.prefix_queries_tokens)
 
 
 def _outcome(f):
@@ -255,9 +263,11 @@ def _outcome(f):
 class RangesMachine(RuleBasedStateMachine):
     """The same random operations on the reference and the core's manager."""
 
-    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans())
-    def init(self, num_blocks, block_size, caching):
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans(),
+                run_blocks=st.integers(1, 4))
+    def init(self, num_blocks, block_size, caching, run_blocks):
         self.bms = [ReferenceBlockManager(num_blocks, block_size, caching), BlockManager(num_blocks, block_size, caching)]
+        self.bms[1]._run_blocks = run_blocks  # indexed contents kept in runs of this many blocks
         self.seqs: list[list[Sequence]] = []  # per live sequence: its twin in each manager
         self.reservations: list[list[int]] = []
         self.n = 0
@@ -353,17 +363,17 @@ RangesMachine.TestCase.settings = settings(
 TestRangesMachine = RangesMachine.TestCase
 
 
-def test_block_tokens_are_the_hashed_blocks():
+def test_block_hashes_chain_every_full_block():
     bm = BlockManager(8, 3)
     seq = _seq([4, 4, 4, 1], "a")
     for t in [2, 9, 9, 9, 3, 3, 7]:
         seq.token_ids.append(t)
         bm.update_block_hashes(seq)
         full = len(seq.token_ids) // 3
-        assert seq.block_tokens == [tuple(seq.token_ids[i * 3 : (i + 1) * 3]) for i in range(full)]
+        assert len(seq.block_hashes) == full
         parent = _ROOT_HASH
         for i in range(full):
-            parent = hash_block(parent, seq.block_tokens[i])
+            parent = hash_block(parent, tuple(seq.token_ids[i * 3 : (i + 1) * 3]))
             assert seq.block_hashes[i] == parent
 
 
@@ -377,7 +387,6 @@ def test_a_hash_collision_cuts_the_prefix_where_contents_differ(cls):
     # b's second block differs from a's, but its hashes are made equal to a's: a collision.
     b = _seq([1, 1, 5, 5, 3, 3, 4], "b")
     b.block_hashes = list(a.block_hashes)
-    b.block_tokens = [(1, 1), (5, 5), (3, 3)]
     assert bm.cached_prefix_blocks(b) == a.block_table[:1]
 
 

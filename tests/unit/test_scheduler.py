@@ -529,7 +529,7 @@ def test_waiting_hits_evicted_earlier_in_the_same_step_are_not_reused():
     sim.add("D", [20, 21, 22, 23, 24], max_tokens=1)
     sim.run()
     # free: 4 plain + 4 cached (LRU: A's [3,4], A's [1,2], D's [22,23], D's [20,21])
-    assert sim.bm.num_free_blocks == 8 and len(sim.bm._free_cached) == 4
+    assert sim.bm.num_free_blocks == 8 and len(sim.bm.free_cached_blocks) == 4
     b = sim.add("B", [9] * 10, max_tokens=1)  # 5 blocks: drains plain, evicts A's tail
     c = sim.add("C", [1, 2, 3, 4, 6], max_tokens=1)  # looked-up hits: both of A's blocks
     out = sim.schedule()  # check_step verifies KV ownership and that no block is shared
@@ -547,7 +547,7 @@ def test_waiting_hits_evicted_by_running_growth_are_not_reused():
     sim.run()  # cached LRU: A's [3,4], A's [1,2], D's 2 blocks; plain: 4 blocks
     r = sim.add("R", [7] * 8, max_tokens=2)  # 4 blocks: all the plain ones
     sim.step()
-    assert sim.bm.num_free_blocks == 4 and len(sim.bm._free_cached) == 4
+    assert sim.bm.num_free_blocks == 4 and len(sim.bm.free_cached_blocks) == 4
     c = sim.add("C", [1, 2, 3, 4, 6], max_tokens=1)
     out = sim.schedule()  # R decodes at 8 -> needs a 5th block -> evicts A's tail [3,4]
     assert c in sim.sched.running
@@ -1032,7 +1032,7 @@ def _block_state(sched: Scheduler) -> tuple:
     """Everything of the block manager and sequences a decode run may touch, block ids included."""
     bm = sched.block_manager
     return ({k: (s.token_ids, s.num_computed_tokens, s.block_table) for k, s in sched.sequences.items()},
-            list(bm._free_plain), list(bm._free_cached), dict(bm._hash_to_block),
+            list(bm.free_plain_blocks), list(bm.free_cached_blocks), dict(bm._hash_to_block),
             [(b.ref_count, b.block_hash) for b in bm.blocks], bm.num_evictions)
 
 

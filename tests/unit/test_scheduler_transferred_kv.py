@@ -89,8 +89,8 @@ def _state(sim: Sim):
         tuple(q.request_id for q in s.running),
         tuple((q.request_id, q.status, tuple(q.token_ids), tuple(q.block_table), q.num_computed_tokens)
               for q in s.sequences.values()),
-        tuple(bm._free_plain),
-        tuple(bm._free_cached),
+        tuple(bm.free_plain_blocks),
+        tuple(bm.free_cached_blocks),
         tuple((b.ref_count, b.block_hash) for b in bm.blocks),
     )
 
