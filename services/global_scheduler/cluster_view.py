@@ -32,7 +32,8 @@ def build_cluster_view(
             continue
         # The load snapshot carries the live role (Worker.SetRole changes it); the registry
         # entry keeps the role the worker started with.
-        load = dataclasses.replace(load, role=load.role or info.role, engine_kind=load.engine_kind or info.engine_kind)
+        if not (load.role and load.engine_kind):  # (a replace per worker per refresh adds up in the simulator)
+            load = dataclasses.replace(load, role=load.role or info.role, engine_kind=load.engine_kind or info.engine_kind)
         views.append(WorkerView(info.worker_id, info.address, load, inflight.get(info.worker_id, 0),
                                 signals.get(info.worker_id)))
     return ClusterView(tuple(views), taken_at)
