@@ -266,7 +266,7 @@ def up(
         "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "
         "`splitserve profile`)."),
     batch_policy: str = typer.Option("fcfs", help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2) | "
-                                      "prefill_reorder (AMPD Alg. 2)."),
+                                      "prefill_reorder (AMPD Alg. 2) | laps (LAPS: short/long prefills apart, AWD batching)."),
     itl_slo_ms: float = typer.Option(0.0, help="slo_aware: ITL objective (ms) for requests sent without one."),
     prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
     split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),

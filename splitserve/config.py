@@ -75,7 +75,9 @@ class WorkerConfig(CommonConfig):
     batch_policy: str = opt("fcfs", "Local batch policy (splitserve/core/policies): fcfs | slo_aware (DynaServe "
                             "Alg. 2: decodes first, then prefill up to what the ITL SLO leaves room for, by a latency "
                             "table seeded from --perf-model, the emulated preset, or learned from scratch) | prefill_reorder (AMPD "
-                            "Alg. 2: the waiting queue's head window reordered to meet the most TTFT SLOs).")
+                            "Alg. 2: the waiting queue's head window reordered to meet the most TTFT SLOs) | laps (LAPS: short and long (re-)prefills never in "
+                            "one step; short ones batched to captured shapes with an adaptive wait, long ones by fixed "
+                            "chunks).")
     batch_policy_options: str = opt("", "JSON object of the batch policy's options, e.g. '{\"target_fraction\": 0.9, "
                                     "\"min_prefill_tokens\": 16}' for slo_aware.")
     itl_slo_ms: float = opt(0.0, "slo_aware: ITL objective (ms) for steps whose decodes carry none (requests sent "

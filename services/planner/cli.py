@@ -157,7 +157,8 @@ def simulate(
     batch_policy: str = typer.Option("fcfs", "--batch-policy", help="Workers' local batch policy: fcfs | slo_aware "
                                      "(DynaServe Alg. 2: decodes first, prefill up to what the ITL SLO leaves room "
                                      "for, by a latency table seeded from the simulated perf model) | prefill_reorder (AMPD Alg. 2: the "
-                                     "queue head's window reordered to meet the most TTFT SLOs) | any registered."),
+                                     "queue head's window reordered to meet the most TTFT SLOs) | laps (LAPS: short/long prefills "
+                                     "apart, AWD batching) | any registered."),
     batch_policy_option: Optional[List[str]] = typer.Option(None, "--batch-policy-option", help="Batch policy option "
                                                             "key=value (repeatable), e.g. itl_slo_ms=100 (slo_aware's "
                                                             "ITL target for requests sent without one, see "

@@ -15,6 +15,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Mapping
 
 from splitserve.core.policies.fcfs import FcfsPolicy
+from splitserve.core.policies.laps import LapsPolicy
 from splitserve.core.policies.latency_table import LatencyTable
 from splitserve.core.policies.prefill_reorder import PrefillReorderPolicy
 from splitserve.core.policies.slo_aware import SloAwarePolicy
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from splitserve.perf_model import PerfModel
 
 _POLICIES: dict[str, type] = {"fcfs": FcfsPolicy, "slo_aware": SloAwarePolicy,
-                               "prefill_reorder": PrefillReorderPolicy}
+                               "prefill_reorder": PrefillReorderPolicy, "laps": LapsPolicy}
 
 
 def known_batch_policies() -> list[str]:
@@ -73,5 +74,5 @@ def build_batch_policy(name: str, options: Mapping[str, Any] | None = None, *,
     return make_batch_policy(name, **options)
 
 
-__all__ = ["FcfsPolicy", "LatencyTable", "PrefillReorderPolicy", "SloAwarePolicy", "build_batch_policy", "known_batch_policies",
+__all__ = ["FcfsPolicy", "LapsPolicy", "LatencyTable", "PrefillReorderPolicy", "SloAwarePolicy", "build_batch_policy", "known_batch_policies",
            "make_batch_policy", "register_batch_policy", "takes_option", "unregister_batch_policy"]

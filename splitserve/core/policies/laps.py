@@ -1,0 +1,316 @@
+"""LAPS' temporal disaggregation on one instance (§3.1-3.2, Algorithm 1 AWD): short and long
+(re-)prefills in separate queues, never in one step; short ones batched to captured shapes
+with an adaptive wait, long ones advanced one request at a time by fixed chunks.
+
+Each step:
+
+1. **Decodes first**: every running decode, one token each, oldest first (a colocated
+   instance keeps its inter-token latency; on a prefill instance there are none).
+2. **Classify** every other queued request by its new tokens L against the boundary
+   L_m(H) on its history H (LAPS §2.1: `perf_model.prefill_boundary(H)`, or the fixed
+   `boundary_tokens`): short when L < L_m(H). A re-prefill is classified with its history.
+   The class is decided when the policy first sees the request and kept (a long prefill's
+   last chunk is still long work).
+3. **Short mode (AWD)**. With short requests queued, dispatch them now when any of:
+   * the queue holds the target depth D (the largest captured batch size the step budget
+     allows, adapted below);
+   * the smallest slack `deadline - (now + S)` is at most σ (`slack_ms`), S being the
+     predicted time of the batch (SLA-first);
+   * the head has waited T_max (`head_wait_max_ms`);
+   * the round has lasted W = clip(min(W_SLA, W_GR), [W_min, W_max]) where
+     W_SLA = min_i(deadline_i - now - S) - δ (`margin_ms`) and
+     W_GR = (D - queued) / r̂_s, r̂_s the short arrival rate over the last `rate_window_s`.
+   A dispatched batch starts from the most urgent request (earliest deadline, then
+   arrival) and takes the requests of its length bucket first, then of the nearest
+   buckets, up to D requests and the token budget (bucket-first grouping: least padding).
+   Nothing long runs in that step. After it, D follows what the arrivals can fill
+   (Alg. 1 lines 10-14): a batch that reached D raises D to the next captured size, one
+   dispatched short of it lowers D to the largest captured size it reached. (The paper
+   only lowers D; raising it lets D recover when the arrival rate climbs again.)
+   **Deadline-free mode** (`deadline_free`): no SLA terms; dispatch when the queued short
+   tokens reach M_s (`short_token_target`, default the step budget), D requests are
+   queued, or the head waited T_max (token-max).
+4. **Long mode**, when no short batch is dispatched: one long request (the one already
+   started, else the oldest) advances by C_l (`long_chunk_tokens`) tokens. While short
+   requests are being held, the chunk is cut so that its predicted time ends before they
+   must go (`perf_model.max_prefill_tokens`), so a long chunk never pushes a short batch
+   past its window; when not even one block fits (every step pays the weight read), the
+   held shorts go at once instead of the GPU idling. A long head that has not run for
+   T_max gets its full chunk whatever is held, so a stream of short requests cannot
+   starve it.
+5. **Hold**: while short requests wait on purpose, `hold_until` the earliest instant one of
+   the dispatch conditions becomes true, so an idle driver looks again in time.
+
+S: `perf_model.step_time` of the candidate batch; without a model the policy learns it
+from executed short steps (`observe`, an EWMA), starting at 0.
+
+Every option may be given as text (CLI flags, environment variables, the simulator's
+`batch_policy_options`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from splitserve.core.policies.options import number_option, perf_model_option
+from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
+from splitserve.core.sequence import StageKey
+from splitserve.core.shapes import ShapeGrid
+from splitserve.perf_model import PerfModel
+
+__all__ = ["LapsPolicy"]
+
+_MIN_RATE = 1e-3  # ε of W_GR: arrivals per second below which the graph window is "forever"
+_MIN_LONG_CHUNK = 16  # one KV block: a shorter long chunk pays a whole step's fixed cost for nothing
+
+
+class LapsPolicy:
+    """Short and long (re-)prefills apart in time on one instance (LAPS AWD + long chunks)."""
+
+    name = "laps"
+    observes_steps = True  # learns the short-batch time when it has no perf model
+    steady_decodes = True  # decodes only, nothing queued: every running request, one token
+
+    def __init__(self, perf_model: PerfModel | dict | str | None = None,
+                 boundary_tokens: int | str | None = None, long_chunk_tokens: int | str = 512,
+                 wait_min_ms: float | str = 0.0, wait_max_ms: float | str = 20.0,
+                 slack_ms: float | str = 5.0, margin_ms: float | str = 2.0,
+                 head_wait_max_ms: float | str = 50.0, ttft_slo_ms: float | str | None = None,
+                 deadline_free: bool | str = False, short_token_target: int | str | None = None,
+                 shape_tokens: str | tuple[int, ...] = (8, 16, 32, 64, 128, 256),
+                 shape_batches: str | tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 rate_window_s: float | str = 10.0, learning_rate: float | str = 0.2):
+        self.perf_model: PerfModel | None = perf_model_option(perf_model)
+        self.boundary_tokens: int | None = number_option("boundary_tokens", boundary_tokens, minimum=1,
+                                                         integer=True, allow_none=True)
+        if self.perf_model is None and self.boundary_tokens is None:
+            self.boundary_tokens = 256  # LAPS §2.1: the boundary lies at 150-512 tokens on current GPUs
+        self.long_chunk_tokens: int = number_option("long_chunk_tokens", long_chunk_tokens, minimum=1, integer=True)
+        self.wait_min_s = number_option("wait_min_ms", wait_min_ms, minimum=0.0) / 1000
+        self.wait_max_s = number_option("wait_max_ms", wait_max_ms, minimum=0.0) / 1000
+        if self.wait_max_s < self.wait_min_s:
+            raise ValueError(f"wait_max_ms must be >= wait_min_ms, got {wait_max_ms} < {wait_min_ms}")
+        self.slack_s = number_option("slack_ms", slack_ms, minimum=0.0) / 1000
+        self.margin_s = number_option("margin_ms", margin_ms, minimum=0.0) / 1000
+        self.head_wait_max_s = number_option("head_wait_max_ms", head_wait_max_ms, minimum=0.0) / 1000
+        ttft = number_option("ttft_slo_ms", ttft_slo_ms, minimum=0.0, allow_none=True)
+        self.default_ttft_slo_s: float | None = ttft / 1000 if ttft else None
+        self.deadline_free = _flag("deadline_free", deadline_free)
+        self.short_token_target: int | None = number_option("short_token_target", short_token_target, minimum=1,
+                                                            integer=True, allow_none=True)
+        self.shapes = ShapeGrid(shape_tokens, shape_batches)  # type: ignore[arg-type]  (parsed there)
+        self.rate_window_s = number_option("rate_window_s", rate_window_s, minimum=1e-3)
+        self.learning_rate = number_option("learning_rate", learning_rate, minimum=1e-6, maximum=1.0)
+        # Adaptive state (Alg. 1): the target depth, the current batching round, the arrivals.
+        self.target_depth = self.shapes.batches[-1]
+        self.round_start: float | None = None
+        self.short_arrivals: deque[float] = deque()
+        self._seen_short: set[StageKey] = set()
+        self.short_step_s = 0.0  # learned S when there is no perf model
+        self._last_kind = ""  # what the last step ran: "short", "long" or "" (for observe)
+        self._short_class: dict[StageKey, bool] = {}  # each queued request's class, decided once
+        self._long_served_at: dict[StageKey, float] = {}  # when the long head last ran a chunk
+        self.num_short_batches = self.num_long_chunks = 0
+
+    # ---- classification -------------------------------------------------------------
+    def boundary(self, history: int) -> float:
+        """L_m(H): new tokens from which a (re-)prefill on `history` cached tokens is compute-bound."""
+        if self.boundary_tokens is not None:
+            return self.boundary_tokens
+        assert self.perf_model is not None
+        return self.perf_model.prefill_boundary(history)
+
+    def is_short(self, req: QueuedRequest) -> bool:
+        """Short when its new tokens L are below L_m(H), decided when the policy first sees it
+        and kept: a long prefill does not turn short as its chunks run."""
+        short = self._short_class.get(req.key)
+        if short is None:
+            short = self._short_class[req.key] = req.num_remaining_tokens < self.boundary(req.num_computed_tokens)
+        return short
+
+    # ---- the step ---------------------------------------------------------------------
+    def next_batch(self, step: StepBuilder, now: float) -> None:
+        self._last_kind = ""
+        long_running: list[QueuedRequest] = []
+        for req in step.running:  # decodes first; started short prefills finish
+            if req.is_decode:
+                if step.tokens_left:
+                    step.add(req.key, 1)
+            elif self.is_short(req):
+                if step.tokens_left:
+                    step.add(req.key, min(req.num_remaining_tokens, step.tokens_left))
+            else:
+                long_running.append(req)
+        shorts = [r for r in step.waiting if self.is_short(r)]
+        longs = long_running + [r for r in step.waiting if not self.is_short(r)]
+        queued = {r.key for r in step.running} | {r.key for r in step.waiting}
+        if len(self._short_class) > len(queued):  # requests that left the queues drop out
+            self._short_class = {k: v for k, v in self._short_class.items() if k in queued}
+        self._note_arrivals(shorts, now)
+        if not shorts:
+            self.round_start = None
+        elif self._dispatch_shorts(step, shorts, now):
+            return
+        chunk = self._long_chunk(step, longs, shorts, now)
+        if chunk is None:  # no long chunk worth running before the held shorts must go: they go now
+            self._dispatch_shorts(step, shorts, now, force=True)
+        elif chunk:
+            self._run_long(step, longs[0], chunk, started=bool(long_running), now=now)
+
+    def _dispatch_shorts(self, step: StepBuilder, shorts: list[QueuedRequest], now: float,
+                         force: bool = False) -> bool:
+        """Alg. 1: dispatch a short batch now, or hold it (then False)."""
+        if self.round_start is None:
+            self.round_start = now
+        if step.preempted_any or step.seqs_left == 0 or step.tokens_left == 0:
+            return False
+        depth = self._feasible_depth(step, shorts)
+        go_by = self._dispatch_time(shorts, depth, now)
+        if go_by > now and not force:
+            step.hold_until(go_by)
+            return False
+        batch = self._pick_batch(shorts, depth)
+        added = 0
+        for req in batch:
+            if step.tokens_left < req.num_remaining_tokens or step.seqs_left == 0:
+                continue
+            if not step.add(req.key, req.num_remaining_tokens):
+                break  # no KV memory: the rest wait for the next round
+            added += 1
+        if not added:
+            return False
+        self.num_short_batches += 1
+        self._last_kind = "short"
+        # Alg. 1 lines 10-14: D follows what the arrivals fill (raised again when they do).
+        self.target_depth = self.shapes.next_depth(added) if added >= self.target_depth \
+            else self.shapes.depth_at_most(added)
+        self.round_start = None
+        return True
+
+    def _dispatch_time(self, shorts: list[QueuedRequest], depth: int, now: float) -> float:
+        """The instant the queued short requests must go (<= now: at once)."""
+        head_arrival = min(r.arrival_time for r in shorts)
+        go_by = head_arrival + self.head_wait_max_s  # T_max
+        if self.deadline_free:
+            target = self.short_token_target or math.inf
+            if len(shorts) >= depth or sum(r.num_remaining_tokens for r in shorts) >= target:
+                return now
+            rate = max(self._short_rate(now), _MIN_RATE)
+            return min(go_by, now + max(0, depth - len(shorts)) / rate)
+        if len(shorts) >= depth:
+            return now
+        service = self._short_batch_s(shorts[:depth])
+        deadlines = [d for d in map(self._deadline, shorts) if d is not None]
+        slack = min(deadlines) - now - service if deadlines else math.inf
+        if slack <= self.slack_s:
+            return now
+        w_sla = max(0.0, slack - self.margin_s)
+        w_gr = max(0, depth - len(shorts)) / max(self._short_rate(now), _MIN_RATE)
+        window = min(max(min(w_sla, w_gr), self.wait_min_s), self.wait_max_s)
+        assert self.round_start is not None
+        go_by = min(go_by, self.round_start + window)
+        if deadlines:  # ... and before the slack falls to σ
+            go_by = min(go_by, min(deadlines) - service - self.slack_s)
+        return go_by
+
+    def _feasible_depth(self, step: StepBuilder, shorts: list[QueuedRequest]) -> int:
+        """D bounded by the step: at most the requests it may admit, at most the budget's
+        worth of the shortest bucket among them."""
+        smallest = min(r.num_remaining_tokens for r in shorts)
+        bucket = self.shapes.token_bucket(smallest) or smallest
+        fits = max(1, step.tokens_left // max(1, bucket))
+        return self.shapes.depth_at_most(min(self.target_depth, step.seqs_left, fits))
+
+    def _pick_batch(self, shorts: list[QueuedRequest], depth: int) -> list[QueuedRequest]:
+        """Bucket-first: the most urgent request's length bucket, then the nearest buckets."""
+        def urgency(r: QueuedRequest) -> tuple[float, float]:
+            deadline = self._deadline(r)
+            return (deadline if deadline is not None else math.inf, r.arrival_time)
+
+        head = min(shorts, key=urgency)
+        longest = self.shapes.tokens[-1]
+
+        def bucket(r: QueuedRequest) -> int:
+            return self.shapes.token_bucket(r.num_remaining_tokens) or longest + r.num_remaining_tokens
+
+        home = bucket(head)
+        ranked = sorted(shorts, key=lambda r: (r is not head, abs(bucket(r) - home), urgency(r)))
+        return ranked[:depth]
+
+    def _long_chunk(self, step: StepBuilder, longs: list[QueuedRequest], shorts: list[QueuedRequest],
+                    now: float) -> int | None:
+        """Tokens for the long head this step: C_l, cut so that it ends before held short
+        requests must go; None when not even one block would (the shorts should go first);
+        the full C_l when the long head has waited T_max since it last ran (no starvation)."""
+        if not longs or step.tokens_left == 0:
+            return 0
+        req = longs[0]
+        chunk = min(req.num_remaining_tokens, self.long_chunk_tokens, step.tokens_left)
+        starved = now - max(self._long_served_at.get(req.key, req.arrival_time), req.arrival_time) \
+            >= self.head_wait_max_s
+        if not shorts or self.perf_model is None or self.deadline_free or starved:
+            return chunk
+        room = self._dispatch_time(shorts, self._feasible_depth(step, shorts), now) - now
+        fits = self.perf_model.max_prefill_tokens(room, prefill_ctx=req.num_computed_tokens, limit=chunk)
+        if fits < min(chunk, _MIN_LONG_CHUNK):
+            return None
+        return min(chunk, fits)
+
+    def _run_long(self, step: StepBuilder, req: QueuedRequest, chunk: int, started: bool, now: float) -> None:
+        """One long request by one chunk (the started one first, else the oldest waiting)."""
+        if not started and (step.preempted_any or step.seqs_left == 0):
+            return
+        if step.add(req.key, chunk):
+            self.num_long_chunks += 1
+            self._last_kind = "long"
+            self._long_served_at = {req.key: now}  # only the head's matters
+
+    # ---- estimates --------------------------------------------------------------------
+    def _note_arrivals(self, shorts: list[QueuedRequest], now: float) -> None:
+        """r̂_s: short requests first seen queued within the last `rate_window_s`."""
+        queued = {r.key for r in shorts}
+        for r in shorts:
+            if r.key not in self._seen_short:
+                self.short_arrivals.append(r.arrival_time)
+        self._seen_short = queued  # keys leave with the queue: the set stays small
+        horizon = now - self.rate_window_s
+        while self.short_arrivals and self.short_arrivals[0] < horizon:
+            self.short_arrivals.popleft()
+
+    def _short_rate(self, now: float) -> float:
+        if not self.short_arrivals:
+            return 0.0
+        span = max(now - self.short_arrivals[0], self.rate_window_s / 10)
+        return len(self.short_arrivals) / span
+
+    def _short_batch_s(self, batch: list[QueuedRequest]) -> float:
+        if self.perf_model is not None:
+            return self.perf_model.step_time([(r.num_computed_tokens, r.num_remaining_tokens) for r in batch])
+        return self.short_step_s
+
+    def _deadline(self, req: QueuedRequest) -> float | None:
+        if req.ttft_deadline is not None:
+            return req.ttft_deadline
+        if self.default_ttft_slo_s is not None:
+            return req.arrival_time + self.default_ttft_slo_s
+        return None
+
+    def observe(self, executed: ExecutedBatch) -> None:
+        if self.perf_model is not None or self._last_kind != "short" or executed.latency_s <= 0:
+            return
+        if self.short_step_s == 0.0:
+            self.short_step_s = executed.latency_s
+        else:
+            self.short_step_s += self.learning_rate * (executed.latency_s - self.short_step_s)
+
+
+def _flag(name: str, value: bool | str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
