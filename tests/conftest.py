@@ -42,6 +42,47 @@ def prefix_sharing_workload() -> list:
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
+class ManualClock:
+    """A clock a test moves by hand (`clock.now = ...`)."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy_scheduler(policy, *, budget=4096, max_num_seqs=256, num_blocks=20_000, caching=False):
+    """The real core `Scheduler` driving `policy` on a manual clock (blocks of 16 tokens)."""
+    from splitserve.core import BlockManager, Scheduler, SchedulerConfig
+
+    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len=1 << 20, vocab_size=None),
+                     BlockManager(num_blocks, 16, caching), policy, ManualClock())
+
+
+_prompt_tokens = iter(range(1000, 1 << 40))
+
+
+def add_request(sched, rid, prompt_len, ttft_s=None, max_tokens=4) -> None:
+    """A whole request of `prompt_len` fresh tokens (no prefix shared with any other)."""
+    from splitserve.core import SamplingParams, StageSlo, StageSpec
+
+    prompt = [next(_prompt_tokens) for _ in range(prompt_len)]
+    sched.add_stage(StageSpec.whole(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                    slo=StageSlo(ttft_s=ttft_s)))
+
+
+def run_step(sched, perf_model):
+    """Schedule one step, 'run' it for the time `perf_model` predicts, sample one token per sampling entry."""
+    from splitserve.core import step_time
+
+    out = sched.schedule()
+    latency = step_time(perf_model, out.shape)
+    sched.update_from_output(out, {e.seq.key: 1 for e in out.entries if e.samples}, latency)
+    sched.clock.now += latency
+    return out
+
+
 def _tiny_spec(arch: str, **overrides):
     from splitserve.demo_model import DemoModelSpec
 

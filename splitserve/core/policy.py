@@ -55,6 +55,15 @@ class QueuedRequest(NamedTuple):
     def num_remaining_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def deadline(self, default_ttft_slo_s: float | None = None) -> float | None:
+        """Its TTFT deadline (clock seconds): the request's own, else arrival + the policy's
+        default objective; None: no objective."""
+        if self.ttft_deadline is not None:
+            return self.ttft_deadline
+        if default_ttft_slo_s is not None:
+            return self.arrival_time + default_ttft_slo_s
+        return None
+
     @property
     def is_decode(self) -> bool:
         """One new token past the prompt: the step samples the next output token."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from conftest import add_request, policy_scheduler, run_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitserve.core import (BlockManager, SamplingParams, Scheduler, SchedulerConfig, StageSlo, StageSpec,
-                             build_batch_policy, known_batch_policies, step_time)
+from splitserve.core import build_batch_policy, known_batch_policies, step_time
 from splitserve.core.policies import LapsPolicy
 from splitserve.core.shapes import ShapeGrid
 from splitserve.perf_presets import preset
@@ -19,34 +19,16 @@ MODEL = preset("H100", "Llama-3-8B")
 L_M = MODEL.prefill_boundary(0)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def make(policy, *, budget=4096, max_num_seqs=256):
+    return policy_scheduler(policy, budget=budget, max_num_seqs=max_num_seqs)
 
 
-def make(policy, *, budget=4096, max_num_seqs=256, num_blocks=20_000, caching=False):
-    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len=1 << 20, vocab_size=None),
-                     BlockManager(num_blocks, 16, caching), policy, Clock())
-
-
-_tokens = itertools.count(1000)
-
-
-def add(sched, rid, prompt_len, ttft_s=None, max_tokens=1, prompt=None):
-    prompt = prompt if prompt is not None else [next(_tokens) for _ in range(prompt_len)]
-    sched.add_stage(StageSpec.whole(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                    slo=StageSlo(ttft_s=ttft_s)))
+def add(sched, rid, prompt_len, ttft_s=None, max_tokens=1):
+    add_request(sched, rid, prompt_len, ttft_s, max_tokens)
 
 
 def step(sched):
-    out = sched.schedule()
-    latency = step_time(MODEL, out.shape)
-    sched.update_from_output(out, {e.seq.key: 1 for e in out.entries if e.samples}, latency)
-    sched.clock.now += latency
-    return out
+    return run_step(sched, MODEL)
 
 
 def prefills(out):

@@ -290,11 +290,7 @@ class LapsPolicy:
         return self.short_step_s
 
     def _deadline(self, req: QueuedRequest) -> float | None:
-        if req.ttft_deadline is not None:
-            return req.ttft_deadline
-        if self.default_ttft_slo_s is not None:
-            return req.arrival_time + self.default_ttft_slo_s
-        return None
+        return req.deadline(self.default_ttft_slo_s)
 
     def observe(self, executed: ExecutedBatch) -> None:
         if self.perf_model is not None or self._last_kind != "short" or executed.latency_s <= 0:

@@ -147,11 +147,7 @@ class PrefillReorderPolicy:
         self.postponements = counts  # tasks that left the queue drop out
 
     def _deadline(self, req: QueuedRequest) -> float | None:
-        if req.ttft_deadline is not None:
-            return req.ttft_deadline
-        if self.default_ttft_slo_s is not None:
-            return req.arrival_time + self.default_ttft_slo_s
-        return None
+        return req.deadline(self.default_ttft_slo_s)
 
     def _prefill_s(self, history: int, tokens: int) -> float:
         if tokens <= 0:
