@@ -38,6 +38,7 @@ from loadgen.metrics import Slo, summarize  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from services.planner.sim_workload import PromptIds, requests_from_trace  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles, preset_kv_blocks  # noqa: E402
+from splitserve.core import BlockManager, SamplingParams, Sequence, StageKey  # noqa: E402
 
 console = Console(width=170)  # tables stay readable when piped to a file
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -92,14 +93,15 @@ def prefix_cache_floor(items: list, workers: int, num_blocks: int, block_size: i
     (both run in the same process, one after the other)."""
     started = time.perf_counter()
     prompts = PromptIds()
+    hasher = BlockManager(1, block_size)  # only its chained block hash is used
     indexes: list[dict[int, int]] = [{} for _ in range(workers)]
     fifos: list[deque[int]] = [deque() for _ in range(workers)]
     blocks = 0
     for n, spec in enumerate(items):
         index, fifo = indexes[n % workers], fifos[n % workers]
         tokens = prompts.for_request(spec)
-        h = 0x5EED
-        hashes = [h := hash((h, block)) for block in zip(*[iter(tokens)] * block_size)]
+        hashes = hasher.update_block_hashes(Sequence(StageKey(spec.request_id), tokens, len(tokens), SamplingParams(),
+                                                     0, 0.0))
         blocks += len(hashes)
         for block_id, h in enumerate(hashes):
             index.setdefault(h, block_id)

@@ -110,7 +110,7 @@ class LapsPolicy:
         self.short_step_s = 0.0  # learned S when there is no perf model
         self._last_kind = ""  # what the last step ran: "short", "long" or "" (for observe)
         self._short_class: dict[StageKey, bool] = {}  # each queued request's class, decided once
-        self._long_served_at: dict[StageKey, float] = {}  # when the long head last ran a chunk
+        self._long_served: tuple[StageKey, float] | None = None  # the long head last run, and when
         self.num_short_batches = self.num_long_chunks = 0
 
     # ---- classification -------------------------------------------------------------
@@ -142,34 +142,40 @@ class LapsPolicy:
                     step.add(req.key, min(req.num_remaining_tokens, step.tokens_left))
             else:
                 long_running.append(req)
-        shorts = [r for r in step.waiting if self.is_short(r)]
-        longs = long_running + [r for r in step.waiting if not self.is_short(r)]
+        started = bool(long_running)  # a long request already has KV here: it goes first
+        shorts: list[QueuedRequest] = []
+        longs = long_running
+        for req in step.waiting:
+            (shorts if self.is_short(req) else longs).append(req)
         queued = {r.key for r in step.running} | {r.key for r in step.waiting}
         if len(self._short_class) > len(queued):  # requests that left the queues drop out
             self._short_class = {k: v for k, v in self._short_class.items() if k in queued}
         self._note_arrivals(shorts, now)
+        go_by: float | None = None  # when the held short requests must go (None: none held)
         if not shorts:
             self.round_start = None
-        elif self._dispatch_shorts(step, shorts, now):
-            return
-        chunk = self._long_chunk(step, longs, shorts, now)
+        else:
+            go_by = self._dispatch_shorts(step, shorts, now)
+            if go_by is None:
+                return
+        chunk = self._long_chunk(step, longs, go_by, now)
         if chunk is None:  # no long chunk worth running before the held shorts must go: they go now
             self._dispatch_shorts(step, shorts, now, force=True)
         elif chunk:
-            self._run_long(step, longs[0], chunk, started=bool(long_running), now=now)
+            self._run_long(step, longs[0], chunk, started=started, now=now)
 
     def _dispatch_shorts(self, step: StepBuilder, shorts: list[QueuedRequest], now: float,
-                         force: bool = False) -> bool:
-        """Alg. 1: dispatch a short batch now, or hold it (then False)."""
+                         force: bool = False) -> float | None:
+        """Alg. 1: dispatch a short batch now (None), or hold it: the instant it must go by."""
         if self.round_start is None:
             self.round_start = now
-        if step.preempted_any or step.seqs_left == 0 or step.tokens_left == 0:
-            return False
         depth = self._feasible_depth(step, shorts)
         go_by = self._dispatch_time(shorts, depth, now)
+        if step.preempted_any or step.seqs_left == 0 or step.tokens_left == 0:
+            return go_by
         if go_by > now and not force:
             step.hold_until(go_by)
-            return False
+            return go_by
         batch = self._pick_batch(shorts, depth)
         added = 0
         for req in batch:
@@ -179,14 +185,14 @@ class LapsPolicy:
                 break  # no KV memory: the rest wait for the next round
             added += 1
         if not added:
-            return False
+            return go_by
         self.num_short_batches += 1
         self._last_kind = "short"
         # Alg. 1 lines 10-14: D follows what the arrivals fill (raised again when they do).
         self.target_depth = self.shapes.next_depth(added) if added >= self.target_depth \
             else self.shapes.depth_at_most(added)
         self.round_start = None
-        return True
+        return None
 
     def _dispatch_time(self, shorts: list[QueuedRequest], depth: int, now: float) -> float:
         """The instant the queued short requests must go (<= now: at once)."""
@@ -238,7 +244,7 @@ class LapsPolicy:
         ranked = sorted(shorts, key=lambda r: (r is not head, abs(bucket(r) - home), urgency(r)))
         return ranked[:depth]
 
-    def _long_chunk(self, step: StepBuilder, longs: list[QueuedRequest], shorts: list[QueuedRequest],
+    def _long_chunk(self, step: StepBuilder, longs: list[QueuedRequest], go_by: float | None,
                     now: float) -> int | None:
         """Tokens for the long head this step: C_l, cut so that it ends before held short
         requests must go; None when not even one block would (the shorts should go first);
@@ -247,12 +253,11 @@ class LapsPolicy:
             return 0
         req = longs[0]
         chunk = min(req.num_remaining_tokens, self.long_chunk_tokens, step.tokens_left)
-        starved = now - max(self._long_served_at.get(req.key, req.arrival_time), req.arrival_time) \
-            >= self.head_wait_max_s
-        if not shorts or self.perf_model is None or self.deadline_free or starved:
+        served = self._long_served[1] if self._long_served and self._long_served[0] == req.key else req.arrival_time
+        starved = now - served >= self.head_wait_max_s
+        if go_by is None or self.perf_model is None or self.deadline_free or starved:
             return chunk
-        room = self._dispatch_time(shorts, self._feasible_depth(step, shorts), now) - now
-        fits = self.perf_model.max_prefill_tokens(room, prefill_ctx=req.num_computed_tokens, limit=chunk)
+        fits = self.perf_model.max_prefill_tokens(go_by - now, prefill_ctx=req.num_computed_tokens, limit=chunk)
         if fits < min(chunk, _MIN_LONG_CHUNK):
             return None
         return min(chunk, fits)
@@ -264,7 +269,7 @@ class LapsPolicy:
         if step.add(req.key, chunk):
             self.num_long_chunks += 1
             self._last_kind = "long"
-            self._long_served_at = {req.key: now}  # only the head's matters
+            self._long_served = (req.key, now)
 
     # ---- estimates --------------------------------------------------------------------
     def _note_arrivals(self, shorts: list[QueuedRequest], now: float) -> None:
