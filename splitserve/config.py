@@ -52,6 +52,8 @@ class WorkerConfig(CommonConfig):
     worker_id: str = opt("", "Unique id in the cluster; default: hostname-port.")
     advertise_address: str = opt("", "host:port other services dial; default: host:port.")
     role: str = opt("both", "both | prefill | decode")
+    prefill_pool: str = opt("", "LAPS spatial mode: the prefill pool this worker starts in: short | long | '' (none; "
+                            "the laps pool controller assigns one).")
     model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer); with --backend "
                      "emulated optional: only its config.json's vocabulary and EOS are used (the max length is the "
                      "preset model's context).")

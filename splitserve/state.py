@@ -27,6 +27,8 @@ from splitserve.state_connection import (
     wait_until_reachable,
 )
 from splitserve.state_records import (
+    POOLS,
+    ROLES,
     LatencyWindow,
     PrefillTask,
     WorkerActivity,
@@ -42,6 +44,8 @@ from splitserve.state_records import (
 
 __all__ = [
     "LATENCY_KINDS",
+    "POOLS",
+    "ROLES",
     "LatencyWindow",
     "PrefillTask",
     "WorkerActivity",

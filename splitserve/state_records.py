@@ -12,6 +12,10 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, get_type_hints
 
+ROLES = ("both", "prefill", "decode")  # a worker's role: which stages placement gives it
+# LAPS spatial mode (§3.2): the pool of a prefill worker; "" = in no pool (takes any length).
+POOLS = ("", "short", "long")
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -48,6 +52,10 @@ class WorkerLoad:
     pinned_blocks: int = 0  # blocks those histories hold (evictable, unlike running requests')
     session_history_lost: int = 0  # rounds since start that expected their history here and recomputed it
     draining: bool = False
+    # LAPS spatial mode: the prefill pool new work of one length class is routed to
+    # ("short" | "long"; "": none, any class). Set by the pool controller (Worker.SetRole).
+    pool: str = ""
+    busy_fraction: float = 0.0  # share of the last publish interval the engine spent stepping
     updated_unix: float = 0.0  # when published (unix seconds); 0: not published
 
     @property

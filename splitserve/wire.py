@@ -19,7 +19,7 @@ def load_to_proto(load: WorkerLoad) -> types_pb2.WorkerLoad:
         num_preemptions=load.num_preemptions, prefix_hit_rate=load.prefix_hit_rate,
         updated_unix_ms=round(load.updated_unix * 1000), prefix_hit_tokens=load.prefix_hit_tokens,
         pinned_sessions=load.pinned_sessions, pinned_blocks=load.pinned_blocks,
-        session_history_lost=load.session_history_lost,
+        session_history_lost=load.session_history_lost, pool=load.pool, busy_fraction=load.busy_fraction,
     )
 
 
@@ -31,7 +31,8 @@ def load_from_proto(message: types_pb2.WorkerLoad) -> WorkerLoad:
         num_preemptions=message.num_preemptions, prefix_hit_rate=message.prefix_hit_rate,
         prefix_hit_tokens=message.prefix_hit_tokens, pinned_sessions=message.pinned_sessions,
         pinned_blocks=message.pinned_blocks, session_history_lost=message.session_history_lost,
-        draining=message.draining, updated_unix=message.updated_unix_ms / 1000,
+        draining=message.draining, updated_unix=message.updated_unix_ms / 1000, pool=message.pool,
+        busy_fraction=message.busy_fraction,
     )
 
 

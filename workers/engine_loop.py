@@ -59,6 +59,7 @@ class EngineLoop:
         self._watched_progress: dict[StageKey, int] = {}
         self.snapshot = self._take_snapshot()
         self.steps = 0
+        self.busy_s = 0.0  # seconds spent in steps that ran tokens (the worker's busy_fraction)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -133,12 +134,15 @@ class EngineLoop:
         while not self._stopping:
             self._apply_commands()
             if engine.has_unfinished():
+                started = time.perf_counter()
                 try:
                     events = engine.step()
                 except Exception:  # a failed step must not kill the worker silently
                     log.exception("engine step failed; aborting its requests")
                     events = engine.abort_all()
                 self.steps += 1
+                if engine.last_step_tokens:  # a step that ran nothing is idling, not work
+                    self.busy_s += time.perf_counter() - started
                 self.snapshot = self._take_snapshot()
                 if self._watchers:
                     self._report_progress()

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram
 
 from splitserve.config import WorkerConfig, default_worker_id, load_config
-from splitserve.errors import InvalidArgument, SplitserveError, Unavailable, abort
+from splitserve.errors import Conflict, InvalidArgument, SplitserveError, Unavailable, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, run
 from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
 from splitserve.core.session_pins import SessionHold
-from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo, WorkerLoad
+from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
+                              WorkerLoad)
 from splitserve.telemetry import percentile_buckets, request_id_var
 from splitserve.wire import load_to_proto, sampling_from_proto
 from workers.engine import Engine, EngineConfig
@@ -31,7 +32,6 @@ from workers.kv_transfer.tracker import TransferTracker
 
 log = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
 DEFAULT_SESSION_PIN_TTL_S = 600.0  # a round that names no TTL (the coordinator always sends its session's)
 BACKENDS = ("real", "emulated")
 
@@ -233,13 +233,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.server.load_proto()
 
     async def SetRole(self, request: worker_pb2.SetRoleRequest, context):
+        srv = self.server
         if request.role not in ROLES:
             await abort(context, InvalidArgument(f"role must be one of {ROLES}, got {request.role!r}", param="role"))
-        previous = self.server.role
-        self.server.role = request.role
-        await self.server.register()
-        log.info("role changed %s -> %s", previous, request.role)
-        return worker_pb2.SetRoleResponse(previous_role=previous, role=request.role)
+        if request.pool not in POOLS:
+            await abort(context, InvalidArgument(f"pool must be one of {POOLS}, got {request.pool!r}", param="pool"))
+        if request.fencing_token and request.fencing_token < srv.role_fence:
+            # A deposed pool controller (its leader lock lapsed and another took it) must not
+            # undo its successor's moves.
+            await abort(context, Conflict(f"fencing_token {request.fencing_token} is stale: this worker has seen "
+                                          f"{srv.role_fence}", param="fencing_token"))
+        srv.role_fence = max(srv.role_fence, request.fencing_token)
+        previous, previous_pool = srv.role, srv.pool
+        # Nothing queued or running here is touched: a role or pool only steers where new
+        # work is placed, from the next load snapshot on (published at once below).
+        srv.role, srv.pool = request.role, request.pool
+        await srv.register()
+        await srv.publish_load()
+        log.info("role changed %s/%s -> %s/%s", previous, previous_pool or "-", request.role, request.pool or "-")
+        return worker_pb2.SetRoleResponse(previous_role=previous, role=request.role, previous_pool=previous_pool,
+                                          pool=request.pool)
 
     async def Drain(self, request: worker_pb2.DrainRequest, context):
         timeout = request.deadline_ms / 1000 if request.deadline_ms else None
@@ -297,7 +310,11 @@ class WorkerServer:
             heartbeat_ttl_s=config.heartbeat_ttl_s, latency_window_s=config.latency_window_s,
         )
         self.role = config.role
+        self.pool = config.prefill_pool
+        self.role_fence = 0  # highest pool-controller fencing token seen (SetRole)
         self.draining = False
+        self._busy_mark = (time.monotonic(), 0.0)  # (when, engine busy seconds then): busy_fraction's interval
+        self._busy_fraction = 0.0
         self.samples = _LatencySamples([], [])
         self.worker_id = config.worker_id
         self.address = ""
@@ -313,6 +330,8 @@ class WorkerServer:
         """Connect Redis, load the engine, listen, register; raises on any failure."""
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"prefill_pool must be one of {POOLS}, got {self.pool!r}")
         if self.config.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.config.backend!r}")
         if self.config.backend == "real" and not self.config.model:
@@ -411,12 +430,18 @@ class WorkerServer:
         """The engine's latest load figures with this worker's identity, role and draining flag."""
         snapshot = self.loop.snapshot
         return dataclasses.replace(snapshot.load, worker_id=self.worker_id, role=self.role, draining=self.draining,
-                                   updated_unix=snapshot.taken_at)
+                                   updated_unix=snapshot.taken_at, pool=self.pool,
+                                   busy_fraction=self._busy_fraction)
 
     def load_proto(self) -> types_pb2.WorkerLoad:
         return load_to_proto(self.load_snapshot())
 
     async def publish_load(self) -> None:
+        now, busy = time.monotonic(), self.loop.busy_s
+        since, busy_then = self._busy_mark
+        if now - since >= 0.05:  # a SetRole right after a periodic publish keeps the last figure
+            self._busy_fraction = min(1.0, max(0.0, (busy - busy_then) / (now - since)))
+            self._busy_mark = (now, busy)
         snap = self.load_snapshot()
         KV_USED.set(snap.total_blocks - snap.free_blocks)
         RUNNING.set(snap.running)

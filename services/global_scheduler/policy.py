@@ -13,9 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
-from splitserve.state_records import PrefillTask, WorkerLoad
-
-ROLES = ("both", "prefill", "decode")
+# POOLS and ROLES are re-exported: policies and the simulator take them from here.
+from splitserve.state_records import POOLS, ROLES, PrefillTask, WorkerLoad  # noqa: F401
 
 
 class NoWorkerAvailable(Unavailable):
@@ -279,6 +278,7 @@ _BUILTIN_POLICIES: dict[str, str] = {
     "split": "services.global_scheduler.disaggregated:SplitPolicy",
     "dynaserve": "services.global_scheduler.dynaserve:DynaServePolicy",
     "ampd": "services.global_scheduler.ampd:AmpdPolicy",
+    "laps": "services.global_scheduler.laps:LapsPlacementPolicy",
 }
 _REGISTERED: dict[str, Callable[..., PlacementPolicy]] = {}
 

@@ -38,7 +38,7 @@ __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 
 STALLED = "simulation stalled: no event left that could finish the request"
 # Event kinds; ties in time run in push order.
-_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE = range(6)
+_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE, _CONTROL = range(7)
 # The services' defaults: the workers' TTFT/ITL window (`--latency-window-s`) and a session's
 # idle TTL (`--session-ttl-s`).
 LATENCY_WINDOW_S = 10.0
@@ -65,6 +65,11 @@ class SimStats:
     preemptions: int = 0
     view_refreshes: int = 0
     worker_busy_fraction: float = 0.0
+    # LAPS' pool controller (Alg. 2), when the placement policy runs one: instances moved
+    # between the short and long prefill pools, and every control period's pool pressures
+    # and sizes ([t, P_s, P_l, n_s, n_l], for the plot of its moves over time).
+    pool_moves: int = 0
+    pool_timeline: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -149,6 +154,10 @@ class SimRun:
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
         self.view = SimClusterView(self.workers, config.view_refresh_s, with_signals=with_signals)
+        # LAPS' instance-pressure controller: one per cluster, every control period (as the
+        # scheduler's leader runs it), moving prefill workers between the short and long pools.
+        make_controller = getattr(self.policy, "pool_controller", None)
+        self.pool_controller = make_controller() if make_controller is not None else None
         # Open sessions, as Redis holds them (`session:{id}`): the worker holding the
         # history's KV and the history's length (AMPD binding; the coordinator's records).
         self.sessions: dict[str, tuple[str, int]] = {}
@@ -190,6 +199,8 @@ class SimRun:
         else:
             for item, offset in zip(self.items, self.offsets):
                 self._push(float(offset), _SEND, (item, 0))
+        if self.pool_controller is not None:
+            self._push(0.0, _CONTROL, None)
         heap, pop = self._heap, heapq.heappop
         limit = self.limit if self.limit is not None else float("inf")
         events = 0
@@ -228,6 +239,8 @@ class SimRun:
             self._kick(payload)
         elif kind == _KV_DONE:
             self._kv_done(payload)
+        elif kind == _CONTROL:
+            self._control()
         else:
             self._send(*payload, holds_slot=kind == _SEND_WITH_SLOT)
 
@@ -248,6 +261,21 @@ class SimRun:
         elif worker.hold_until is not None and worker.hold_until > self.now and worker.wake_at != worker.hold_until:
             worker.wake_at = worker.hold_until  # the batch policy holds work back until then: ask it again
             self._push(worker.hold_until, _WAKE, worker)
+
+    def _control(self) -> None:
+        """One period of the pool controller: its SetRole calls reach the workers at once; the
+        placement policy sees the new pools from the next view refresh, as in the services."""
+        controller = self.pool_controller
+        decision = controller.step(self.view.current(self.now), self.now)
+        for change in decision.changes:
+            self.by_id[change.worker_id].pool = change.to_pool
+        if decision.move is not None:
+            self.stats.pool_moves += 1
+        pools = [w.pool for w in self.workers if w.role == "prefill"]
+        self.stats.pool_timeline.append([round(self.now, 3), round(decision.short_pressure, 4),
+                                         round(decision.long_pressure, 4), pools.count("short"), pools.count("long")])
+        if self._heap:  # anything left to happen: keep controlling until the run is over
+            self._push(self.now + controller.config.period_s, _CONTROL, None)
 
     # ---- sends and placement -------------------------------------------------------------
     def _send(self, item: _Item, round_index: int, holds_slot: bool = False) -> None:

@@ -86,6 +86,7 @@ class SimWorker:
         self.worker_id = worker_id
         self.perf_model = perf_model
         self.role = role
+        self.pool = ""  # LAPS spatial mode: the prefill pool the controller put it in
         self.draining = False
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         # The token ids are stand-ins naming prefix blocks (sim_workload), not a vocabulary's.
@@ -417,4 +418,7 @@ def published(worker: SimWorker, load: WorkerLoad, engine_kind: str, taken_at: f
                       free_blocks=load.free_blocks, total_blocks=load.total_blocks, block_size=load.block_size,
                       running=load.running, waiting=load.waiting, queued_prefill_tokens=load.queued_prefill_tokens,
                       num_preemptions=load.num_preemptions, prefix_hit_rate=load.prefix_hit_rate,
-                      draining=worker.draining, updated_unix=taken_at)
+                      draining=worker.draining, updated_unix=taken_at, pool=worker.pool,
+                      # The share of time stepping, sampled at the refresh instant: whether the
+                      # worker had work then (the same with and without fast-forwarded runs).
+                      busy_fraction=1.0 if load.running or load.waiting else 0.0)

@@ -87,11 +87,22 @@ def test_short_and_long_prefills_never_share_a_step():
 
 
 def test_a_long_prefill_advances_by_fixed_chunks_one_request_at_a_time():
-    sched = make(LapsPolicy(perf_model=MODEL, long_chunk_tokens=512))
+    policy = LapsPolicy(perf_model=MODEL, long_chunk_tokens=512)
+    policy.short_arrivals.append(-1.0)  # a short request arrived within the rate window
+    sched = make(policy)
     add(sched, "a", 1500)
     add(sched, "b", 1500)
     seen = [prefills(step(sched)) for _ in range(6)]
     assert seen == [[("a", 512)], [("a", 512)], [("a", 476)], [("b", 512)], [("b", 512)], [("b", 476)]]
+
+
+def test_without_short_arrivals_in_the_window_a_long_chunk_takes_the_whole_step_budget():
+    # An instance of the long pool: cutting the prefill into C_l chunks would only add steps.
+    sched = make(LapsPolicy(perf_model=MODEL, long_chunk_tokens=512), budget=1024)
+    add(sched, "a", 1500)
+    add(sched, "b", 700)
+    seen = [prefills(step(sched)) for _ in range(4)]
+    assert seen == [[("a", 1024)], [("a", 476)], [("b", 700)], []]
 
 
 def test_a_long_chunk_is_cut_to_end_before_held_short_requests_must_go():

@@ -31,13 +31,17 @@ Each step:
    tokens reach M_s (`short_token_target`, default the step budget), D requests are
    queued, or the head waited T_max (token-max).
 4. **Long mode**, when no short batch is dispatched: one long request (the one already
-   started, else the oldest) advances by C_l (`long_chunk_tokens`) tokens. While short
+   started, else the oldest) advances by C_l (`long_chunk_tokens`; by default the tokens
+   the performance model runs in an eighth of the TTFT objective, at least 512: a short
+   request arriving mid-chunk loses at most that; the paper fixes C_l) tokens. While short
    requests are being held, the chunk is cut so that its predicted time ends before they
    must go (`perf_model.max_prefill_tokens`), so a long chunk never pushes a short batch
    past its window; when not even one block fits (every step pays the weight read), the
    held shorts go at once instead of the GPU idling. A long head that has not run for
    T_max gets its full chunk whatever is held, so a stream of short requests cannot
-   starve it.
+   starve it. With no short request seen for a whole rate window (an instance of the
+   long pool in spatial mode), the chunk is the whole step budget instead of C_l: cutting
+   it only multiplies the steps (not in the paper, which fixes C_l).
 5. **Hold**: while short requests wait on purpose, `hold_until` the earliest instant one of
    the dispatch conditions becomes true, so an idle driver looks again in time.
 
@@ -57,11 +61,13 @@ from splitserve.core.policies.options import number_option, perf_model_option
 from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
 from splitserve.core.shapes import ShapeGrid
+from splitserve.core.length_class import LengthBoundary
 from splitserve.perf_model import PerfModel
 
 __all__ = ["LapsPolicy"]
 
 _MIN_RATE = 1e-3  # ε of W_GR: arrivals per second below which the graph window is "forever"
+_DEFAULT_LONG_CHUNK = 512  # C_l without a model or an objective
 _MIN_LONG_CHUNK = 16  # one KV block: a shorter long chunk pays a whole step's fixed cost for nothing
 
 
@@ -73,7 +79,7 @@ class LapsPolicy:
     steady_decodes = True  # decodes only, nothing queued: every running request, one token
 
     def __init__(self, perf_model: PerfModel | dict | str | None = None,
-                 boundary_tokens: int | str | None = None, long_chunk_tokens: int | str = 512,
+                 boundary_tokens: int | str | None = None, long_chunk_tokens: int | str | None = None,
                  wait_min_ms: float | str = 0.0, wait_max_ms: float | str = 20.0,
                  slack_ms: float | str = 5.0, margin_ms: float | str = 2.0,
                  head_wait_max_ms: float | str = 50.0, ttft_slo_ms: float | str | None = None,
@@ -82,11 +88,12 @@ class LapsPolicy:
                  shape_batches: str | tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                  rate_window_s: float | str = 10.0, learning_rate: float | str = 0.2):
         self.perf_model: PerfModel | None = perf_model_option(perf_model)
-        self.boundary_tokens: int | None = number_option("boundary_tokens", boundary_tokens, minimum=1,
-                                                         integer=True, allow_none=True)
-        if self.perf_model is None and self.boundary_tokens is None:
-            self.boundary_tokens = 256  # LAPS §2.1: the boundary lies at 150-512 tokens on current GPUs
-        self.long_chunk_tokens: int = number_option("long_chunk_tokens", long_chunk_tokens, minimum=1, integer=True)
+        self.length_boundary = LengthBoundary(self.perf_model, number_option(
+            "boundary_tokens", boundary_tokens, minimum=1, integer=True, allow_none=True))
+        self.boundary_tokens: int | None = self.length_boundary.fixed_tokens
+        # None: C_l from the TTFT objective (see `_chunk_limit`), else 512.
+        self.long_chunk_tokens: int | None = number_option("long_chunk_tokens", long_chunk_tokens, minimum=1,
+                                                           integer=True, allow_none=True)
         self.wait_min_s = number_option("wait_min_ms", wait_min_ms, minimum=0.0) / 1000
         self.wait_max_s = number_option("wait_max_ms", wait_max_ms, minimum=0.0) / 1000
         if self.wait_max_s < self.wait_min_s:
@@ -112,14 +119,12 @@ class LapsPolicy:
         self._short_class: dict[StageKey, bool] = {}  # each queued request's class, decided once
         self._long_served: tuple[StageKey, float] | None = None  # the long head last run, and when
         self.num_short_batches = self.num_long_chunks = 0
+        self._chunk_cache: dict[tuple[float, int], int] = {}  # (TTFT/8, history in 1 Ki) -> C_l
 
     # ---- classification -------------------------------------------------------------
     def boundary(self, history: int) -> float:
         """L_m(H): new tokens from which a (re-)prefill on `history` cached tokens is compute-bound."""
-        if self.boundary_tokens is not None:
-            return self.boundary_tokens
-        assert self.perf_model is not None
-        return self.perf_model.prefill_boundary(history)
+        return self.length_boundary.tokens(history)
 
     def is_short(self, req: QueuedRequest) -> bool:
         """Short when its new tokens L are below L_m(H), decided when the policy first sees it
@@ -252,7 +257,10 @@ class LapsPolicy:
         if not longs or step.tokens_left == 0:
             return 0
         req = longs[0]
-        chunk = min(req.num_remaining_tokens, self.long_chunk_tokens, step.tokens_left)
+        # No short request seen for a whole rate window (an instance of the long pool): C_l
+        # would only cut the long prefill into more steps, each paying the weight read again.
+        limit = self._chunk_limit(req) if self.short_arrivals else step.tokens_left
+        chunk = min(req.num_remaining_tokens, limit, step.tokens_left)
         served = self._long_served[1] if self._long_served and self._long_served[0] == req.key else req.arrival_time
         starved = now - served >= self.head_wait_max_s
         if go_by is None or self.perf_model is None or self.deadline_free or starved:
@@ -261,6 +269,25 @@ class LapsPolicy:
         if fits < min(chunk, _MIN_LONG_CHUNK):
             return None
         return min(chunk, fits)
+
+    def _chunk_limit(self, req: QueuedRequest) -> int:
+        """C_l: `long_chunk_tokens` when given; else the tokens whose predicted time is an
+        eighth of the TTFT objective (a short request arriving mid-chunk loses at most
+        that), at least 512; 512 without a model or an objective."""
+        if self.long_chunk_tokens is not None:
+            return self.long_chunk_tokens
+        deadline = req.deadline(self.default_ttft_slo_s)
+        if self.perf_model is None or deadline is None:
+            return _DEFAULT_LONG_CHUNK
+        budget = (deadline - req.arrival_time) / 8
+        key = (round(budget, 4), req.num_computed_tokens >> 10)
+        cached = self._chunk_cache.get(key)
+        if cached is None:
+            if len(self._chunk_cache) > 1024:
+                self._chunk_cache.clear()
+            fits = self.perf_model.max_prefill_tokens(budget, prefill_ctx=req.num_computed_tokens, limit=1 << 16)
+            cached = self._chunk_cache[key] = max(_DEFAULT_LONG_CHUNK, fits)
+        return cached
 
     def _run_long(self, step: StepBuilder, req: QueuedRequest, chunk: int, started: bool, now: float) -> None:
         """One long request by one chunk (the started one first, else the oldest waiting)."""

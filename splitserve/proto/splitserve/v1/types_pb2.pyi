@@ -186,7 +186,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms", "prefix_hit_tokens", "pinned_sessions", "pinned_blocks", "session_history_lost")
+    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms", "prefix_hit_tokens", "pinned_sessions", "pinned_blocks", "session_history_lost", "pool", "busy_fraction")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class WorkerLoad(_message.Message):
     PINNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_HISTORY_LOST_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     engine_kind: str
@@ -221,7 +223,9 @@ class WorkerLoad(_message.Message):
     pinned_sessions: int
     pinned_blocks: int
     session_history_lost: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., session_history_lost: _Optional[int] = ...) -> None: ...
+    pool: str
+    busy_fraction: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., session_history_lost: _Optional[int] = ..., pool: _Optional[str] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")

@@ -116,18 +116,26 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role",)
+    __slots__ = ("role", "pool", "fencing_token")
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     role: str
-    def __init__(self, role: _Optional[str] = ...) -> None: ...
+    pool: str
+    fencing_token: int
+    def __init__(self, role: _Optional[str] = ..., pool: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class SetRoleResponse(_message.Message):
-    __slots__ = ("previous_role", "role")
+    __slots__ = ("previous_role", "role", "previous_pool", "pool")
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_POOL_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     previous_role: str
     role: str
-    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    previous_pool: str
+    pool: str
+    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., previous_pool: _Optional[str] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_ms",)
