@@ -260,7 +260,8 @@ def up(
     policy: str = typer.Option("least_loaded", help="Placement policy: round_robin | least_loaded | pd_disaggregated | "
                                "split | dynaserve (a split point per request from the worker pair's predicted load) | "
                                "session_affinity | ampd (sessions bound to a decode worker, each prefill routed "
-                               "local or remote by windowed TTFT/ITL and cost; with --prefill-workers)."),
+                               "local or remote by windowed TTFT/ITL and cost; with --prefill-workers) | laps (short and "
+                               "long prefills on two pools of --prefill-workers by L_m, balanced by a controller)."),
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="Placement policy parameter key=value (repeatable), e.g. max_probes=6 or "
         "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "
@@ -321,7 +322,7 @@ def up(
     if backend == "emulated":
         worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp)
     policy_params = _key_value_options(policy_param, "--policy-param")
-    if policy == "dynaserve" and backend == "emulated":
+    if policy in ("dynaserve", "laps") and backend == "emulated":
         # The scheduler predicts with the times the emulated workers sleep.
         policy_params.setdefault("perf_model", f"{gpu}/{model_preset}/{tp}")
     elif policy == "dynaserve" and "perf_model" not in policy_params:
@@ -472,13 +473,17 @@ def status(
     except StateUnavailableError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
-    table = Table("worker", "address", "role", "kind", "KV used", "running", "waiting", "queued prefill",
-                  f"TTFT p50/p99 ms ({window_s:.0f}s)", "ITL p50/p99 ms")
+    table = Table("worker", "address", "role", "pool", "L_m", "busy", "kind", "KV used", "running", "waiting",
+                  "queued prefill", f"TTFT p50/p99 ms ({window_s:.0f}s)", "ITL p50/p99 ms")
     for w in sorted(workers, key=lambda w: w.worker_id):
         load = loads.get(w.worker_id)
         ttft, itl = windows[w.worker_id]
         used = f"{load.total_blocks - load.free_blocks}/{load.total_blocks}" if load else "-"
-        table.add_row(w.worker_id, w.address, load.role if load else w.role, w.engine_kind, used,
+        # L_m: LAPS' short/long boundary (new tokens, no history) by the worker's laps batch policy.
+        l_m = "-" if not load or not load.length_boundary else \
+            "inf" if load.length_boundary < 0 else f"{load.length_boundary:.0f}"
+        table.add_row(w.worker_id, w.address, load.role if load else w.role, (load.pool or "-") if load else "-",
+                      l_m, f"{load.busy_fraction:.0%}" if load else "-", w.engine_kind, used,
                       str(load.running) if load else "-", str(load.waiting) if load else "-",
                       str(load.queued_prefill_tokens) if load else "-",
                       f"{ttft.p50 * 1e3:.1f}/{ttft.p99 * 1e3:.1f} (n={ttft.count})",

@@ -271,6 +271,10 @@ class PerfModel:
         return 0.0 if tokens == 0 else self.transfer.latency + self.transfer.per_token * tokens
 
     # ---- regimes and breakpoints --------------------------------------------------------
+    def prefill_terms(self, l_hist: int, l_incr: int) -> tuple[float, float]:
+        """(compute, memory) seconds of one prefill of `l_incr` tokens on `l_hist` cached ones."""
+        return self._lines(l_incr, l_incr * (l_hist + l_incr / 2), l_hist, 0, 0.0)
+
     def prefill_regime(self, l_hist: int, l_incr: int) -> str:
         c, m = self._lines(l_incr, l_incr * (l_hist + l_incr / 2), l_hist, 0, 0.0)
         return "compute" if c >= m else "memory"

@@ -56,6 +56,9 @@ class WorkerLoad:
     # ("short" | "long"; "": none, any class). Set by the pool controller (Worker.SetRole).
     pool: str = ""
     busy_fraction: float = 0.0  # share of the last publish interval the engine spent stepping
+    # LAPS' L_m(0) by its local laps batch policy (refitted online from its steps); 0: its
+    # policy has none; -1: never compute-bound.
+    length_boundary: float = 0.0
     updated_unix: float = 0.0  # when published (unix seconds); 0: not published
 
     @property

@@ -20,6 +20,7 @@ def load_to_proto(load: WorkerLoad) -> types_pb2.WorkerLoad:
         updated_unix_ms=round(load.updated_unix * 1000), prefix_hit_tokens=load.prefix_hit_tokens,
         pinned_sessions=load.pinned_sessions, pinned_blocks=load.pinned_blocks,
         session_history_lost=load.session_history_lost, pool=load.pool, busy_fraction=load.busy_fraction,
+        length_boundary=load.length_boundary,
     )
 
 
@@ -32,7 +33,7 @@ def load_from_proto(message: types_pb2.WorkerLoad) -> WorkerLoad:
         prefix_hit_tokens=message.prefix_hit_tokens, pinned_sessions=message.pinned_sessions,
         pinned_blocks=message.pinned_blocks, session_history_lost=message.session_history_lost,
         draining=message.draining, updated_unix=message.updated_unix_ms / 1000, pool=message.pool,
-        busy_fraction=message.busy_fraction,
+        busy_fraction=message.busy_fraction, length_boundary=message.length_boundary,
     )
 
 

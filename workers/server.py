@@ -39,6 +39,9 @@ STAGES = Counter("splitserve_worker_stages_total", "Stages finished, by finish r
 TTFT = Histogram("splitserve_worker_ttft_seconds", "Stage arrival to first token", buckets=percentile_buckets(30.0))
 ITL = Histogram("splitserve_worker_itl_seconds", "Gap between consecutive tokens", buckets=percentile_buckets(2.0))
 KV_USED = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
+LENGTH_BOUNDARY = Gauge("splitserve_worker_length_boundary_tokens",
+                        "LAPS L_m(0) by the laps batch policy, refitted online (0: none, -1: never compute-bound)")
+BUSY = Gauge("splitserve_worker_busy_fraction", "Share of the last publish interval the engine spent stepping")
 RUNNING = Gauge("splitserve_worker_running", "Requests running")
 WAITING = Gauge("splitserve_worker_waiting", "Requests waiting")
 # Session histories pinned between rounds (AMPD binding); the last four only grow.
@@ -443,6 +446,8 @@ class WorkerServer:
             self._busy_fraction = min(1.0, max(0.0, (busy - busy_then) / (now - since)))
             self._busy_mark = (now, busy)
         snap = self.load_snapshot()
+        LENGTH_BOUNDARY.set(snap.length_boundary)
+        BUSY.set(snap.busy_fraction)
         KV_USED.set(snap.total_blocks - snap.free_blocks)
         RUNNING.set(snap.running)
         WAITING.set(snap.waiting)

@@ -37,11 +37,18 @@ def two_stage(alpha: WorkerView, beta: WorkerView, split: int, request: Placemen
 
 
 class PdDisaggregatedPolicy:
-    """Prefill pool -> decode pool, least loaded within each (colocated when a pool is empty)."""
+    """Prefill pool -> decode pool, least loaded within each (colocated when a pool is empty).
+
+    `prefill_routing="round_robin"` takes the prefill workers in turn instead (SGLang's
+    default data-parallel dispatch: the "vanilla PD" baseline of LAPS' evaluation)."""
 
     name = "pd_disaggregated"
 
-    def __init__(self, **scorer_params):
+    def __init__(self, prefill_routing: str = "least_loaded", **scorer_params):
+        if prefill_routing not in ("least_loaded", "round_robin"):
+            raise ValueError(f"prefill_routing must be least_loaded or round_robin, got {prefill_routing!r}")
+        self.prefill_routing = prefill_routing
+        self._last_prefill = ""
         self.scorer = LeastLoadedPolicy(**scorer_params)
 
     def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:
@@ -51,7 +58,11 @@ class PdDisaggregatedPolicy:
             chosen = _least_loaded(colocated_candidates(view), self.scorer)
             missing = "prefill" if not prefill_pool else "decode"
             return Placement.single_stage(chosen, request, self.name, f"no {missing} worker: colocated")
-        prefill = _least_loaded(prefill_pool, self.scorer)
+        if self.prefill_routing == "round_robin":  # the pool is sorted by worker id
+            prefill = next((w for w in prefill_pool if w.worker_id > self._last_prefill), prefill_pool[0])
+            self._last_prefill = prefill.worker_id
+        else:
+            prefill = _least_loaded(prefill_pool, self.scorer)
         decode = _least_loaded(decode_pool, self.scorer)
         return two_stage(prefill, decode, request.prompt_len, request, self.name,
                          f"prefill on {prefill.worker_id}, decode on {decode.worker_id}")

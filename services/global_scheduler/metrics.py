@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 PLACEMENTS = Counter(
     "splitserve_scheduler_placements_total",
@@ -79,3 +79,17 @@ def finish_reason_label(finish_reason: str) -> str:
     if not finish_reason:
         return "unknown"
     return finish_reason if finish_reason in KNOWN_FINISH_REASONS else "other"
+
+# LAPS' pool controller (Alg. 2), on the scheduler replica that holds its leader lock.
+POOL_PRESSURE = Gauge(
+    "splitserve_scheduler_pool_pressure", "Robust (P90) pressure of a LAPS prefill pool at the last control period",
+    ["pool"],
+)
+POOL_SIZE = Gauge("splitserve_scheduler_pool_instances", "Prefill instances in a LAPS pool", ["pool"])
+POOL_MOVES = Counter("splitserve_scheduler_pool_moves_total", "Prefill instances moved between LAPS pools",
+                     ["to_pool"])
+POOL_CONTROL_LEADER = Gauge("splitserve_scheduler_pool_controller_leader",
+                            "1 while this scheduler holds the pool controller's leader lock")
+LENGTH_BOUNDARY = Gauge("splitserve_scheduler_length_boundary_tokens",
+                        "LAPS' L_m(H): new tokens from which a (re-)prefill on H cached tokens is long",
+                        ["history"])

@@ -34,7 +34,9 @@ Differences from the paper, and why:
 * prefill workers in no pool yet (started with `--prefill-pool ''`) are assigned first,
   each to the smaller pool (short first), not counted as a move; with fewer than
   2·n_min prefill workers there are no pools (the single instance runs both classes apart
-  in time: temporal mode).
+  in time: temporal mode);
+* a pool found below n_min (its worker died or drains, an operator moved one) gets an
+  instance from the other pool at once, cool-down or not.
 
 Pure: the caller (the scheduler's controller task, the simulator) hands it the cluster
 view and the time, and applies what it returns.
@@ -175,10 +177,17 @@ class PoolController:
         p_short = max(0.0, percentile([i.pressure for i in by_pool[SHORT]], c.percentile))
         p_long = max(0.0, percentile([i.pressure for i in by_pool[LONG]], c.percentile))
         decision = PoolDecision(now, tuple(assignments), None, p_short, p_long, instances)
-        if now - self.last_move_at < c.cool_down_s:
-            return decision
         donor = None
-        if p_short > (1 + c.hysteresis) * p_long and p_short - p_long >= c.min_gap \
+        # A pool below n_min (a worker left, an operator moved one) is refilled first, at once.
+        for pool, other in ((SHORT, LONG), (LONG, SHORT)):
+            if len(by_pool[pool]) < c.min_per_pool < len(by_pool[other]):
+                donor, receiver = by_pool[other], pool
+                break
+        if donor is None and now - self.last_move_at < c.cool_down_s:
+            return decision
+        if donor is not None:
+            pass
+        elif p_short > (1 + c.hysteresis) * p_long and p_short - p_long >= c.min_gap \
                 and len(by_pool[LONG]) > c.min_per_pool:
             donor, receiver = by_pool[LONG], SHORT
         elif p_long > (1 + c.hysteresis) * p_short and p_long - p_short >= c.min_gap \

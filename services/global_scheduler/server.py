@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -28,6 +29,7 @@ from services.global_scheduler.policy import (
     learns_from_completions,
     make_policy,
 )
+from services.global_scheduler.pool_control import PoolControlLoop
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, abort
@@ -111,11 +113,13 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
     """Places requests with the active policy over the in-memory cluster view."""
 
     def __init__(self, views: ClusterViewSource, policy: PlacementPolicy, *,
-                 clock: Callable[[], float] = time.time, view_timeout_s: float = 2.0) -> None:
+                 clock: Callable[[], float] = time.time, view_timeout_s: float = 2.0,
+                 on_policy_change: Callable[[PlacementPolicy], Awaitable[None]] | None = None) -> None:
         self.views = views
         self.policy = policy
         self.clock = clock
         self.view_timeout_s = view_timeout_s
+        self.on_policy_change = on_policy_change  # e.g. start or stop LAPS' pool controller
 
     async def Place(self, request: types_pb2.RequestMeta, context: grpc.aio.ServicerContext) -> types_pb2.Plan:
         policy = self.policy
@@ -170,6 +174,8 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         except ValueError as err:
             await abort(context, InvalidArgument(str(err), param="params"))
         previous, self.policy = self.policy, new_policy
+        if self.on_policy_change is not None:
+            await self.on_policy_change(new_policy)
         metrics.POLICY_SWITCHES.labels(new_policy.name).inc()
         log.info("placement policy switched from %s to %s", previous.name, new_policy.name)
         return scheduler_pb2.SetPolicyResponse(previous_policy=previous.name, policy=new_policy.name)
@@ -184,6 +190,7 @@ class SchedulerHandle:
     servicer: GlobalSchedulerServicer
     views: ClusterViewSource
     store: StateStore
+    pool_control: PoolControlLoop | None = None  # LAPS' pool controller, while the policy has one
 
     @property
     def port(self) -> int:
@@ -206,9 +213,23 @@ class SchedulerHandle:
         await self.release()
 
     async def release(self) -> None:
-        """Stop the view refresh and close the Redis connections (after the server stopped)."""
+        """Stop the pool controller, the view refresh and the Redis connections (after the server stopped)."""
+        await self.use_policy(None)
         await self.views.stop()
         await self.store.close()
+
+    async def use_policy(self, policy: PlacementPolicy | None) -> None:
+        """Run the pool controller `policy` asks for (LAPS: `pool_controller()`), stopping any other."""
+        if self.pool_control is not None:
+            await self.pool_control.stop()
+            self.pool_control = None
+        make_controller = getattr(policy, "pool_controller", None)
+        controller = make_controller() if make_controller is not None else None
+        if controller is not None:
+            self.views.with_signals = True  # its SLA term reads the workers' windowed TTFT
+            holder = f"scheduler@{self.address}#{os.getpid()}"
+            self.pool_control = PoolControlLoop(self.views, self.store, controller, holder)
+            self.pool_control.start()
 
 
 async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
@@ -230,6 +251,8 @@ async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
         await store.close()
         raise
     handle = SchedulerHandle(config, runtime, servicer, views, store)
+    servicer.on_policy_change = handle.use_policy
+    await handle.use_policy(policy)
     await handle.set_serving(True)
     log.info("global scheduler serving on %s with policy %s (prefix %r)",
              handle.address, policy.name, config.redis_prefix)

@@ -13,11 +13,20 @@ L_m comes from the performance model's compute and memory terms
 (`PerfModel.prefill_boundary`), or is fixed (`boundary_tokens`). A re-prefill is
 classified with its history: H raises the memory term (the cached KV is read) and the
 attention compute alike, so L_m(H) moves with H.
+
+**Online refit** (`observe`): every measured step that ran one prefill and nothing else
+corrects the term that bounds it by the model: an EWMA of measured / predicted time
+scales the compute terms (when the model calls the step compute-bound) or the memory
+terms (memory-bound). L_m(H) is then the ridge of the scaled roofline. Two scale factors
+keep the model's shape (fitted offline by `splitserve profile`, or a preset) and follow
+the device it really runs on: a GPU whose memory is slower than its preset says moves
+its L_m up, one whose compute is slower moves it down.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from splitserve.perf_model import PerfModel
 
@@ -30,29 +39,71 @@ DEFAULT_BOUNDARY_TOKENS = 256
 class LengthBoundary:
     """L_m(H) from a performance model (or a fixed count), and the class of a (re-)prefill."""
 
-    __slots__ = ("perf_model", "fixed_tokens")
+    __slots__ = ("perf_model", "fixed_tokens", "learning_rate", "compute_scale", "memory_scale",
+                 "num_observed", "_scaled", "_scaled_at")
 
-    def __init__(self, perf_model: PerfModel | None = None, fixed_tokens: int | None = None):
+    def __init__(self, perf_model: PerfModel | None = None, fixed_tokens: int | None = None,
+                 learning_rate: float = 0.05):
         if fixed_tokens is not None and fixed_tokens < 1:
             raise ValueError(f"boundary_tokens must be >= 1, got {fixed_tokens}")
+        if not 0 < learning_rate <= 1:
+            raise ValueError(f"learning_rate must be in (0, 1], got {learning_rate}")
         self.perf_model = perf_model
         self.fixed_tokens = fixed_tokens if fixed_tokens is not None or perf_model is not None \
             else DEFAULT_BOUNDARY_TOKENS
+        self.learning_rate = learning_rate
+        # Measured / predicted time of compute-bound and of memory-bound prefill steps (EWMA).
+        self.compute_scale = self.memory_scale = 1.0
+        self.num_observed = 0
+        self._scaled = perf_model  # the model with both scales applied
+        self._scaled_at = (1.0, 1.0)
 
     def tokens(self, history: int = 0) -> float:
         """L_m(H): new tokens from which a prefill on `history` cached tokens is compute-bound
         (inf when it never is)."""
         if self.fixed_tokens is not None:
             return float(self.fixed_tokens)
-        assert self.perf_model is not None
-        return self.perf_model.prefill_boundary(history)  # a closed form: cheap per request
+        assert self._scaled is not None
+        return self._scaled.prefill_boundary(history)  # a closed form: cheap per request
+
+    def observe(self, prefill_tokens: int, history: int, seconds: float) -> None:
+        """A measured step that ran one prefill of `prefill_tokens` on `history` cached
+        tokens and nothing else: refit the bounding term's scale (see the module docstring)."""
+        model = self.perf_model
+        if model is None or self.fixed_tokens is not None or prefill_tokens <= 0 \
+                or not (math.isfinite(seconds) and seconds > 0):
+            return
+        compute, memory = model.prefill_terms(history, prefill_tokens)
+        # Which term bounds the step by the *scaled* model: the scales move the ridge.
+        rate = self.learning_rate
+        if compute * self.compute_scale >= memory * self.memory_scale:
+            if compute > 0:
+                self.compute_scale += rate * (seconds / compute - self.compute_scale)
+        elif memory > 0:
+            self.memory_scale += rate * (seconds / memory - self.memory_scale)
+        self.num_observed += 1
+        c, m = self._scaled_at
+        if abs(self.compute_scale / c - 1) > 0.01 or abs(self.memory_scale / m - 1) > 0.01:
+            p = model.prefill
+            self._scaled = replace(model, prefill=replace(
+                p, c0=p.c0 * self.compute_scale, c_tok=p.c_tok * self.compute_scale,
+                c_attn=p.c_attn * self.compute_scale, m0=p.m0 * self.memory_scale,
+                m_tok=p.m_tok * self.memory_scale, m_hist=p.m_hist * self.memory_scale))
+            self._scaled_at = (self.compute_scale, self.memory_scale)
+
+    def observe_step(self, prefill_chunks: tuple[tuple[int, int], ...], num_decodes: int, seconds: float) -> None:
+        """`observe` for a step's shape ((l_hist, l_incr) per prefill): only one prefill alone counts."""
+        if len(prefill_chunks) == 1 and num_decodes == 0:
+            history, tokens = prefill_chunks[0]
+            self.observe(tokens, history, seconds)
 
     def is_short(self, new_tokens: int, history: int = 0) -> bool:
         """Whether a (re-)prefill of `new_tokens` on `history` cached tokens is short: L < L_m(H)."""
         return new_tokens < self.tokens(history)
 
-    def describe(self) -> dict[str, float | str]:
-        """L_m at a few histories, for `splitserve status` and the metrics."""
-        source = "fixed" if self.fixed_tokens is not None else "perf_model"
+    def describe(self) -> dict[str, float]:
+        """L_m at a few histories (-1: never compute-bound) and the refit's scales."""
         points = {f"l_m_h{h}": self.tokens(h) for h in (0, 1024, 8192)}
-        return {"source": source, **{k: (v if math.isfinite(v) else -1.0) for k, v in points.items()}}
+        return {**{k: (v if math.isfinite(v) else -1.0) for k, v in points.items()},
+                "compute_scale": self.compute_scale, "memory_scale": self.memory_scale,
+                "observed_steps": float(self.num_observed)}

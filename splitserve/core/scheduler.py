@@ -28,6 +28,7 @@ about to preempt itself) it is dropped, newest first, and those stages recompute
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -326,6 +327,8 @@ class Scheduler:
             if uncomputed > 1:  # still in prefill (prompt or recompute)
                 queued += uncomputed
         queries = bm.prefix_queries_tokens
+        boundary = getattr(self.policy, "length_boundary", None)  # LAPS' L_m, when the policy has one
+        l_m = boundary.tokens(0) if boundary is not None else 0.0
         return WorkerLoad(
             free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks, block_size=bm.block_size,
             running=len(self.running), waiting=len(self.waiting), queued_prefill_tokens=queued,
@@ -333,6 +336,7 @@ class Scheduler:
             prefix_hit_rate=bm.prefix_hits_tokens / queries if queries else 0.0,
             prefix_hit_tokens=bm.prefix_hits_tokens, pinned_sessions=len(self.session_pins),
             pinned_blocks=self.session_pins.num_pinned_blocks, session_history_lost=self.session_pins.history_lost,
+            length_boundary=l_m if math.isfinite(l_m) else -1.0,
         )
 
     def prefill_queue(self) -> list[PrefillTask]:

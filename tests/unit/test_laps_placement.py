@@ -199,9 +199,15 @@ def test_the_controller_never_breaks_its_invariants(specs, n_min, tau):
     assert {a.worker_id for a in decision.assignments} == {w for w, p in pools.items() if p == ""}
     for change in decision.changes:
         pools[change.worker_id] = change.to_pool
+    sizes = sorted((list(pools.values()).count("short"), list(pools.values()).count("long")))
     if decision.move is not None:
-        assert min(list(pools.values()).count("short"), list(pools.values()).count("long")) >= n_min
-        assert ctl.step(view(*workers), NOW + 1.0).move is None
+        # A pressure move keeps both pools at n_min; a refill raises the smaller one by one.
+        before = sorted(list(p for w, p in pools.items() if w != decision.move.worker_id).count(x) +
+                        (x == decision.move.from_pool) for x in ("short", "long"))
+        assert sizes[0] >= n_min or sizes[0] == before[0] + 1
+        again = ctl.step(view(*(worker(w.worker_id, pool=pools[w.worker_id], queued=w.load.queued_prefill_tokens,
+                                       busy=w.load.busy_fraction) for w in workers)), NOW + 1.0)
+        assert again.move is None or sizes[0] < n_min  # within the cool-down only a refill moves
 
 
 def test_percentile_is_nearest_rank():
@@ -222,3 +228,19 @@ def test_the_simulator_runs_the_controller_every_period_within_its_bounds():
     assert timeline[0][3:] == [2, 2]  # the controller split the four unpooled instances at once
     assert all(row[3] >= 1 and row[4] >= 1 and row[3] + row[4] == 4 for row in timeline)
     assert outcome.stats.pool_moves == sum(1 for a, b in zip(timeline, timeline[1:]) if a[3] != b[3])
+
+
+def test_a_pool_below_n_min_is_refilled_at_once_whatever_the_pressures_and_cool_down():
+    ctl = controller()
+    ctl.last_move_at = NOW  # just moved: the cool-down holds pressure moves, not this
+    cluster = view(worker("p0", pool="long", queued=50_000, busy=1.0), worker("p1", pool="long"),
+                   worker("p2", pool="long", busy=0.5))
+    assert ctl.step(cluster, NOW + 1).move == PoolMove("p1", "long", "short")
+
+
+def test_pd_baseline_can_route_prefills_round_robin_as_vanilla_data_parallel_dispatch():
+    policy = make_policy("pd_disaggregated", prefill_routing="round_robin")
+    cluster = view(worker("p0", queued=90_000), worker("p1"), worker("p2"), worker("d0", "decode"))
+    assert [policy.place(request(50), cluster, NOW).worker_ids[0] for _ in range(4)] == ["p0", "p1", "p2", "p0"]
+    with pytest.raises(ValueError, match="prefill_routing"):
+        make_policy("pd_disaggregated", prefill_routing="random")

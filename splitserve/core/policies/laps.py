@@ -325,6 +325,8 @@ class LapsPolicy:
         return req.deadline(self.default_ttft_slo_s)
 
     def observe(self, executed: ExecutedBatch) -> None:
+        shape = executed.shape
+        self.length_boundary.observe_step(shape.prefill_chunks, shape.num_decodes, executed.latency_s)
         if self.perf_model is not None or self._last_kind != "short" or executed.latency_s <= 0:
             return
         if self.short_step_s == 0.0:

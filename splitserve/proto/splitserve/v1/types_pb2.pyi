@@ -186,7 +186,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms", "prefix_hit_tokens", "pinned_sessions", "pinned_blocks", "session_history_lost", "pool", "busy_fraction")
+    __slots__ = ("worker_id", "role", "engine_kind", "free_blocks", "total_blocks", "block_size", "running", "waiting", "queued_prefill_tokens", "draining", "num_preemptions", "prefix_hit_rate", "updated_unix_ms", "prefix_hit_tokens", "pinned_sessions", "pinned_blocks", "session_history_lost", "pool", "busy_fraction", "length_boundary")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class WorkerLoad(_message.Message):
     SESSION_HISTORY_LOST_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     engine_kind: str
@@ -225,7 +226,8 @@ class WorkerLoad(_message.Message):
     session_history_lost: int
     pool: str
     busy_fraction: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., session_history_lost: _Optional[int] = ..., pool: _Optional[str] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
+    length_boundary: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_kind: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., updated_unix_ms: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., pinned_sessions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., session_history_lost: _Optional[int] = ..., pool: _Optional[str] = ..., busy_fraction: _Optional[float] = ..., length_boundary: _Optional[float] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")

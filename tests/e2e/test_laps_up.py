@@ -1,0 +1,187 @@
+"""`splitserve up --workers 3 --prefill-workers 2 --policy laps` on the real model (SmolLM2-135M-Instruct).
+
+LAPS' spatial mode (issue 14): the scheduler's pool controller (Alg. 2, the one holding the
+Redis leader lock) splits the two prefill workers into a short and a long pool through
+`Worker.SetRole`; the `laps` placement policy routes each prompt by L_m (here fixed at 64
+tokens, so that chat prompts of this small model fall on both sides) and decodes on the
+decode worker. Whatever pool a request runs in, and even when its prefill worker is moved
+to the other pool while the request runs, the answer must be the one a single worker
+gives: greedy and seeded sampling, through the OpenAI HTTP API and the gRPC SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
+                                real_tokenizer, splitserve_up, wait_for_workers)
+
+from splitserve.client import Client
+from splitserve.proto import worker_pb2, worker_pb2_grpc
+from splitserve.state import StateStore
+
+MAX_TOKENS = 24
+BOUNDARY = 64  # L_m for this test: the short chats below are under it, the long ones over it
+LONG_TEXT = ("The history of bread begins with wild grains ground between stones and baked on hot rocks; "
+             "over thousands of years bakers learned to keep a sourdough culture, to mill finer flour, "
+             "and to build ovens that hold their heat. ")
+CHATS = [
+    FRANCE,
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+    PHOTOSYNTHESIS,
+    [{"role": "user", "content": LONG_TEXT + "Summarise this in one sentence."}],
+    [{"role": "user", "content": LONG_TEXT * 2 + "What is a sourdough culture?"}],
+]
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11)]
+
+
+@pytest.fixture(scope="module")
+def up(real_model, tmp_path_factory):
+    with splitserve_up(real_model, tmp_path_factory.mktemp("laps-up-logs"), "--workers", "3",
+                       "--prefill-workers", "2", "--policy", "laps", "--batch-policy", "laps",
+                       "--policy-param", f"boundary_tokens={BOUNDARY}", "--policy-param", "period_s=0.2",
+                       "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(48 << 20)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(real_model, real_tokenizer):
+    """What one worker's engine answers (the offline engine is that engine in-process)."""
+    from workers.engine import LLM, SamplingParams
+
+    llm = LLM(str(real_model))
+    prompts = [chat_prompt_ids(real_tokenizer, chat) for chat in CHATS]
+    return {i: llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **sampling))
+            for i, sampling in enumerate(SAMPLING)}
+
+
+def _loads(prefix: str):
+    async def read():
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], prefix) as store:
+            return await store.get_loads()
+    return asyncio.run(read())
+
+
+def _pools(up, timeout_s: float = 30.0) -> dict[str, str]:
+    """The prefill workers' pools once the controller has assigned both (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = {w: load.pool for w, load in _loads(up["prefix"]).items() if load.role == "prefill"}
+        if sorted(pools.values()) == ["long", "short"]:
+            return pools
+        assert time.monotonic() < deadline, f"the pool controller never split the prefill workers: {pools}"
+        time.sleep(0.05)  # polling Redis, bounded by the deadline
+
+
+def _record(up, request_id: str, timeout_s: float = 10.0):
+    async def read():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
+            while True:
+                record = await store.get_request(request_id)
+                if (record is not None and record.state != "running") or time.monotonic() > deadline:
+                    return record
+                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
+    return asyncio.run(read())
+
+
+def _worker_address(up, worker_id: str) -> str:
+    async def read():
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
+            return {w.worker_id: w.address for w in await store.list_workers()}[worker_id]
+    return asyncio.run(read())
+
+
+def test_laps_up_routes_by_length_to_two_pools_and_answers_exactly_as_one_worker(up, real_tokenizer, reference):
+    wait_for_workers(up["prefix"], 3)
+    pools = _pools(up)
+    by_pool = {pool: worker for worker, pool in pools.items()}
+    lengths = [len(chat_prompt_ids(real_tokenizer, chat)) for chat in CHATS]
+    assert min(lengths) < BOUNDARY < max(lengths), lengths  # both classes, or the test means nothing
+    with httpx.Client(base_url=up["http"], timeout=300) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+
+    def over_http(case: tuple[int, int]):
+        chat, sampling = case
+        body = {"model": model, "messages": CHATS[chat], "max_tokens": MAX_TOKENS, **SAMPLING[sampling]}
+        with httpx.Client(base_url=up["http"], timeout=300) as http:
+            reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return case, choice["message"]["content"], choice["finish_reason"]
+
+    def over_sdk(case: tuple[int, int]):
+        chat, sampling = case
+        request_id = f"laps-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
+        with Client(up["grpc"], timeout_s=300) as client:
+            out = client.generate(chat_prompt_ids(real_tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
+                                  request_id=request_id, **SAMPLING[sampling])
+        return case, request_id, out.token_ids
+
+    cases = [(chat, sampling) for chat in range(len(CHATS)) for sampling in range(len(SAMPLING))]
+    with ThreadPoolExecutor(max_workers=2 * len(cases)) as pool:
+        http_results = [f.result() for f in [pool.submit(over_http, case) for case in cases]]
+        sdk_results = [f.result() for f in [pool.submit(over_sdk, case) for case in cases]]
+
+    for (chat, sampling), text, finish in http_results:
+        expected = reference[sampling][chat]
+        assert text == expected.text, (chat, SAMPLING[sampling])
+        assert finish == expected.finish_reason
+    for (chat, sampling), request_id, token_ids in sdk_results:
+        assert token_ids == reference[sampling][chat].token_ids, (chat, SAMPLING[sampling])
+        record = _record(up, request_id)
+        assert record is not None and record.state in ("stop", "length"), record
+        short = lengths[chat] < BOUNDARY
+        assert record.decision["short"] == (1.0 if short else 0.0) and record.decision["l_m"] == BOUNDARY
+        prefill_worker = record.stages[0]["worker_id"]
+        if not record.decision.get("overflow"):
+            assert prefill_worker == by_pool["short" if short else "long"], (chat, record.stages)
+        assert record.stages[-1]["worker_id"] == "worker-2"  # the decode worker
+
+
+def test_moving_a_prefill_worker_to_the_other_pool_mid_request_loses_nothing(up, real_tokenizer, reference):
+    wait_for_workers(up["prefix"], 3)
+    short_worker = {pool: worker for worker, pool in _pools(up).items()}["short"]
+    address = _worker_address(up, short_worker)
+    chat = 0  # short: its prefill runs on the short worker
+    request_id = f"laps-move-{uuid.uuid4().hex[:6]}"
+    tokens: list[int] = []
+    with Client(up["grpc"], timeout_s=300) as client, grpc.insecure_channel(address) as channel:
+        stream = client.stream(chat_prompt_ids(real_tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
+                               request_id=request_id, temperature=0.0)
+        moved = None
+        for chunk in stream:
+            tokens.extend(chunk.token_ids)
+            if moved is None:  # an operator's move (no fencing token) while the request runs
+                moved = worker_pb2_grpc.WorkerStub(channel).SetRole(
+                    worker_pb2.SetRoleRequest(role="prefill", pool="long"), timeout=5)
+        assert moved is not None and moved.previous_pool == "short" and moved.pool == "long"
+    assert tokens == reference[0][chat].token_ids
+    record = _record(up, request_id)
+    assert record.state in ("stop", "length") and len(record.stages) == 2
+    # Both prefill workers in the long pool leaves the short one below n_min: the controller
+    # refills it at once (with its fencing token), whichever instance it picks.
+    assert sorted(_pools(up).values()) == ["long", "short"]
+
+
+def test_a_set_role_with_a_stale_fencing_token_is_refused(up):
+    wait_for_workers(up["prefix"], 3)
+    worker_id, pool = next(iter(_pools(up).items()))
+    with grpc.insecure_channel(_worker_address(up, worker_id)) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        # A far newer leader's token is accepted (same pool: nothing moves) ...
+        stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool=pool, fencing_token=1 << 40), timeout=5)
+        # ... after which an older one is refused, naming the field.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool=pool, fencing_token=1), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.ABORTED and "fencing_token" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool="medium"), timeout=5)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pool" in bad.value.details()
