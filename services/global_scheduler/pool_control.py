@@ -88,6 +88,7 @@ class PoolControlLoop:
         # The lock outlives a few missed periods, so a slow period does not hand it over.
         token = await self.store.try_acquire_leader(LOCK_NAME, self.holder, ttl_s=max(3 * self.period_s, 2.0))
         self.leader = token is not None
+        self.fencing_token = token or 0
         metrics.POOL_CONTROL_LEADER.set(1 if self.leader else 0)
         if token is None:
             return None

@@ -244,3 +244,24 @@ def test_pd_baseline_can_route_prefills_round_robin_as_vanilla_data_parallel_dis
     assert [policy.place(request(50), cluster, NOW).worker_ids[0] for _ in range(4)] == ["p0", "p1", "p2", "p0"]
     with pytest.raises(ValueError, match="prefill_routing"):
         make_policy("pd_disaggregated", prefill_routing="random")
+
+
+def test_the_boundary_refits_online_from_measured_single_prefill_steps():
+    boundary = LengthBoundary(TOY, learning_rate=0.5)
+    # The device reads memory twice as slowly as the model says: memory-bound steps measure
+    # 2x their memory term, so the ridge (L_m) moves up to where compute reaches 4 ms.
+    for _ in range(40):
+        boundary.observe(50, 0, 2 * TOY.prefill_terms(0, 50)[1])
+    assert boundary.memory_scale == pytest.approx(2.0, rel=1e-3) and boundary.compute_scale == 1.0
+    assert boundary.tokens(0) == pytest.approx(400.0, rel=0.01)  # the model is rebuilt per 1% of scale
+    # Compute-bound steps measured as predicted leave the compute scale where it is.
+    boundary.observe(4000, 0, TOY.prefill_terms(0, 4000)[0])
+    assert boundary.compute_scale == pytest.approx(1.0)
+    # Only a step that ran one prefill alone counts; a fixed boundary never moves.
+    before = boundary.num_observed
+    boundary.observe_step(((0, 50), (0, 60)), 0, 1.0)
+    boundary.observe_step(((0, 50),), 3, 1.0)
+    assert boundary.num_observed == before
+    fixed = LengthBoundary(TOY, 64)
+    fixed.observe(50, 0, 1.0)
+    assert fixed.tokens(0) == 64 and fixed.num_observed == 0
