@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -169,6 +171,20 @@ def test_moving_a_prefill_worker_to_the_other_pool_mid_request_loses_nothing(up,
     # Both prefill workers in the long pool leaves the short one below n_min: the controller
     # refills it at once (with its fencing token), whichever instance it picks.
     assert sorted(_pools(up).values()) == ["long", "short"]
+
+
+def test_status_shows_each_workers_pool_and_l_m(up):
+    wait_for_workers(up["prefix"], 3)
+    pools = _pools(up)
+    shown = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url",
+                            os.environ["SPLITSERVE_TEST_REDIS_URL"], "--redis-prefix", up["prefix"]],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    rows = {line.split("│")[1].strip(): line for line in shown.stdout.splitlines() if "worker-" in line}
+    for worker_id, pool in pools.items():
+        assert f" {pool} " in rows[worker_id]
+    # The workers' laps batch policy has no perf model here: L_m is its fixed default (256).
+    assert all(" 256 " in row for row in rows.values()), shown.stdout
 
 
 def test_a_set_role_with_a_stale_fencing_token_is_refused(up):
