@@ -74,6 +74,10 @@ class WorkerConfig(CommonConfig):
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
+    captured_shapes: bool = opt(False, "LAPS captured shapes: pad each step of short prefills to a (tokens, batch) "
+                                "bucket, as a CUDA graph replay needs (exact; on the CPU it only costs the pads).")
+    shape_tokens: str = opt("8,16,32,64,128,256", "Captured prompt-length buckets (with --captured-shapes).")
+    shape_batches: str = opt("1,2,4,8,16,32,64", "Captured batch sizes (with --captured-shapes).")
     batch_policy: str = opt("fcfs", "Local batch policy (splitserve/core/policies): fcfs | slo_aware (DynaServe "
                             "Alg. 2: decodes first, then prefill up to what the ITL SLO leaves room for, by a latency "
                             "table seeded from --perf-model, the emulated preset, or learned from scratch) | prefill_reorder (AMPD "

@@ -110,6 +110,7 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
         batch_policy=config.batch_policy, batch_policy_options=batch_policy_options_from(config),
         perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
+        captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
     )
 
 

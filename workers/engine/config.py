@@ -54,6 +54,11 @@ class EngineConfig:
     # that predicts step latency (slo_aware); the emulated engine gives its own model without one.
     perf_model: str = ""
     attention_backend: str = "auto"  # auto | sdpa | flash
+    # LAPS captured shapes: steps of short prefills padded to a (tokens, batch) bucket of
+    # these sizes (`workers/engine/captured_shapes.py`); off: every step runs unpadded.
+    captured_shapes: bool = False
+    shape_tokens: str = "8,16,32,64,128,256"
+    shape_batches: str = "1,2,4,8,16,32,64"
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     seed: int = 0  # draws per-request seeds for requests that bring none
     # Produce text with every token; when off, text is still decoded for stop strings.

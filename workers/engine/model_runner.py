@@ -15,6 +15,8 @@ from workers.engine.attention import (
     AttentionMetadata,
     PrefillChunk,
 )
+from splitserve.core.shapes import ShapeGrid
+from workers.engine.captured_shapes import pad_prefill_batch
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
@@ -51,10 +53,15 @@ class ModelRunner:
         self.use_flash = self._choose_flash()
         self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
         self.num_blocks = self._kv_capacity_blocks(max_model_len)
+        # LAPS captured shapes: padded steps write their pad tokens' KV to one scratch block
+        # past the ones the block manager owns (`num_blocks`).
+        self.shapes = ShapeGrid(config.shape_tokens, config.shape_batches) if config.captured_shapes else None
+        self.num_padded_steps = 0
+        scratch = 1 if self.shapes is not None else 0
         # Block-major layout [blocks, layers, k/v, block_size, kv_heads, head_dim]: one
         # block's KV for every layer is contiguous, so moving a block list between
         # workers is one region per block.
-        shape = (self.num_blocks, spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (self.num_blocks + scratch, spec.num_layers, 2, self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
             self.kv_cache = zeros_on_huge_pages(shape, self.dtype)  # faster KV transfers between processes
         else:
@@ -131,6 +138,11 @@ class ModelRunner:
         `on_layer_kv(layer)` is called on this thread as each decoder layer has written its
         KV of the step (the per-layer push of a stage's last step)."""
         batch = self.prepare(out.entries)
+        if self.shapes is not None and not self.use_flash:
+            padded = pad_prefill_batch(batch, self.shapes, self.num_blocks, self.block_size)
+            if padded is not None:
+                batch = padded
+                self.num_padded_steps += 1
         if on_layer_kv is None:
             logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
         else:
