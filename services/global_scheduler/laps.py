@@ -33,7 +33,6 @@ controller's SLA term).
 
 from __future__ import annotations
 
-from services.global_scheduler import metrics
 from services.global_scheduler.baselines import LeastLoadedPolicy, colocated_candidates
 from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import ClusterView, Placement, PlacementRequest, WorkerView
@@ -69,9 +68,6 @@ class LapsPlacementPolicy:
             gamma=number_option("gamma", gamma, minimum=0.0), min_gap=number_option("min_gap", min_gap, minimum=0.0),
             ttft_slo_s=number_option("ttft_slo_ms", ttft_slo_ms, minimum=1e-3) / 1000)
         self.controller_enabled = str(controller).lower() not in ("false", "0", "off", "no")
-        for history in (0, 1024, 8192):
-            l_m = self.boundary.tokens(history)
-            metrics.LENGTH_BOUNDARY.labels(str(history)).set(l_m if l_m != float("inf") else -1.0)
         overflow = number_option("overflow_ms", overflow_ms, minimum=0.0, allow_none=True)
         # inf: never overflow (the paper's strict pools).
         self.overflow_s = self.controller_config.ttft_slo_s / 8 if overflow is None else overflow / 1000

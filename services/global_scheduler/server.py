@@ -223,6 +223,11 @@ class SchedulerHandle:
         if self.pool_control is not None:
             await self.pool_control.stop()
             self.pool_control = None
+        boundary = getattr(policy, "boundary", None)  # LAPS' L_m(H), for the metrics
+        if boundary is not None:
+            for history in (0, 1024, 8192):
+                l_m = boundary.tokens(history)
+                metrics.LENGTH_BOUNDARY.labels(str(history)).set(l_m if l_m != float("inf") else -1.0)
         make_controller = getattr(policy, "pool_controller", None)
         controller = make_controller() if make_controller is not None else None
         if controller is not None:

@@ -408,3 +408,22 @@ def test_module_runs_as_a_process_and_drains_on_sigterm(prefix):
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_the_laps_policy_runs_the_pool_controller_and_exports_l_m_until_switched_away(prefix):
+    async def scenario() -> None:
+        async with running_cluster(prefix, policy="laps", policy_params="boundary_tokens=100,period_s=0.05") as c:
+            assert counter_value("splitserve_scheduler_length_boundary_tokens", history="0") == 100.0
+            control = c.handle.pool_control
+            assert control is not None
+            await eventually(lambda: _true(control.leader), what="the pool controller to take the leader lock")
+            await c.scheduler.SetPolicy(scheduler_pb2.SetPolicyRequest(policy="least_loaded"), timeout=5)
+            assert c.handle.pool_control is None and not control.leader  # stopped, lock released
+            async with StateStore(REDIS_URL, prefix) as other:
+                assert await other.try_acquire_leader("pool-controller", "another-replica", ttl_s=1.0) is not None
+
+    asyncio.run(scenario())
+
+
+async def _true(value: bool) -> bool:
+    return value
