@@ -133,3 +133,31 @@ def wait_for_workers(prefix: str, count: int, timeout_s: float = 60.0) -> None:
                 assert time.monotonic() < deadline, "the workers never published their load"
                 await asyncio.sleep(0.05)  # polling the registry, bounded by the deadline
     asyncio.run(wait())
+
+
+def engine_reference(model_dir: Path, tokenizer, chats: list[list[dict]], samplings: list[dict],
+                     max_tokens: int) -> dict[int, list]:
+    """What one worker's engine answers to each chat, per sampling index (the offline engine
+    is that engine in-process): {sampling index: [CompletionOutput per chat]}."""
+    from workers.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir))
+    prompts = [chat_prompt_ids(tokenizer, chat) for chat in chats]
+    return {i: llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **sampling))
+            for i, sampling in enumerate(samplings)}
+
+
+def finished_record(prefix: str, request_id: str, timeout_s: float = 10.0):
+    """The request's record once it left "running"; the coordinator writes records in
+    batches, so this polls (bounded by `timeout_s`; the last read is returned either way)."""
+    from splitserve.state import StateStore
+
+    async def read():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], prefix) as store:
+            while True:
+                record = await store.get_request(request_id)
+                if (record is not None and record.state != "running") or time.monotonic() > deadline:
+                    return record
+                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
+    return asyncio.run(read())

@@ -10,19 +10,15 @@ that the pair is loaded while it decides.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
-                                real_tokenizer, splitserve_up, wait_for_workers)
+                                real_tokenizer, splitserve_up, wait_for_workers, engine_reference, finished_record)
 
 from splitserve.client import Client
-from splitserve.state import StateStore
 
 MAX_TOKENS = 40
 CHATS = [
@@ -44,26 +40,7 @@ def up(real_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(real_model, real_tokenizer):
-    """What one worker's engine answers (the offline engine is that engine in-process)."""
-    from workers.engine import LLM, SamplingParams
-
-    llm = LLM(str(real_model))
-    prompts = [chat_prompt_ids(real_tokenizer, chat) for chat in CHATS]
-    return {i: llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **sampling))
-            for i, sampling in enumerate(SAMPLING)}
-
-
-def _record(up, request_id: str, timeout_s: float = 10.0):
-    """The request's record; the coordinator writes records in batches, so poll."""
-    async def read():
-        deadline = time.monotonic() + timeout_s
-        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
-            while True:
-                record = await store.get_request(request_id)
-                if (record is not None and record.state != "running") or time.monotonic() > deadline:
-                    return record
-                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
-    return asyncio.run(read())
+    return engine_reference(real_model, real_tokenizer, CHATS, SAMPLING, MAX_TOKENS)
 
 
 def test_dynaserve_up_answers_exactly_as_one_worker(up, real_tokenizer, reference):
@@ -102,7 +79,7 @@ def test_dynaserve_up_answers_exactly_as_one_worker(up, real_tokenizer, referenc
     splits, phis = 0, []
     for (chat, sampling), request_id, token_ids in sdk_results:
         assert token_ids == reference[sampling][chat].token_ids, (chat, SAMPLING[sampling])
-        record = _record(up, request_id)
+        record = finished_record(up["prefix"], request_id)
         assert record is not None and record.state in ("stop", "length"), record
         assert {"phi", "probes", "t1_s", "t2_s"} <= set(record.decision), record.decision
         phis.append(record.decision["phi"])

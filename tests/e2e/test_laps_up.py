@@ -23,7 +23,7 @@ import grpc
 import httpx
 import pytest
 from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
-                                real_tokenizer, splitserve_up, wait_for_workers)
+                                real_tokenizer, splitserve_up, wait_for_workers, engine_reference, finished_record)
 
 from splitserve.client import Client
 from splitserve.proto import worker_pb2, worker_pb2_grpc
@@ -55,13 +55,7 @@ def up(real_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(real_model, real_tokenizer):
-    """What one worker's engine answers (the offline engine is that engine in-process)."""
-    from workers.engine import LLM, SamplingParams
-
-    llm = LLM(str(real_model))
-    prompts = [chat_prompt_ids(real_tokenizer, chat) for chat in CHATS]
-    return {i: llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, **sampling))
-            for i, sampling in enumerate(SAMPLING)}
+    return engine_reference(real_model, real_tokenizer, CHATS, SAMPLING, MAX_TOKENS)
 
 
 def _loads(prefix: str):
@@ -80,18 +74,6 @@ def _pools(up, timeout_s: float = 30.0) -> dict[str, str]:
             return pools
         assert time.monotonic() < deadline, f"the pool controller never split the prefill workers: {pools}"
         time.sleep(0.05)  # polling Redis, bounded by the deadline
-
-
-def _record(up, request_id: str, timeout_s: float = 10.0):
-    async def read():
-        deadline = time.monotonic() + timeout_s
-        async with StateStore(os.environ["SPLITSERVE_TEST_REDIS_URL"], up["prefix"]) as store:
-            while True:
-                record = await store.get_request(request_id)
-                if (record is not None and record.state != "running") or time.monotonic() > deadline:
-                    return record
-                await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
-    return asyncio.run(read())
 
 
 def _worker_address(up, worker_id: str) -> str:
@@ -138,7 +120,7 @@ def test_laps_up_routes_by_length_to_two_pools_and_answers_exactly_as_one_worker
         assert finish == expected.finish_reason
     for (chat, sampling), request_id, token_ids in sdk_results:
         assert token_ids == reference[sampling][chat].token_ids, (chat, SAMPLING[sampling])
-        record = _record(up, request_id)
+        record = finished_record(up["prefix"], request_id)
         assert record is not None and record.state in ("stop", "length"), record
         short = lengths[chat] < BOUNDARY
         assert record.decision["short"] == (1.0 if short else 0.0) and record.decision["l_m"] == BOUNDARY
@@ -166,7 +148,7 @@ def test_moving_a_prefill_worker_to_the_other_pool_mid_request_loses_nothing(up,
                     worker_pb2.SetRoleRequest(role="prefill", pool="long"), timeout=5)
         assert moved is not None and moved.previous_pool == "short" and moved.pool == "long"
     assert tokens == reference[0][chat].token_ids
-    record = _record(up, request_id)
+    record = finished_record(up["prefix"], request_id)
     assert record.state in ("stop", "length") and len(record.stages) == 2
     # Both prefill workers in the long pool leaves the short one below n_min: the controller
     # refills it at once (with its fencing token), whichever instance it picks.

@@ -9,36 +9,24 @@ succeed against live workers are covered by tests/e2e/test_laps_up.py.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
+from redis_support import REDIS_URL, delete_prefixed
 from services.global_scheduler.pool_control import PoolControlLoop
 from services.global_scheduler.pool_controller import PoolController, PoolControllerConfig
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.redis_server import free_port
 from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 
-REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-async def _delete_prefixed(prefix: str) -> None:
-    client = aioredis.Redis.from_url(REDIS_URL, socket_connect_timeout=2.0)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture
 def prefix():
     unique = f"sstest:pools:{uuid.uuid4().hex}:"
     yield unique
-    asyncio.run(_delete_prefixed(unique))
+    asyncio.run(delete_prefixed(unique))
 
 
 async def _replica(prefix: str, name: str) -> tuple[StateStore, ClusterViewSource, PoolControlLoop]:

@@ -21,29 +21,18 @@ from typing import Any
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
+from redis_support import REDIS_URL, delete_prefixed
 from services.global_scheduler.server import SchedulerHandle, serve, start_scheduler
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 
-REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LONG_TTL_S = 30.0  # outlives every test; expiry is triggered explicitly where tested
-
-
-async def _delete_prefixed(prefix: str) -> None:
-    client = aioredis.Redis.from_url(REDIS_URL, socket_connect_timeout=2.0)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture
@@ -51,7 +40,7 @@ def prefix() -> Any:
     """A key prefix no other test uses; its keys are deleted afterwards."""
     unique = f"sstest:sched:{uuid.uuid4().hex}:"
     yield unique
-    asyncio.run(_delete_prefixed(unique))
+    asyncio.run(delete_prefixed(unique))
 
 
 def scheduler_config(prefix: str, **overrides: Any) -> SchedulerConfig:

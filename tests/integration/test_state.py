@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 import uuid
@@ -18,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from redis_support import REDIS_URL, delete_prefixed
 from splitserve.state import (
     LatencyWindow,
     PrefillTask,
@@ -33,7 +32,6 @@ from splitserve.state import (
     WorkerLoad,
 )
 
-REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 FAST_RETRY = RedisRetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.2, socket_timeout_s=2.0)
 T0 = 1_700_000_000.0  # injected clock origin for tests that control `now`
 
@@ -45,23 +43,13 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
     return asyncio.run(coro)
 
 
-async def _delete_prefixed(prefix: str) -> None:
-    client = aioredis.Redis.from_url(REDIS_URL, socket_connect_timeout=2.0)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
-
-
 @pytest.fixture
 def prefix() -> Any:
     """A key prefix no other test uses; its keys are deleted afterwards."""
     unique = f"sstest:{uuid.uuid4().hex}:"
     yield unique
     with contextlib.suppress(RedisConnectionError, OSError):  # nothing to clean up then
-        run(_delete_prefixed(unique))
+        run(delete_prefixed(unique))
 
 
 @contextlib.asynccontextmanager
