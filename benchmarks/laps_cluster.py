@@ -79,7 +79,8 @@ def main() -> None:
             log_dir=args.out_dir / "logs" / name.replace(" ", "_"),
             worker_args={"backend": "real", "max_num_seqs": 16, "kv_cache_memory_bytes": 128 << 20,
                          "batch_policy": system["batch_policy"], "max_num_batched_tokens": 2048},
-            scheduler_args={"policy_params": json.dumps({"ttft_slo_ms": args.slo_ttft_ms})},
+            scheduler_args={"policy_params": json.dumps({"ttft_slo_ms": args.slo_ttft_ms}
+                                                        if system["policy"] == "laps" else {})},
             coordinator_args={"kv_chunk_tokens": 64})
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         cluster = start_cluster(spec)
