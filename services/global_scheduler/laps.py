@@ -56,6 +56,10 @@ class LapsPlacementPolicy:
                  beta: float | str = 1.0, gamma: float | str = 0.25, min_gap: float | str = 0.05,
                  controller: bool | str = True, overflow_ms: float | str | None = None,
                  prefill_token_scale: float | str = 2048.0, request_scale: float | str = 16.0):
+        if isinstance(perf_model, str) and perf_model.strip() and not perf_model.lstrip().startswith("{"):
+            from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
+
+            perf_model = resolve_perf_model(perf_model)
         self.perf_model = perf_model_option(perf_model)
         self.boundary = LengthBoundary(self.perf_model, number_option(
             "boundary_tokens", boundary_tokens, minimum=1, integer=True, allow_none=True))

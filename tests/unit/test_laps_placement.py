@@ -265,3 +265,10 @@ def test_the_boundary_refits_online_from_measured_single_prefill_steps():
     fixed = LengthBoundary(TOY, 64)
     fixed.observe(50, 0, 1.0)
     assert fixed.tokens(0) == 64 and fixed.num_observed == 0
+
+
+def test_the_performance_model_may_be_named_as_a_preset_as_splitserve_up_names_it():
+    policy = make_policy("laps", perf_model="A100/qwen2.5-14b/1")
+    assert policy.boundary.tokens(0) == pytest.approx(policy.perf_model.prefill_boundary(0))
+    with pytest.raises(ValueError, match="perf model"):
+        make_policy("laps", perf_model="not-a-preset")
