@@ -26,6 +26,11 @@ the least-loaded decode worker (or the session's bound one, where its history is
   the unpooled prefill workers, else to the other pool: serve rather than fail.
 * No prefill workers (every worker "both"): temporal mode, colocated on the least-loaded
   worker, whose local `laps` batch policy keeps the classes apart in time.
+* L_m follows the workers (`follow_workers`): each prefill worker publishes the L_m(0) its
+  local `laps` policy refits online from its measured steps (`WorkerLoad.length_boundary`);
+  a model-based boundary here is scaled by the median published L_m(0) over its own, so a
+  request is classified alike by the scheduler and by the worker that runs it (a fixed
+  `boundary_tokens` is kept as given).
 
 Pure: the view carries the pools, loads and windowed TTFT (`view_signals`, for the
 controller's SLA term).
@@ -55,6 +60,7 @@ class LapsPlacementPolicy:
                  hysteresis: float | str = 0.25, min_per_pool: int | str = 1, alpha: float | str = 1.0,
                  beta: float | str = 1.0, gamma: float | str = 0.25, min_gap: float | str = 0.05,
                  controller: bool | str = True, overflow_ms: float | str | None = None,
+                 follow_workers: bool | str = True,
                  prefill_token_scale: float | str = 2048.0, request_scale: float | str = 16.0):
         if isinstance(perf_model, str) and perf_model.strip() and not perf_model.lstrip().startswith("{"):
             from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
@@ -72,6 +78,8 @@ class LapsPlacementPolicy:
             gamma=number_option("gamma", gamma, minimum=0.0), min_gap=number_option("min_gap", min_gap, minimum=0.0),
             ttft_slo_s=number_option("ttft_slo_ms", ttft_slo_ms, minimum=1e-3) / 1000)
         self.controller_enabled = str(controller).lower() not in ("false", "0", "off", "no")
+        self.follow_workers = str(follow_workers).lower() not in ("false", "0", "off", "no")
+        self._worker_scale: tuple[float, float] = (float("nan"), 1.0)  # (view time, L_m scale) of the last view
         overflow = number_option("overflow_ms", overflow_ms, minimum=0.0, allow_none=True)
         # inf: never overflow (the paper's strict pools).
         self.overflow_s = self.controller_config.ttft_slo_s / 8 if overflow is None else overflow / 1000
@@ -110,9 +118,24 @@ class LapsPlacementPolicy:
         return min(((self.backlog_s(w), w) for w in pool), key=lambda bw: (bw[0], self.scorer.score(bw[1]),
                                                                             bw[1].worker_id))
 
+    def boundary_scale(self, view: ClusterView) -> float:
+        """Median L_m(0) the prefill workers publish over this policy's own (1: none, or fixed)."""
+        if not self.follow_workers or self.boundary.fixed_tokens is not None:
+            return 1.0
+        taken_at, scale = self._worker_scale
+        if taken_at == view.taken_at:
+            return scale
+        published = sorted(w.load.length_boundary for w in view.by_role("prefill") if w.load.length_boundary > 0)
+        own = self.boundary.tokens(0)
+        scale = 1.0
+        if published and 0 < own < float("inf"):
+            scale = published[len(published) // 2] / own
+        self._worker_scale = (view.taken_at, scale)
+        return scale
+
     def place(self, request: PlacementRequest, view: ClusterView, now: float) -> Placement:
         history = request.history_len
-        l_m = self.boundary.tokens(history)
+        l_m = self.boundary.tokens(history) * self.boundary_scale(view)
         short = request.prompt_len - history < l_m
         decision = {"short": 1.0 if short else 0.0, "l_m": l_m if l_m != float("inf") else -1.0}
         prefill_workers = view.by_role("prefill")

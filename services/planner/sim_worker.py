@@ -421,4 +421,5 @@ def published(worker: SimWorker, load: WorkerLoad, engine_kind: str, taken_at: f
                       draining=worker.draining, updated_unix=taken_at, pool=worker.pool,
                       # The share of time stepping, sampled at the refresh instant: whether the
                       # worker had work then (the same with and without fast-forwarded runs).
-                      busy_fraction=1.0 if load.running or load.waiting else 0.0)
+                      busy_fraction=1.0 if load.running or load.waiting else 0.0,
+                      length_boundary=load.length_boundary)

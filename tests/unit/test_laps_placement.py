@@ -26,10 +26,10 @@ TOY = PerfModel(PrefillCoeffs(c_tok=1e-5, m0=2e-3), DecodeCoeffs(c0=2e-3, c_seq=
 
 
 def worker(worker_id: str, role: str = "prefill", pool: str = "", *, queued: int = 0, busy: float = 0.0,
-           ttft: float | None = None, draining: bool = False, running: int = 0) -> WorkerView:
+           ttft: float | None = None, draining: bool = False, running: int = 0, l_m: float = 0.0) -> WorkerView:
     load = WorkerLoad(worker_id, role=role, engine_kind="simulated", free_blocks=100, total_blocks=100,
                       block_size=16, queued_prefill_tokens=queued, running=running, draining=draining,
-                      updated_unix=NOW, pool=pool, busy_fraction=busy)
+                      updated_unix=NOW, pool=pool, busy_fraction=busy, length_boundary=l_m)
     return WorkerView(worker_id, f"{worker_id}:1", load, signals=WorkerSignals(ttft, None, ()))
 
 
@@ -272,3 +272,18 @@ def test_the_performance_model_may_be_named_as_a_preset_as_splitserve_up_names_i
     assert policy.boundary.tokens(0) == pytest.approx(policy.perf_model.prefill_boundary(0))
     with pytest.raises(ValueError, match="perf model"):
         make_policy("laps", perf_model="not-a-preset")
+
+
+def test_the_boundary_follows_what_the_prefill_workers_refit_unless_it_is_fixed():
+    # The workers measured a slower memory than the model says: their L_m(0) is 400, not 200.
+    cluster = view(worker("p0", pool="short", l_m=400.0), worker("p1", pool="long", l_m=380.0),
+                   worker("p2", pool="long", l_m=420.0), worker("d0", "decode"))
+    followed = LapsPlacementPolicy(perf_model=TOY).place(request(300), cluster, NOW)
+    assert followed.decision["short"] == 1.0 and followed.decision["l_m"] == pytest.approx(400.0)
+    own = LapsPlacementPolicy(perf_model=TOY, follow_workers=False).place(request(300), cluster, NOW)
+    assert own.decision["short"] == 0.0
+    fixed = LapsPlacementPolicy(perf_model=TOY, boundary_tokens=250).place(request(300), cluster, NOW)
+    assert fixed.decision["l_m"] == 250 and fixed.decision["short"] == 0.0
+    silent = view(worker("p0", pool="short"), worker("p1", pool="long"), worker("d0", "decode"))
+    assert LapsPlacementPolicy(perf_model=TOY).place(request(300), silent, NOW).decision["l_m"] == \
+        pytest.approx(200.0)
