@@ -1,6 +1,7 @@
 """LAPS captured shapes on the CPU: a step of short prefills padded to its `(tokens, batch)`
-bucket computes exactly what the unpadded step computes (logits bit for bit, tokens), and
-never touches a sequence's KV cache with its pad tokens."""
+bucket computes what the unpadded step computes (the same logits to float32 rounding: the
+linear layers see more rows and a BLAS may round differently for another row count; the
+same tokens), and never touches a sequence's KV cache with its pad tokens."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ def test_a_padded_step_gives_the_unpadded_logits_and_leaves_the_real_kv_alone(ti
         scratch_before = runner.kv_cache[runner.num_blocks:].clone()
         bucketed = runner.model(padded.input_ids, padded.positions, runner.layer_caches, padded.meta,
                                 padded.logits_indices)
-    assert torch.equal(plain, bucketed)  # every real row computed exactly as without padding
-    assert torch.equal(runner.kv_cache[: runner.num_blocks], real_kv)  # the pads wrote only the scratch block
+    # Every real row as without padding, to float32 rounding (bit-identical for these shapes
+    # today; a BLAS may choose another kernel for another row count), and the same tokens.
+    assert torch.allclose(plain, bucketed, rtol=0.0, atol=1e-4)
+    assert torch.equal(plain.argmax(-1), bucketed.argmax(-1))
+    assert torch.allclose(runner.kv_cache[: runner.num_blocks], real_kv, rtol=0.0, atol=1e-5)
+    # The pads wrote only the scratch block: no real KV slot they could reach changed.
+    touched = set(padded.meta.slot_blocks[batch.input_ids.shape[0]:].tolist())
+    assert touched == {runner.num_blocks}
     assert not torch.equal(runner.kv_cache[runner.num_blocks:], scratch_before)
 
 
