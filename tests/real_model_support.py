@@ -161,3 +161,42 @@ def finished_record(prefix: str, request_id: str, timeout_s: float = 10.0):
                     return record
                 await asyncio.sleep(0.02)  # polling the record, bounded by the deadline
     return asyncio.run(read())
+
+
+def send_chat_cases(up: dict, tokenizer, chats: list[list[dict]], samplings: list[dict], max_tokens: int,
+                    id_prefix: str) -> tuple[list, list]:
+    """Every (chat, sampling) case sent at once, over the OpenAI HTTP API and the gRPC SDK,
+    so the cluster is loaded while it places them. Returns (HTTP results as (case, text,
+    finish_reason), SDK results as (case, request_id, token_ids))."""
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from splitserve.client import Client
+
+    with httpx.Client(base_url=up["http"], timeout=300) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+
+    def over_http(case: tuple[int, int]):
+        chat, sampling = case
+        body = {"model": model, "messages": chats[chat], "max_tokens": max_tokens, **samplings[sampling]}
+        with httpx.Client(base_url=up["http"], timeout=300) as http:
+            reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return case, choice["message"]["content"], choice["finish_reason"]
+
+    def over_sdk(case: tuple[int, int]):
+        chat, sampling = case
+        request_id = f"{id_prefix}-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
+        with Client(up["grpc"], timeout_s=300) as client:
+            out = client.generate(chat_prompt_ids(tokenizer, chats[chat]), max_tokens=max_tokens,
+                                  request_id=request_id, **samplings[sampling])
+        return case, request_id, out.token_ids
+
+    cases = [(chat, sampling) for chat in range(len(chats)) for sampling in range(len(samplings))]
+    with ThreadPoolExecutor(max_workers=2 * len(cases)) as pool:
+        http_replies = [pool.submit(over_http, case) for case in cases]
+        sdk_replies = [pool.submit(over_sdk, case) for case in cases]
+        return [f.result() for f in http_replies], [f.result() for f in sdk_replies]

@@ -10,15 +10,9 @@ that the pair is loaded while it decides.
 
 from __future__ import annotations
 
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-
-import httpx
 import pytest
-from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
-                                real_tokenizer, splitserve_up, wait_for_workers, engine_reference, finished_record)
-
-from splitserve.client import Client
+from real_model_support import (FRANCE, PHOTOSYNTHESIS, engine_reference, finished_record,  # noqa: F401 (fixtures)
+                                real_model, real_tokenizer, send_chat_cases, splitserve_up, wait_for_workers)
 
 MAX_TOKENS = 40
 CHATS = [
@@ -45,32 +39,7 @@ def reference(real_model, real_tokenizer):
 
 def test_dynaserve_up_answers_exactly_as_one_worker(up, real_tokenizer, reference):
     wait_for_workers(up["prefix"], 2)
-    with httpx.Client(base_url=up["http"], timeout=300) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-
-    def over_http(case: tuple[int, int]) -> tuple[tuple[int, int], str, str]:
-        chat, sampling = case
-        body = {"model": model, "messages": CHATS[chat], "max_tokens": MAX_TOKENS, **SAMPLING[sampling]}
-        with httpx.Client(base_url=up["http"], timeout=300) as http:
-            reply = http.post("/v1/chat/completions", json=body)
-        assert reply.status_code == 200, reply.text
-        choice = reply.json()["choices"][0]
-        return case, choice["message"]["content"], choice["finish_reason"]
-
-    def over_sdk(case: tuple[int, int]) -> tuple[tuple[int, int], str, list[int]]:
-        chat, sampling = case
-        request_id = f"dyn-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
-        with Client(up["grpc"], timeout_s=300) as client:
-            out = client.generate(chat_prompt_ids(real_tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
-                                  request_id=request_id, **SAMPLING[sampling])
-        return case, request_id, out.token_ids
-
-    cases = [(chat, sampling) for chat in range(len(CHATS)) for sampling in range(len(SAMPLING))]
-    with ThreadPoolExecutor(max_workers=2 * len(cases)) as pool:  # all at once: the pair is loaded
-        http_replies = [pool.submit(over_http, case) for case in cases]
-        sdk_replies = [pool.submit(over_sdk, case) for case in cases]
-        http_results = [f.result() for f in http_replies]
-        sdk_results = [f.result() for f in sdk_replies]
+    http_results, sdk_results = send_chat_cases(up, real_tokenizer, CHATS, SAMPLING, MAX_TOKENS, "dyn")
 
     for (chat, sampling), text, finish in http_results:
         expected = reference[sampling][chat]

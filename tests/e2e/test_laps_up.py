@@ -17,13 +17,12 @@ import subprocess
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
 from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_model,  # noqa: F401 (fixtures)
-                                real_tokenizer, splitserve_up, wait_for_workers, engine_reference, finished_record)
+                                real_tokenizer, splitserve_up, wait_for_workers, engine_reference, finished_record,
+                                send_chat_cases)
 
 from splitserve.client import Client
 from splitserve.proto import worker_pb2, worker_pb2_grpc
@@ -89,30 +88,7 @@ def test_laps_up_routes_by_length_to_two_pools_and_answers_exactly_as_one_worker
     by_pool = {pool: worker for worker, pool in pools.items()}
     lengths = [len(chat_prompt_ids(real_tokenizer, chat)) for chat in CHATS]
     assert min(lengths) < BOUNDARY < max(lengths), lengths  # both classes, or the test means nothing
-    with httpx.Client(base_url=up["http"], timeout=300) as http:
-        model = http.get("/v1/models").json()["data"][0]["id"]
-
-    def over_http(case: tuple[int, int]):
-        chat, sampling = case
-        body = {"model": model, "messages": CHATS[chat], "max_tokens": MAX_TOKENS, **SAMPLING[sampling]}
-        with httpx.Client(base_url=up["http"], timeout=300) as http:
-            reply = http.post("/v1/chat/completions", json=body)
-        assert reply.status_code == 200, reply.text
-        choice = reply.json()["choices"][0]
-        return case, choice["message"]["content"], choice["finish_reason"]
-
-    def over_sdk(case: tuple[int, int]):
-        chat, sampling = case
-        request_id = f"laps-{chat}-{sampling}-{uuid.uuid4().hex[:6]}"
-        with Client(up["grpc"], timeout_s=300) as client:
-            out = client.generate(chat_prompt_ids(real_tokenizer, CHATS[chat]), max_tokens=MAX_TOKENS,
-                                  request_id=request_id, **SAMPLING[sampling])
-        return case, request_id, out.token_ids
-
-    cases = [(chat, sampling) for chat in range(len(CHATS)) for sampling in range(len(SAMPLING))]
-    with ThreadPoolExecutor(max_workers=2 * len(cases)) as pool:
-        http_results = [f.result() for f in [pool.submit(over_http, case) for case in cases]]
-        sdk_results = [f.result() for f in [pool.submit(over_sdk, case) for case in cases]]
+    http_results, sdk_results = send_chat_cases(up, real_tokenizer, CHATS, SAMPLING, MAX_TOKENS, "laps")
 
     for (chat, sampling), text, finish in http_results:
         expected = reference[sampling][chat]
