@@ -43,7 +43,7 @@ from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import ClusterView, Placement, PlacementRequest, WorkerView
 from services.global_scheduler.pool_controller import LONG, SHORT, PoolController, PoolControllerConfig
 from splitserve.core.length_class import LengthBoundary
-from splitserve.core.policies.options import number_option, perf_model_option
+from splitserve.core.policies.options import flag_option, number_option, perf_model_option
 
 __all__ = ["LapsPlacementPolicy"]
 
@@ -77,8 +77,8 @@ class LapsPlacementPolicy:
             alpha=number_option("alpha", alpha, minimum=0.0), beta=number_option("beta", beta, minimum=0.0),
             gamma=number_option("gamma", gamma, minimum=0.0), min_gap=number_option("min_gap", min_gap, minimum=0.0),
             ttft_slo_s=number_option("ttft_slo_ms", ttft_slo_ms, minimum=1e-3) / 1000)
-        self.controller_enabled = str(controller).lower() not in ("false", "0", "off", "no")
-        self.follow_workers = str(follow_workers).lower() not in ("false", "0", "off", "no")
+        self.controller_enabled = flag_option("controller", controller)
+        self.follow_workers = flag_option("follow_workers", follow_workers)
         self._worker_scale: tuple[float, float] = (float("nan"), 1.0)  # (view time, L_m scale) of the last view
         overflow = number_option("overflow_ms", overflow_ms, minimum=0.0, allow_none=True)
         # inf: never overflow (the paper's strict pools).

@@ -62,7 +62,8 @@ def test_registered_and_parameters_are_checked_by_name():
     assert isinstance(make_policy("laps", deployment_perf_model=TOY), LapsPlacementPolicy)
     for bad, name in ((dict(hysteresis=-1), "hysteresis"), (dict(min_per_pool=0), "min_per_pool"),
                       (dict(ttft_slo_ms="x"), "ttft_slo_ms"), (dict(boundary_tokens=0), "boundary_tokens"),
-                      (dict(overflow_ms=-5), "overflow_ms")):
+                      (dict(overflow_ms=-5), "overflow_ms"), (dict(controller="maybe"), "controller"),
+                      (dict(follow_workers="2"), "follow_workers")):
         with pytest.raises(ValueError, match=name):
             LapsPlacementPolicy(perf_model=TOY, **bad)
 

@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from splitserve.core.policies.options import number_option, perf_model_option
+from splitserve.core.policies.options import flag_option, number_option, perf_model_option
 from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
 from splitserve.core.shapes import ShapeGrid
@@ -103,7 +103,7 @@ class LapsPolicy:
         self.head_wait_max_s = number_option("head_wait_max_ms", head_wait_max_ms, minimum=0.0) / 1000
         ttft = number_option("ttft_slo_ms", ttft_slo_ms, minimum=0.0, allow_none=True)
         self.default_ttft_slo_s: float | None = ttft / 1000 if ttft else None
-        self.deadline_free = _flag("deadline_free", deadline_free)
+        self.deadline_free = flag_option("deadline_free", deadline_free)
         self.short_token_target: int | None = number_option("short_token_target", short_token_target, minimum=1,
                                                             integer=True, allow_none=True)
         self.shapes = ShapeGrid(shape_tokens, shape_batches)  # type: ignore[arg-type]  (parsed there)
@@ -333,14 +333,3 @@ class LapsPolicy:
             self.short_step_s = executed.latency_s
         else:
             self.short_step_s += self.learning_rate * (executed.latency_s - self.short_step_s)
-
-
-def _flag(name: str, value: bool | str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -45,3 +45,16 @@ def perf_model_option(value: Any) -> PerfModel | None:
         except (TypeError, ValueError) as err:
             raise ValueError(f"perf_model: {err}") from None
     raise ValueError(f"perf_model must be a PerfModel, its to_dict() or its JSON text, got {type(value).__name__}")
+
+
+def flag_option(name: str, value: bool | str) -> bool:
+    """A boolean option given as a bool or as text (true/false, 1/0, yes/no, on/off); a
+    ValueError names the option."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
