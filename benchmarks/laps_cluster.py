@@ -39,11 +39,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from dynaserve_cluster import console, model_dir, run_bench  # noqa: E402
-
+from benchmarks.dynaserve_cluster import console, model_dir, run_bench  # noqa: E402
 from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 

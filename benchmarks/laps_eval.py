@@ -97,7 +97,7 @@ def load_workloads(trace_dir: Path, n: int, log) -> list[Workload]:
     return out
 
 
-def summarise(results, virtual_s: float) -> dict[str, Any]:
+def summarise(results) -> dict[str, Any]:
     ttft = np.array([r.ttft_s for r in results if r.ok and r.ttft_s is not None])
     violations = sum(1 for r in results if not r.ok or r.ttft_s is None or r.ttft_s > SLO_S)
     done = [r for r in results if r.ok]
@@ -124,7 +124,7 @@ def run_one(gpu: str, model: str, deployment: str, system: str, workload: Worklo
         outcome = sim.run(workload.specs, arrivals.poisson(value), seed=seed)
     else:
         outcome = sim.run(workload.specs, None, concurrency=int(value), seed=seed)
-    row = summarise(outcome.results, outcome.stats.virtual_s)
+    row = summarise(outcome.results)
     row.update(model=model, deployment=deployment, system=system, workload=workload.name, load=kind, value=value,
                wall_s=time.perf_counter() - started, pool_moves=outcome.stats.pool_moves)
     if outcome.stats.pool_timeline:

@@ -18,6 +18,18 @@ from splitserve.telemetry import setup_logging, setup_tracing, start_metrics_ser
 log = logging.getLogger(__name__)
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has ended. A loop that talks to Redis
+    should also check a stop flag: redis-py can swallow a cancellation that lands mid-command."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 def grpc_options(config: CommonConfig) -> list[tuple[str, int]]:
     """Channel/server options: message size limits and keepalive suited to long streams."""
     return [

@@ -73,6 +73,11 @@ class WorkerLoad:
         return min(1.0, max(0.0, self.free_blocks / self.total_blocks))
 
 
+def nearest_rank(ordered: list[float], p: float) -> float:
+    """The p-th percentile of sorted, non-empty `ordered` by the nearest-rank method (always a sample)."""
+    return ordered[max(1, math.ceil(p / 100.0 * len(ordered))) - 1]
+
+
 @dataclass(frozen=True)
 class LatencyWindow:
     """Summary of the latency samples (seconds) inside a time window."""
@@ -91,11 +96,8 @@ class LatencyWindow:
             return cls(count=0, mean=0.0, p50=0.0, p90=0.0, p99=0.0, max=0.0)
         ordered = sorted(values)
         n = len(ordered)
-
-        def rank(p: float) -> float:
-            return ordered[max(1, math.ceil(p / 100.0 * n)) - 1]
-
-        return cls(n, math.fsum(ordered) / n, rank(50), rank(90), rank(99), ordered[-1])
+        return cls(n, math.fsum(ordered) / n, nearest_rank(ordered, 50), nearest_rank(ordered, 90),
+                   nearest_rank(ordered, 99), ordered[-1])
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from __future__ import annotations
 from services.global_scheduler.baselines import LeastLoadedPolicy, colocated_candidates
 from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import ClusterView, Placement, PlacementRequest, WorkerView
-from services.global_scheduler.pool_controller import LONG, SHORT, PoolController, PoolControllerConfig
+from services.global_scheduler.pool_controller import (LONG, SHORT, PoolController, PoolControllerConfig,
+                                                      queued_prefill_s)
 from splitserve.core.length_class import LengthBoundary
 from splitserve.core.policies.options import flag_option, number_option, perf_model_option
 
@@ -101,12 +102,8 @@ class LapsPlacementPolicy:
         """Predicted time to run the prefill tokens queued on `worker` (snapshot plus placed since)."""
         load = worker.load
         since, placed = self._placed.get(worker.worker_id, (None, 0))
-        tokens = load.queued_prefill_tokens + (placed if since == load.updated_unix else 0)
-        if not tokens:
-            return 0.0
-        if self.perf_model is None:
-            return tokens / 20_000.0  # a mid-size GPU's prefill rate: only the order matters here
-        return self.perf_model.prefill_time(0, tokens)
+        return queued_prefill_s(self.perf_model,
+                                load.queued_prefill_tokens + (placed if since == load.updated_unix else 0))
 
     def _note_placed(self, worker: WorkerView, tokens: int) -> None:
         since, placed = self._placed.get(worker.worker_id, (None, 0))

@@ -22,6 +22,7 @@ from services.global_scheduler import metrics
 from services.global_scheduler.pool_controller import LONG, SHORT, PoolController, PoolDecision, PoolMove
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.proto import worker_pb2, worker_pb2_grpc
+from splitserve.service import cancel_and_wait
 from splitserve.state import StateStore, StateUnavailableError
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class PoolControlLoop:
         self._set_role = set_role or self._set_role_over_grpc
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self.decisions: list[PoolDecision] = []  # the last few, for status and tests
         self.leader = False
 
@@ -53,16 +55,13 @@ class PoolControlLoop:
         return self.controller.config.period_s
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._loop(), name="pool-controller")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._stopping = True  # the flag as well as the cancel (see cancel_and_wait)
+        await cancel_and_wait(self._task)
+        self._task = None
         if self.leader:
             try:
                 await self.store.release_leader(LOCK_NAME, self.holder)
@@ -74,7 +73,7 @@ class PoolControlLoop:
         self._channels.clear()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
             except asyncio.CancelledError:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from services.global_scheduler.policy import ClusterView, WorkerView
 from splitserve.perf_model import PerfModel
+from splitserve.state_records import nearest_rank
 
 __all__ = ["InstancePressure", "PoolController", "PoolControllerConfig", "PoolDecision", "PoolMove", "percentile"]
 
@@ -57,10 +58,21 @@ SHORT, LONG = "short", "long"
 
 def percentile(values: list[float], p: float) -> float:
     """Nearest-rank percentile (always one of the values); 0 for none."""
-    if not values:
+    return nearest_rank(sorted(values), p) if values else 0.0
+
+
+# Without a performance model, queued prefill tokens turn into time at this rate (a
+# mid-size GPU's prefill): only the order of instances and the pressure's scale need it.
+NO_MODEL_PREFILL_TOKENS_PER_S = 20_000.0
+
+
+def queued_prefill_s(perf_model: PerfModel | None, tokens: int) -> float:
+    """Predicted time to run `tokens` queued prefill tokens (the model's, else the fixed rate)."""
+    if not tokens:
         return 0.0
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(p / 100.0 * len(ordered))) - 1]
+    if perf_model is None:
+        return tokens / NO_MODEL_PREFILL_TOKENS_PER_S
+    return perf_model.prefill_time(0, tokens)
 
 
 @dataclass(frozen=True)
@@ -134,24 +146,16 @@ class PoolDecision:
 class PoolController:
     """Alg. 2 over a `ClusterView` (the workers' loads and windowed TTFT), one period per `step`."""
 
-    def __init__(self, config: PoolControllerConfig, perf_model: PerfModel | None = None,
-                 prefill_tokens_per_s: float = 20_000.0):
+    def __init__(self, config: PoolControllerConfig, perf_model: PerfModel | None = None):
         self.config = config
         self.perf_model = perf_model
-        # Without a model, queued tokens turn into time at this rate (a mid-size GPU's prefill).
-        self.prefill_tokens_per_s = prefill_tokens_per_s
         self.last_move_at = -math.inf  # t_last
         self.num_moves = 0
 
     def pressure(self, worker: WorkerView) -> InstancePressure:
         """ψ_k = α·q_k + β·e_k − γ·u_k of one prefill instance."""
         c, load = self.config, worker.load
-        tokens = load.queued_prefill_tokens
-        if self.perf_model is not None:
-            queued_s = self.perf_model.prefill_time(0, tokens) if tokens else 0.0
-        else:
-            queued_s = tokens / self.prefill_tokens_per_s
-        queue = queued_s / c.ttft_slo_s
+        queue = queued_prefill_s(self.perf_model, load.queued_prefill_tokens) / c.ttft_slo_s
         ttft = worker.signals.ttft_mean_s if worker.signals is not None else None
         deviation = max(0.0, ttft / c.ttft_slo_s - 1.0) if ttft is not None else 0.0
         spare = 1.0 - min(1.0, max(0.0, load.busy_fraction))
@@ -177,24 +181,19 @@ class PoolController:
         p_short = max(0.0, percentile([i.pressure for i in by_pool[SHORT]], c.percentile))
         p_long = max(0.0, percentile([i.pressure for i in by_pool[LONG]], c.percentile))
         decision = PoolDecision(now, tuple(assignments), None, p_short, p_long, instances)
-        donor = None
-        # A pool below n_min (a worker left, an operator moved one) is refilled first, at once.
-        for pool, other in ((SHORT, LONG), (LONG, SHORT)):
-            if len(by_pool[pool]) < c.min_per_pool < len(by_pool[other]):
-                donor, receiver = by_pool[other], pool
-                break
-        if donor is None and now - self.last_move_at < c.cool_down_s:
+        pressures = {SHORT: p_short, LONG: p_long}
+        # A pool below n_min (a worker left, an operator moved one) is refilled first, at once;
+        # otherwise a hill-climb step (Alg. 2 lines 22-25), once the cool-down has passed.
+        receiver = next((pool for pool, other in ((SHORT, LONG), (LONG, SHORT))
+                         if len(by_pool[pool]) < c.min_per_pool < len(by_pool[other])), None)
+        if receiver is None and now - self.last_move_at >= c.cool_down_s:
+            receiver = next((pool for pool, other in ((SHORT, LONG), (LONG, SHORT))
+                             if pressures[pool] > (1 + c.hysteresis) * pressures[other]
+                             and pressures[pool] - pressures[other] >= c.min_gap
+                             and len(by_pool[other]) > c.min_per_pool), None)
+        if receiver is None:
             return decision
-        if donor is not None:
-            pass
-        elif p_short > (1 + c.hysteresis) * p_long and p_short - p_long >= c.min_gap \
-                and len(by_pool[LONG]) > c.min_per_pool:
-            donor, receiver = by_pool[LONG], SHORT
-        elif p_long > (1 + c.hysteresis) * p_short and p_long - p_short >= c.min_gap \
-                and len(by_pool[SHORT]) > c.min_per_pool:
-            donor, receiver = by_pool[SHORT], LONG
-        if donor is None:
-            return decision
+        donor = by_pool[LONG if receiver == SHORT else SHORT]
         # The least pressed donor instance has the least old-class work left to finish.
         chosen = min(donor, key=lambda i: (i.pressure, i.queue, i.worker_id))
         self.last_move_at = now

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
                                              PlacementRequest, WorkerSignals, orient_kv_transfers)
+from splitserve.service import cancel_and_wait
 from splitserve.errors import Unavailable
 from splitserve.state import StateStore, WorkerActivity, WorkerInfo, WorkerLoad
 
@@ -63,16 +64,9 @@ class ClusterViewSource:
 
     async def stop(self) -> None:
         """Stop the background refresh."""
-        self._stopping = True
-        if self._task is not None:
-            # The flag as well as the cancel: redis-py can swallow a CancelledError that
-            # arrives mid-command, and the loop must still end.
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._stopping = True  # the flag as well as the cancel (see cancel_and_wait)
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def refresh(self) -> None:
         """Re-read the worker registry and load snapshots from Redis (concurrent calls share one read)."""
