@@ -78,6 +78,10 @@ class WorkerConfig(CommonConfig):
                                 "bucket, as a CUDA graph replay needs (exact; on the CPU it only costs the pads).")
     shape_tokens: str = opt("8,16,32,64,128,256", "Captured prompt-length buckets (with --captured-shapes).")
     shape_batches: str = opt("1,2,4,8,16,32,64", "Captured batch sizes (with --captured-shapes).")
+    captured_shapes_executor: str = opt("auto", "How a captured shape runs: auto (cuda_graph on CUDA, eager on the "
+                                        "CPU) | cuda_graph (captured once per bucket, replayed) | eager | compile "
+                                        "(torch.compile per bucket).")
+    max_captured_buckets: int = opt(64, "Most captured buckets (CUDA graphs) kept; a step of another runs unpadded.")
     batch_policy: str = opt("fcfs", "Local batch policy (splitserve/core/policies): fcfs | slo_aware (DynaServe "
                             "Alg. 2: decodes first, then prefill up to what the ITL SLO leaves room for, by a latency "
                             "table seeded from --perf-model, the emulated preset, or learned from scratch) | prefill_reorder (AMPD "

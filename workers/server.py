@@ -111,6 +111,7 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         batch_policy=config.batch_policy, batch_policy_options=batch_policy_options_from(config),
         perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
         captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
+        captured_shapes_executor=config.captured_shapes_executor, max_captured_buckets=config.max_captured_buckets,
     )
 
 

@@ -53,6 +53,25 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, batch order
 
 
+@dataclass
+class BucketMetadata:
+    """Attention inputs of a step padded to a captured shape (LAPS §3.1): B rows of L tokens.
+
+    Every tensor has a shape fixed by the bucket `(L, B, K)` alone and no field is a Python
+    value read from the batch, so the same forward can be captured once as a CUDA graph and
+    replayed with new contents in the same buffers (`workers/engine/captured_shapes.py`).
+    Row b holds one request's chunk right-padded to L tokens; its queries sit at positions
+    `query_starts[b] + i` and see the row's keys at positions `< context_lens[b]` (causally);
+    its keys are the K blocks of `block_tables[b]`, this step's KV included (written first)."""
+
+    slot_blocks: torch.Tensor  # [B*L] int64: cache block of each token's KV (pads: the scratch block)
+    slot_offsets: torch.Tensor  # [B*L] int64
+    block_tables: torch.Tensor  # [B, K] int64 (pad entries: the scratch block)
+    context_lens: torch.Tensor  # [B] int64: keys with KV after this step, per row
+    query_starts: torch.Tensor  # [B] int64: position of each row's first query token
+    block_size: int
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store this step's keys/values at their slots. Caches are [blocks, block_size, kv_heads, dim] views."""
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
@@ -74,6 +93,8 @@ def paged_attention(
 
     `sliding_window` W lets a query at position i see keys in (i - W, i] (Mistral).
     """
+    if isinstance(meta, BucketMetadata):
+        return bucket_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     write_kv(k_cache, v_cache, k, v, meta)
     if use_flash:
         return flash_attn_varlen_func(
@@ -96,6 +117,45 @@ def paged_attention(
             values = _gather(v_cache, chunk.block_table, chunk.context_len)
         out[rows] = _sdpa_prefill(q[rows], keys, values, chunk, sliding_window, scale)
     return out
+
+
+def bucket_attention(q, k, v, k_cache, v_cache, meta: BucketMetadata, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of a padded step [B*L] in one batched call with static shapes: write the
+    step's KV, gather each row's K blocks, mask to the row's causal context.
+
+    Every op keeps its shape from the bucket alone and none reads a tensor on the host, so
+    CUDA graph capture can record it. Pad queries (past a row's chunk) see the row's keys
+    and their output is never read; pad rows see their scratch keys."""
+    _write_bucket_kv(k_cache, v_cache, k, v, meta)
+    batch, blocks = meta.block_tables.shape
+    tokens = q.shape[0] // batch
+    _, num_heads, head_dim = q.shape
+    keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, K*bs, D]
+    values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    key_pos = torch.arange(blocks * meta.block_size, device=q.device)[None, None, :]
+    query_pos = (meta.query_starts[:, None] + torch.arange(tokens, device=q.device)[None, :])[:, :, None]
+    allowed = (key_pos <= query_pos) & (key_pos < meta.context_lens[:, None, None])  # [B, L, S]
+    if sliding_window:
+        allowed &= key_pos > query_pos - sliding_window
+    # Each kv head's G query heads ride as G·L query rows (as in `_sdpa_decode`): no
+    # masked-GQA path, one SDPA call for the whole bucket.
+    grouped = q.view(batch, tokens, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(batch, num_kv_heads, group * tokens, head_dim)
+    mask = allowed[:, None, None].expand(batch, 1, group, tokens, allowed.shape[-1]).reshape(batch, 1, group * tokens, -1)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(batch, num_kv_heads, group, tokens, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch * tokens, num_heads, head_dim)
+
+
+@torch.compiler.disable
+def _write_bucket_kv(k_cache, v_cache, k, v, meta: BucketMetadata) -> None:
+    # Outside a `torch.compile`d bucket (a graph break): functionalising an index_put into a
+    # strided view of the whole KV cache fails in the compiler; CUDA graph capture records it.
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -59,15 +59,22 @@ class EngineConfig:
     captured_shapes: bool = False
     shape_tokens: str = "8,16,32,64,128,256"
     shape_batches: str = "1,2,4,8,16,32,64"
+    # How a bucket runs: cuda_graph (captured once, replayed), eager or compile (torch.compile
+    # per bucket); auto: cuda_graph on CUDA, eager on the CPU.
+    captured_shapes_executor: str = "auto"
+    max_captured_buckets: int = 64  # buckets (and CUDA graphs) kept; a step of another bucket runs unpadded
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     seed: int = 0  # draws per-request seeds for requests that bring none
     # Produce text with every token; when off, text is still decoded for stop strings.
     detokenize: bool = True
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_captured_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.captured_shapes_executor not in ("auto", "eager", "compile", "cuda_graph"):
+            raise ValueError("captured_shapes_executor must be one of auto, eager, compile, cuda_graph, "
+                             f"got {self.captured_shapes_executor!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "sdpa", "flash"):

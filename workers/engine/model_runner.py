@@ -16,7 +16,7 @@ from workers.engine.attention import (
     PrefillChunk,
 )
 from splitserve.core.shapes import ShapeGrid
-from workers.engine.captured_shapes import pad_prefill_batch
+from workers.engine.captured_shapes import BucketRunner, build_bucket_step
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
@@ -56,7 +56,15 @@ class ModelRunner:
         # LAPS captured shapes: padded steps write their pad tokens' KV to one scratch block
         # past the ones the block manager owns (`num_blocks`).
         self.shapes = ShapeGrid(config.shape_tokens, config.shape_batches) if config.captured_shapes else None
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_padded_steps = 0
+        self.buckets: BucketRunner | None = None
+        if self.shapes is not None:
+            executor = config.captured_shapes_executor
+            if executor == "auto":
+                executor = "cuda_graph" if self.device.type == "cuda" else "eager"
+            self.buckets = BucketRunner(self._bucket_forward, self.block_size, self.device, executor,
+                                        config.max_captured_buckets)
         scratch = 1 if self.shapes is not None else 0
         # Block-major layout [blocks, layers, k/v, block_size, kv_heads, head_dim]: one
         # block's KV for every layer is contiguous, so moving a block list between
@@ -137,12 +145,16 @@ class ModelRunner:
 
         `on_layer_kv(layer)` is called on this thread as each decoder layer has written its
         KV of the step (the per-layer push of a stage's last step)."""
+        if self.buckets is not None:
+            sampled = self._execute_bucket(out)
+            if sampled is not None:
+                if on_layer_kv is not None:
+                    # A graph cannot call back between layers: a bucket's KV is pushed once the
+                    # whole (short) step has run, every layer in order.
+                    for layer in range(self.spec.num_layers):
+                        on_layer_kv(layer)
+                return sampled
         batch = self.prepare(out.entries)
-        if self.shapes is not None and not self.use_flash:
-            padded = pad_prefill_batch(batch, self.shapes, self.num_blocks, self.block_size)
-            if padded is not None:
-                batch = padded
-                self.num_padded_steps += 1
         if on_layer_kv is None:
             logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices)
         else:
@@ -153,6 +165,26 @@ class ModelRunner:
             logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
         )
         return {s.key: t for s, t in zip(seqs, tokens)}
+
+    def _execute_bucket(self, out: SchedulerOutput) -> dict[StageKey, int] | None:
+        """The step run as its captured shape (LAPS §3.1), or None when it has none."""
+        step = build_bucket_step(out.entries, self.shapes, self.block_size, self.num_blocks, self.max_blocks_per_seq)
+        if step is None:
+            return None
+        logits = self.buckets.run(step)
+        if logits is None:
+            return None
+        self.num_padded_steps += 1
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=logits.device)
+        logits = logits[rows]  # a copy: a graph's output buffer is rewritten by its next replay
+        seqs = [e.seq for e in out.entries if e.samples]
+        tokens = sampler.sample(
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
+        )
+        return {s.key: t for s, t in zip(seqs, tokens)}
+
+    def _bucket_forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:
+        return self.model(input_ids, positions, self.layer_caches, meta, logits_indices)
 
     def prepare(self, entries: list[ScheduledEntry]) -> PreparedBatch:
         """Flatten the step: single-token entries first (batched decode path), then chunks."""
