@@ -93,22 +93,27 @@ class PoolControlLoop:
             return None
         view = await self.views.current()
         decision = self.controller.step(view, self.clock())
+        applied = []
         for change in decision.changes:
             worker = view.get(change.worker_id)
-            if worker is None:
-                continue
             try:
+                if worker is None:
+                    raise LookupError("the worker left the cluster view")
                 await self._set_role(worker.address, change, token)
-            except grpc.aio.AioRpcError as err:
+            except (grpc.aio.AioRpcError, LookupError) as err:
                 # The next period sees the pool as it is and decides again.
-                log.warning("SetRole %s -> %s failed: %s", change.worker_id, change.to_pool, err.details())
+                reason = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                log.warning("SetRole %s -> %s failed: %s", change.worker_id, change.to_pool, reason)
+                if change is decision.move:
+                    self.controller.move_failed()
                 continue
+            applied.append(change)
             if change is decision.move:
                 metrics.POOL_MOVES.labels(change.to_pool).inc()
                 log.info("pool controller moved %s from %s to %s (P_s %.3f, P_l %.3f)", change.worker_id,
                          change.from_pool, change.to_pool, decision.short_pressure, decision.long_pressure)
         pools = [w.load.pool for w in view.by_role("prefill")]
-        for change in decision.changes:
+        for change in applied:
             pools.append(change.to_pool)
             pools.remove(change.from_pool)
         for pool, pressure in ((SHORT, decision.short_pressure), (LONG, decision.long_pressure)):

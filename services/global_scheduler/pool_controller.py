@@ -151,6 +151,13 @@ class PoolController:
         self.perf_model = perf_model
         self.last_move_at = -math.inf  # t_last
         self.num_moves = 0
+        self._move_before = -math.inf  # t_last before the latest move, for `move_failed`
+
+    def move_failed(self) -> None:
+        """The latest decision's move did not happen (its SetRole failed): it neither counts
+        nor starts a cool-down, so the next period may decide it again."""
+        self.last_move_at = self._move_before
+        self.num_moves -= 1
 
     def pressure(self, worker: WorkerView) -> InstancePressure:
         """ψ_k = α·q_k + β·e_k − γ·u_k of one prefill instance."""
@@ -196,7 +203,7 @@ class PoolController:
         donor = by_pool[LONG if receiver == SHORT else SHORT]
         # The least pressed donor instance has the least old-class work left to finish.
         chosen = min(donor, key=lambda i: (i.pressure, i.queue, i.worker_id))
-        self.last_move_at = now
+        self._move_before, self.last_move_at = self.last_move_at, now
         self.num_moves += 1
         return PoolDecision(now, tuple(assignments), PoolMove(chosen.worker_id, pools[chosen.worker_id], receiver),
                             p_short, p_long, instances)

@@ -29,12 +29,13 @@ def prefix():
     asyncio.run(delete_prefixed(unique))
 
 
-async def _replica(prefix: str, name: str) -> tuple[StateStore, ClusterViewSource, PoolControlLoop]:
+async def _replica(prefix: str, name: str, cool_down_s: float = 0.0
+                   ) -> tuple[StateStore, ClusterViewSource, PoolControlLoop]:
     store = StateStore(REDIS_URL, prefix, retry_policy=RedisRetryPolicy(attempts=2, base_delay_s=0.05))
     await store.connect()
     views = ClusterViewSource(store, 0.02)
     await views.start()
-    controller = PoolController(PoolControllerConfig(period_s=0.05, cool_down_s=0.0))
+    controller = PoolController(PoolControllerConfig(period_s=0.05, cool_down_s=cool_down_s))
     return store, views, PoolControlLoop(views, store, controller, holder=name, rpc_timeout_s=1.0)
 
 
@@ -86,5 +87,37 @@ def test_the_loop_keeps_running_its_periods_in_the_background(prefix):
             await store.close()
         async with StateStore(REDIS_URL, prefix) as other:  # released at stop: another may lead at once
             assert await other.try_acquire_leader("pool-controller", "someone-else", ttl_s=1.0) is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_move_whose_set_role_fails_is_not_counted_and_is_tried_again_next_period(prefix):
+    async def scenario() -> None:
+        store, views, loop = await _replica(prefix, "scheduler-d", cool_down_s=60.0)
+        try:
+            pools = {"p0": ("short", 200_000, 1.0), "p1": ("long", 0, 0.0), "p2": ("long", 0, 0.0)}
+            ports: set[int] = set()
+            while len(ports) < len(pools):  # distinct: one address is one worker in the view
+                ports.add(free_port())
+            for (worker_id, (pool, queued, busy)), port in zip(pools.items(), sorted(ports)):
+                # nothing listens at these addresses
+                await store.register_worker(WorkerInfo(worker_id, f"127.0.0.1:{port}", role="prefill",
+                                                       engine_kind="emulated"), ttl_s=30)
+                await store.publish_load(WorkerLoad(worker_id, role="prefill", engine_kind="emulated", pool=pool,
+                                                    queued_prefill_tokens=queued, busy_fraction=busy,
+                                                    total_blocks=10, free_blocks=10, block_size=16), ttl_s=30)
+            deadline = asyncio.get_running_loop().time() + 10
+            while len((await views.current()).by_role("prefill")) < 3:  # a read begun earlier may lack some
+                assert asyncio.get_running_loop().time() < deadline, "the view never held the three workers"
+                await views.refresh()
+            first = await loop.tick()
+            assert first is not None and first.move is not None and first.move.to_pool == "short"
+            assert loop.controller.num_moves == 0  # its SetRole failed (UNAVAILABLE)
+            second = await loop.tick()
+            assert second is not None and second.move == first.move  # decided again, no cool-down started
+        finally:
+            await loop.stop()
+            await views.stop()
+            await store.close()
 
     asyncio.run(scenario())

@@ -171,6 +171,18 @@ def test_one_instance_moves_to_the_pressed_pool_the_least_pressed_donor_then_coo
     assert ctl.step(cluster, NOW + 5.0).move is not None
 
 
+def test_a_move_whose_set_role_failed_neither_counts_nor_starts_a_cool_down():
+    ctl = controller()
+    cluster = view(worker("p0", pool="short", queued=40_000, busy=1.0), worker("p1", pool="long", busy=0.5),
+                   worker("p2", pool="long", busy=0.1))
+    first = ctl.step(cluster, NOW)
+    assert first.move is not None and ctl.num_moves == 1
+    ctl.move_failed()
+    assert ctl.num_moves == 0
+    assert ctl.step(cluster, NOW + 1.0).move == first.move  # decided again at once, no cool-down
+    assert ctl.step(cluster, NOW + 2.0).move is None  # that one happened: T_cool from NOW + 1
+
+
 def test_hysteresis_min_gap_and_n_min_hold_moves_back():
     balanced = view(worker("p0", pool="short", queued=10_000, busy=1.0), worker("p1", pool="long", queued=9000,
                                                                                 busy=1.0),
