@@ -43,13 +43,15 @@ def demo_model(
     model_cache: Optional[Path] = typer.Option(
         None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
         help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
-    arch: Optional[str] = typer.Option(None, help="llama | qwen2 | qwen3 | mistral (default llama)."),
+    arch: Optional[str] = typer.Option(
+        None, help="llama | qwen2 | qwen3 | mistral | llada (default llama). llada: the masked-diffusion LLaDA "
+                   "in GSAI-ML/LLaDA-8B-Instruct's layout, with a mask token in the tokenizer."),
     hidden: int = typer.Option(256, help="Hidden size."),
     layers: int = typer.Option(4, help="Number of decoder layers."),
     heads: int = typer.Option(8, help="Attention heads."),
     kv_heads: int = typer.Option(4, help="Key/value heads (GQA)."),
-    intermediate: int = typer.Option(704, help="MLP intermediate size."),
-    vocab: int = typer.Option(512, help="Vocabulary size (>= 259 for the byte tokenizer)."),
+    intermediate: int = typer.Option(704, help="MLP intermediate size (llada: mlp_hidden_size, each of gate and up)."),
+    vocab: int = typer.Option(512, help="Vocabulary size (>= 259 for the byte tokenizer, >= 260 for llada)."),
     max_positions: int = typer.Option(2048, help="Max position embeddings."),
     seed: int = typer.Option(0, help="Weight-initialisation seed."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
