@@ -17,6 +17,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Diffusion models only (dLLM-Serve / LLaDA): denoising steps over max_tokens (default:
+    # one per token), block length (default: 32 when it divides max_tokens, else max_tokens),
+    # remasking strategy, KV retention ratio (1: dense), classifier-free guidance.
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str = "low_confidence"
+    retention_ratio: float = 1.0
 
     @property
     def greedy(self) -> bool:

@@ -48,52 +48,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from splitserve.core.diffusion import REMASKING_STRATEGIES, DiffusionParams, transfer_token_schedule
+
+__all__ = ["REMASKING_STRATEGIES", "DiffusionOutput", "DiffusionParams", "add_gumbel_noise", "denoise_block_step",
+           "generate", "generate_dual_cache", "transfer_token_schedule"]
+
 # input_ids [B, T] -> logits [B, T, vocab] (LladaModel.__call__ is one).
 MaskPredictor = Callable[[torch.Tensor], torch.Tensor]
-
-REMASKING_STRATEGIES = ("low_confidence", "random")
-
-
-@dataclass(frozen=True)
-class DiffusionParams:
-    """The knobs of LLaDA's `generate`; validated on construction, errors name the field."""
-
-    gen_length: int = 128
-    block_length: int = 128
-    steps: int = 128
-    temperature: float = 0.0
-    cfg_scale: float = 0.0
-    remasking: str = "low_confidence"
-
-    def __post_init__(self) -> None:
-        for name in ("gen_length", "block_length", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.gen_length % self.block_length:
-            raise ValueError(f"block_length ({self.block_length}) must divide gen_length ({self.gen_length})")
-        if self.steps % self.num_blocks:
-            raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks "
-                             f"(gen_length / block_length = {self.num_blocks})")
-        for name in ("temperature", "cfg_scale"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.remasking not in REMASKING_STRATEGIES:
-            raise ValueError(f"remasking must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
-
-    @property
-    def uses_randomness(self) -> bool:
-        return self.temperature > 0 or self.remasking == "random"
-
 
 @dataclass(frozen=True)
 class DiffusionOutput:
@@ -106,18 +67,6 @@ class DiffusionOutput:
     @property
     def sequence(self) -> tuple[int, ...]:
         return self.prompt + self.tokens
-
-
-def transfer_token_schedule(masked_count: int, steps: int) -> list[int]:
-    """How many of `masked_count` masked tokens each of `steps` steps unmasks (LLaDA's
-    `get_num_transfer_tokens`): the same number every step, the remainder one each to the
-    first steps, so the schedule sums to `masked_count`."""
-    if masked_count < 0:
-        raise ValueError(f"masked_count must be >= 0, got {masked_count}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    base, remainder = divmod(masked_count, steps)
-    return [base + 1 if step < remainder else base for step in range(steps)]
 
 
 def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -250,3 +199,46 @@ def _predict(model: MaskPredictor, input_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the model must return logits [batch, positions, vocab] for input "
                          f"{tuple(input_ids.shape)}, got {tuple(logits.shape)}")
     return logits
+
+
+def generate_dual_cache(
+    model,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    params: DiffusionParams,
+    *,
+    mask_token_id: int,
+    generators: Sequence[torch.Generator] | None = None,
+) -> list[DiffusionOutput]:
+    """The dual-cache definition (Fast-dLLM; dLLM-Serve §2.3), one prompt at a time: a block's
+    first step is a Refresh (`model.forward_with_kv` over the whole sequence, its keys/values
+    kept), its other steps Reuse them (`model.forward_queries` over the block alone, the
+    block's fresh keys/values in place of the cached ones). No guidance (`cfg_scale` 0)."""
+    if params.cfg_scale:
+        raise ValueError("cfg_scale is not supported with the dual cache")
+    prompt_ids = [_prompt_ids(p, i, mask_token_id) for i, p in enumerate(prompts)]
+    outputs = []
+    with torch.inference_mode():
+        for index, prompt in enumerate(prompt_ids):
+            generator = None if generators is None else generators[index]
+            prompt_len = len(prompt)
+            x = torch.full((prompt_len + params.gen_length,), mask_token_id, dtype=torch.long)
+            x[:prompt_len] = torch.tensor(prompt, dtype=torch.long)
+            commit_step = torch.full((params.gen_length,), -1, dtype=torch.long)
+            for block in range(params.num_blocks):
+                start = prompt_len + block * params.block_length
+                end = start + params.block_length
+                schedule = transfer_token_schedule(params.block_length, params.steps_per_block)
+                cached = None
+                for step, num_transfer in enumerate(schedule):
+                    if step == 0:
+                        refreshed = model.forward_with_kv(x[None])
+                        cached, block_logits = refreshed.kv, refreshed.logits[0, start:end]
+                    else:
+                        query_index = torch.arange(start, end)[None]
+                        block_logits = model.forward_queries(x[None, start:end], query_index, cached).logits[0]
+                    new_block, chosen = denoise_block_step(block_logits, x[start:end], mask_token_id, num_transfer,
+                                                           params, generator)
+                    x[start:end] = new_block
+                    commit_step[block * params.block_length + chosen] = block * params.steps_per_block + step
+            outputs.append(DiffusionOutput(tuple(prompt), tuple(x[prompt_len:].tolist()), tuple(commit_step.tolist())))
+    return outputs

@@ -63,6 +63,13 @@ class EngineConfig:
     # per bucket); auto: cuda_graph on CUDA, eager on the CPU.
     captured_shapes_executor: str = "auto"
     max_captured_buckets: int = 64  # buckets (and CUDA graphs) kept; a step of another bucket runs unpadded
+    # Diffusion models (LLaDA; workers/diffusion): dual = Refresh at each block start, Reuse
+    # the cache within the block (dLLM-Serve §2.3); none = every step recomputes the sequence.
+    dllm_cache: str = "dual"
+    max_num_logits: int = 2048  # logit rows materialised at once (dLLM-Serve §4.3)
+    sparse_kv: str = "head"  # head (dLLM-Serve §4.5) | uniform (Sparse-dLLM), for retention_ratio < 1
+    diffusion_policy: str = "phase_multiplexed"  # | static (request-level batches, the baseline)
+    static_batch_size: int = 8
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     seed: int = 0  # draws per-request seeds for requests that bring none
     # Produce text with every token; when off, text is still decoded for stop strings.

@@ -28,7 +28,11 @@ class LLM:
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'model'})}")
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        config = EngineConfig(model=model, **engine_options)
+        from workers.diffusion.engine import DiffusionEngine, is_diffusion_model
+
+        # A LLaDA directory gets the diffusion engine (dLLM-Serve), any other the autoregressive one.
+        self.engine = DiffusionEngine(config) if is_diffusion_model(model) else Engine(config)
         self._counter = 0
 
     def generate(
@@ -48,7 +52,10 @@ class LLM:
             key = StageKey(f"llm-{self._counter}")
             self._counter += 1
             ids = self.tokenize(prompt)
-            self.engine.add_stage(StageSpec(key, tuple(ids), p or SamplingParams()))
+            if hasattr(self.engine, "add_request"):  # the diffusion engine
+                self.engine.add_request(key, ids, p or SamplingParams())
+            else:
+                self.engine.add_stage(StageSpec(key, tuple(ids), p or SamplingParams()))
             keys.append(key)
             prompt_ids[key] = ids
         tokens: dict[StageKey, list[int]] = {k: [] for k in keys}

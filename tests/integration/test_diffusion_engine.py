@@ -1,0 +1,137 @@
+"""The diffusion engine (dLLM-Serve) on a random LLaDA: token for token against the reference.
+
+With no cache the engine must reproduce `reference.generate` (full recompute every step);
+with the dual cache, `reference.generate_dual_cache` (Refresh at each block start, Reuse
+within) — both through continuous, packed, phase-multiplexed batches of prompts of
+different lengths, with the logits decomposed into chunks smaller than one block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitserve.core.diffusion import DiffusionParams
+from splitserve.demo_model import DemoModelSpec, build_demo_model
+from workers.diffusion.reference import generate, generate_dual_cache
+from workers.diffusion.runner import select_context
+from workers.engine import LLM, SamplingParams
+from workers.engine.models.llada import load_llada
+
+TINY = dict(arch="llada", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+            vocab_size=300, max_position_embeddings=96, seed=3, initializer_range=0.2)
+SEEDS = (11, 12, 13, 14)
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory):
+    return build_demo_model(DemoModelSpec(**TINY), tmp_path_factory.mktemp("llada-engine"))
+
+
+@pytest.fixture(scope="module")
+def model(llada_dir):
+    return load_llada(llada_dir)
+
+
+def _prompts(lengths) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
+
+
+def _run(llada_dir, prompts, knobs: DiffusionParams, **engine):
+    llm = LLM(str(llada_dir), **engine)
+    params = [SamplingParams(max_tokens=knobs.gen_length, block_length=knobs.block_length, steps=knobs.steps,
+                             temperature=knobs.temperature, remasking=knobs.remasking, seed=seed, ignore_eos=True)
+              for seed in SEEDS[: len(prompts)]]
+    return llm, [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+CASES = [  # gen_length, block_length, steps, remasking, temperature
+    (16, 8, 8, "low_confidence", 0.0),
+    (16, 16, 16, "low_confidence", 0.0),
+    (12, 4, 12, "random", 0.0),
+    (16, 4, 8, "low_confidence", 0.8),
+]
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_the_engine_equals_the_reference_token_for_token(llada_dir, model, cache, case):
+    gen, block, steps, remasking, temperature = case
+    knobs = DiffusionParams(gen_length=gen, block_length=block, steps=steps, remasking=remasking,
+                            temperature=temperature)
+    prompts = _prompts([5, 13, 9, 31])  # lengths that are multiples of nothing in particular
+    reference = generate if cache == "none" else generate_dual_cache
+    expected = reference(model, prompts, knobs, mask_token_id=model.config.mask_token_id,
+                         generators=[torch.Generator().manual_seed(s) for s in SEEDS])
+    # A small step budget so requests join and leave mid-way, logits in chunks below a block.
+    llm, got = _run(llada_dir, prompts, knobs, dllm_cache=cache, max_num_logits=5,
+                    max_num_batched_tokens=2 * (31 + gen))
+    assert got == [list(e.tokens) for e in expected]
+    assert llm.engine.runner.peak_logit_rows <= 5
+
+
+def test_phase_multiplexing_admits_requests_mid_flight_and_changes_no_token(llada_dir):
+    knobs = DiffusionParams(gen_length=16, block_length=4, steps=8)
+    prompts = _prompts([7, 20, 11, 3])
+    multiplexed, by_phase = _run(llada_dir, prompts, knobs, max_num_batched_tokens=60)
+    static, by_request = _run(llada_dir, prompts, knobs, diffusion_policy="static", static_batch_size=2,
+                              max_num_batched_tokens=60)
+    assert by_phase == by_request
+    assert multiplexed.engine.scheduler.config.policy == "phase_multiplexed"
+
+
+def test_output_stops_at_the_first_eos_of_a_final_block(llada_dir, model):
+    knobs = DiffusionParams(gen_length=16, block_length=4, steps=8)
+    prompts = _prompts([6, 10])
+    _, full = _run(llada_dir, prompts, knobs)
+    eos = full[0][5]  # pretend the 6th generated token ends the sequence
+    llm = LLM(str(llada_dir))
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=16, block_length=4, steps=8, temperature=0.0,
+                                                 stop_token_ids=[eos])] * 2)
+    for out, tokens in zip(outs, full):
+        cut = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        assert out.token_ids == tokens[:cut]
+        assert out.finish_reason == ("stop" if eos in tokens else "length")
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.runner.states
+
+
+def test_bad_diffusion_parameters_are_refused_naming_the_field(llada_dir):
+    llm = LLM(str(llada_dir))
+    for params, name in ((SamplingParams(max_tokens=10, block_length=4), "block_length"),
+                         (SamplingParams(max_tokens=8, block_length=4, steps=3), "steps"),
+                         (SamplingParams(max_tokens=8, remasking="entropy"), "remasking"),
+                         (SamplingParams(max_tokens=8, retention_ratio=0.0), "retention_ratio"),
+                         (SamplingParams(max_tokens=8, top_k=5), "top_k"),
+                         (SamplingParams(max_tokens=96), "max_model_len")):
+        with pytest.raises(ValueError, match=name):
+            llm.generate([[5, 6, 7]], params)
+    with pytest.raises(ValueError, match="mask token"):
+        llm.generate([[5, llm.engine.model_config.mask_token_id]], SamplingParams(max_tokens=8))
+
+
+def test_sparse_kv_keeps_each_heads_own_top_positions_or_one_shared_set():
+    scores = torch.tensor([[9.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0],
+                           [0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0, 0.0]])
+    # Max-pooled over 3 positions: head 0 peaks around 0-1 and 6-7, head 1 around 2-4.
+    assert select_context(scores, 2, "head").tolist() == [[0, 1], [2, 3]]
+    shared = select_context(scores, 2, "uniform")
+    assert shared.tolist() == [[0, 1], [0, 1]]  # one set for every head: head 1's only token is lost
+    with pytest.raises(ValueError, match="sparse_kv"):
+        select_context(scores, 2, "random")
+
+
+@pytest.mark.parametrize("selection", ["head", "uniform"])
+def test_a_sparse_cache_keeping_all_context_gives_the_dense_tokens_and_low_retention_runs(llada_dir, selection):
+    knobs = DiffusionParams(gen_length=16, block_length=4, steps=8)
+    prompts = _prompts([9, 14])
+    _, dense = _run(llada_dir, prompts, knobs)
+    llm = LLM(str(llada_dir), sparse_kv=selection)
+    keep_all = llm.generate(prompts, SamplingParams(max_tokens=16, block_length=4, steps=8, temperature=0.0,
+                                                    retention_ratio=0.9999, ignore_eos=True))
+    assert [o.token_ids for o in keep_all] == dense  # k = the whole context: the same attention
+    low = llm.generate(prompts, SamplingParams(max_tokens=16, block_length=4, steps=8, temperature=0.0,
+                                               retention_ratio=0.25, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in low)
+    assert llm.engine.scheduler.kv_used_tokens == 0

@@ -1,0 +1,173 @@
+"""The diffusion engine: the core's `DiffusionScheduler` driving a `DiffusionRunner` (dLLM-Serve).
+
+The second engine kind beside the autoregressive `workers.engine.Engine`, with the same
+shape: `add_request`, `step() -> [TokenEvent]`, `abort`, `has_unfinished`. A request's
+output is streamed a block at a time, when the block is final (its last denoising step
+ran); a final block holding an end-of-sequence token ends the request there (the
+reference's later blocks cannot change the tokens before it, so the output up to EOS is
+the same and the rest is not computed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from splitserve.core import SamplingParams, StageKey, TokenEvent
+from splitserve.core.diffusion import (DiffusionParams, DiffusionScheduler, DiffusionSchedulerConfig,
+                                       DiffusionSequence)
+from workers.diffusion.runner import DiffusionRunner
+from workers.engine.config import EngineConfig, parse_dtype
+from workers.engine.models.llada import LladaConfig, load_llada
+
+__all__ = ["DiffusionEngine", "diffusion_params", "is_diffusion_model"]
+
+_CPU_DEFAULT_KV_BYTES_CAP = 2 << 30
+DEFAULT_BLOCK_LENGTH = 32
+
+
+def is_diffusion_model(model_dir: str | Path) -> bool:
+    """A LLaDA directory (config.json `model_type: llada`)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == "llada"
+    except (OSError, ValueError):
+        return False
+
+
+def diffusion_params(params: SamplingParams) -> DiffusionParams:
+    """The request's denoising knobs from its sampling parameters (defaults: one step per
+    token, blocks of 32 when 32 divides max_tokens); a ValueError names the field."""
+    if params.top_k or params.top_p != 1.0:
+        raise ValueError("top_k and top_p are not supported by diffusion models (use temperature)")
+    gen = params.max_tokens
+    block = params.block_length or (DEFAULT_BLOCK_LENGTH if gen % DEFAULT_BLOCK_LENGTH == 0 else gen)
+    if params.block_length is None and params.steps is not None and params.steps % (gen // block):
+        block = gen  # the default blocks would not divide these steps: one block
+    return DiffusionParams(gen_length=gen, block_length=block, steps=params.steps or gen,
+                           temperature=params.temperature, remasking=params.remasking,
+                           retention_ratio=params.retention_ratio)
+
+
+class DiffusionEngine:
+    """Continuous (phase-multiplexed) batching of diffusion requests over one LLaDA model."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, tokenizer=None):
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.model_config = LladaConfig.from_dir(config.model)
+        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if config.device == "auto" else config.device))
+        if device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = torch.float32 if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.model = load_llada(config.model, dtype, device)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(Path(config.model))
+        self.tokenizer = tokenizer
+        raw = json.loads((Path(config.model) / "config.json").read_text())
+        eos = raw.get("eos_token_id")
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        self.max_model_len = min(config.max_model_len or self.model_config.max_sequence_length,
+                                 self.model_config.max_sequence_length)
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.kv_bytes_per_token = 2 * self.model_config.n_layers * self.model_config.n_kv_heads * \
+            self.model_config.head_dim * elem
+        budget = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES_CAP
+        self.scheduler = DiffusionScheduler(DiffusionSchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            kv_capacity_tokens=max(1, budget // self.kv_bytes_per_token), cache=config.dllm_cache,
+            policy=config.diffusion_policy, static_batch_size=config.static_batch_size))
+        self.runner = DiffusionRunner(self.model, cache=config.dllm_cache, max_num_logits=config.max_num_logits,
+                                      sparse_kv=config.sparse_kv, device=device)
+        self._requests: dict[str, tuple[StageKey, list[int], SamplingParams]] = {}
+        self._emitted: dict[str, int] = {}
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, key: StageKey, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; a ValueError names the field and the limit it breaks."""
+        params.validate(self.model_config.vocab_size)
+        knobs = diffusion_params(params)
+        if not prompt_ids:
+            raise ValueError("prompt must hold at least one token")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        if self.model_config.mask_token_id in prompt_ids:
+            raise ValueError(f"prompt contains the mask token (id {self.model_config.mask_token_id})")
+        length = len(prompt_ids) + knobs.gen_length
+        if length > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({knobs.gen_length}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        seq = DiffusionSequence(str(key),
+                                len(prompt_ids), knobs, self.clock())
+        self.scheduler.add(seq)  # raises when it could never run (names the limit)
+        if params.seed is None and knobs.uses_randomness:
+            params.seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        self._requests[seq.key] = (key, list(prompt_ids), params)
+        self._emitted[seq.key] = 0
+
+    def abort(self, key: StageKey) -> bool:
+        name = str(key)
+        found = self.scheduler.abort(name)
+        self.runner.release(name)
+        self._requests.pop(name, None)
+        self._emitted.pop(name, None)
+        return found
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """One denoising step of every scheduled request; events for the blocks that became final."""
+        batch = self.scheduler.schedule()
+        if not batch.entries:
+            return []
+        for work in batch.entries:
+            if work.admitted:
+                _, prompt, params = self._requests[work.seq.key]
+                self.runner.start(work.seq, prompt, params.seed)
+        self.runner.execute(batch)
+        final_blocks, _ = self.scheduler.finish_step(batch)
+        events = []
+        for seq in final_blocks:
+            events.append(self._block_event(seq))
+        return events
+
+    def _block_event(self, seq: DiffusionSequence) -> TokenEvent:
+        key, prompt, params = self._requests[seq.key]
+        done = self._emitted[seq.key]
+        end = seq.prompt_len + (seq.params.num_blocks if seq.finished else seq.block) * seq.params.block_length
+        tokens = self.runner.tokens(seq.key, seq.prompt_len + done, end)
+        reason = "length" if seq.finished else None
+        if not params.ignore_eos:
+            stops = self.eos_token_ids | set(params.stop_token_ids)
+            cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+            if cut is not None:
+                tokens, reason = tokens[: cut + 1], "stop"
+        self._emitted[seq.key] = done + len(tokens)
+        if reason is not None:
+            if not seq.finished:
+                self.scheduler.stop_early(seq.key)
+            self.runner.release(seq.key)
+            self._requests.pop(seq.key, None)
+            self._emitted.pop(seq.key, None)
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return TokenEvent(key, tokens, text, reason, len(prompt), done + len(tokens))
+
+
+def _load_tokenizer(model_dir: Path):
+    if not (model_dir / "tokenizer.json").is_file():
+        return None
+    # Not AutoTokenizer: it reads config.json for a model class, and transformers has none for llada.
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
