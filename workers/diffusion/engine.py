@@ -160,7 +160,7 @@ class DiffusionEngine:
             self.runner.release(seq.key)
             self._requests.pop(seq.key, None)
             self._emitted.pop(seq.key, None)
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
         return TokenEvent(key, tokens, text, reason, len(prompt), done + len(tokens))
 
 

@@ -177,10 +177,12 @@ class DiffusionRunner:
             context = torch.cat((torch.arange(start), torch.arange(end, seq.length))).to(self.device)
             cfg = self.config
             group = cfg.n_heads // cfg.n_kv_heads
-            # Raw per-head dot products of the block's queries with each context key, summed
-            # over the block's queries and each KV head's query group (Eq. 6's inner score).
+            # Per KV head, the attention the block's queries (and the head's query group) pay
+            # each context key: softmax over all keys, summed over those queries (Eq. 6's
+            # inner score as attention mass: raw dot products summed over queries cancel out).
             queries = block_q.transpose(0, 1).reshape(cfg.n_kv_heads, group * block_q.shape[0], cfg.head_dim)
-            scores = torch.einsum("hqd,hkd->hk", queries.float(), keys[:, context].float()) / math.sqrt(cfg.head_dim)
+            logits = torch.einsum("hqd,hkd->hqk", queries.float(), keys.float()) / math.sqrt(cfg.head_dim)
+            scores = logits.softmax(dim=-1)[:, :, context].sum(dim=1)
             keep = retained_tokens(context.numel(), seq.params.retention_ratio)
             chosen = context[select_context(scores, keep, self.sparse_kv)]  # [KVH, keep] positions
             index = chosen[:, :, None].expand(-1, -1, cfg.head_dim)
