@@ -2,7 +2,8 @@
 
 Two parts, side by side in one run:
 
-* `cpu` — throughput and latency of the diffusion engine under Poisson arrivals, the
+* `cpu` — throughput and latency (medians over --repeats runs, the two systems interleaved)
+  of the diffusion engine under Poisson arrivals, the
   phase-multiplexed scheduler (dLLM-Serve §4.4) against the static request-level baseline
   (Fast-dLLM's dual cache at the largest batch whose Refresh fits the same token budget),
   same model, same requests, same dual cache. The rates are fractions of the saturation
@@ -96,12 +97,20 @@ def cpu_part(args, prompts: list[list[int]]) -> list[dict]:
         for _ in prompts:
             clock += rng.expovariate(rate)
             arrivals.append(clock)
-        for policy in ("static", "phase_multiplexed"):
-            row = serve(args.model, prompts, arrivals, params, policy, **common)
-            row.update(rate_req_s=rate, rate_fraction=fraction, static_batch=static_batch)
+        runs: dict[str, list[dict]] = {"static": [], "phase_multiplexed": []}
+        for _ in range(args.repeats):  # the two systems interleaved, the same arrivals each time
+            for policy in runs:
+                runs[policy].append(serve(args.model, prompts, arrivals, params, policy, **common))
+        for policy, results in runs.items():
+            row = {key: statistics.median([r[key] for r in results]) if isinstance(results[0][key], float)
+                   else results[0][key]
+                   for key in results[0]}
+            row.update(rate_req_s=rate, rate_fraction=fraction, static_batch=static_batch, repeats=args.repeats,
+                       output_tok_s_runs=[r["output_tok_s"] for r in results])
             rows.append(row)
-            print(f"  {policy:18s} rate {rate:6.2f} req/s: {row['output_tok_s']:7.1f} tok/s, "
-                  f"latency mean {row['latency_mean_s']:.2f} s p99 {row['latency_p99_s']:.2f} s", flush=True)
+            print(f"  {policy:18s} rate {rate:6.2f} req/s: {row['output_tok_s']:7.1f} tok/s (median of "
+                  f"{args.repeats}), latency mean {row['latency_mean_s']:.2f} s p99 {row['latency_p99_s']:.2f} s",
+                  flush=True)
     return rows
 
 
@@ -159,6 +168,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 0.8, 1.0, 1.5],
                     help="arrival rates as fractions of the measured saturation throughput")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per system and rate (medians reported)")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens (query tokens per step)")
     ap.add_argument("--block-length", type=int, default=4)
     ap.add_argument("--steps", type=int, default=tiny_task.GEN_LENGTH)
