@@ -24,6 +24,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from workers.engine.models.llada import ARCHITECTURE_FLAGS
+
 ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 # Masked-diffusion models, written without transformers (_write_llada).
 DIFFUSION_ARCHS = ("llada",)
@@ -236,18 +238,8 @@ def _llada_config(spec: DemoModelSpec) -> dict:
     return {
         "architectures": ["LLaDAModelLM"],
         "model_type": "llada",
-        # The architecture switches of modeling_llada.py, at LLaDA-8B's values.
-        "activation_type": "silu",
-        "block_type": "llama",
-        "layer_norm_type": "rms",
-        "rope": True,
-        "alibi": False,
-        "include_bias": False,
-        "include_qkv_bias": False,
-        "attention_layer_norm": False,
-        "scale_logits": False,
-        "input_emb_norm": False,
-        "block_group_size": 1,
+        # The architecture switches of modeling_llada.py, at LLaDA-8B's values (the loader's own list).
+        **ARCHITECTURE_FLAGS,
         "d_model": spec.hidden_size,
         "n_heads": spec.num_heads,
         "n_kv_heads": spec.num_kv_heads,

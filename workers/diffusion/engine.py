@@ -22,11 +22,11 @@ from splitserve.core.diffusion import (DiffusionParams, DiffusionScheduler, Diff
                                        DiffusionSequence)
 from workers.diffusion.runner import DiffusionRunner
 from workers.engine.config import EngineConfig, parse_dtype
+from workers.engine.model_runner import _CPU_DEFAULT_KV_BYTES_CAP, _resolve_device
 from workers.engine.models.llada import LladaConfig, load_llada
 
 __all__ = ["DiffusionEngine", "diffusion_params", "is_diffusion_model"]
 
-_CPU_DEFAULT_KV_BYTES_CAP = 2 << 30
 DEFAULT_BLOCK_LENGTH = 32
 
 
@@ -63,8 +63,7 @@ class DiffusionEngine:
         self.config = config
         self.clock = clock
         self.model_config = LladaConfig.from_dir(config.model)
-        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                              ("cpu" if config.device == "auto" else config.device))
+        device = _resolve_device(config.device)
         if device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = torch.float32 if config.dtype == "auto" else parse_dtype(config.dtype)

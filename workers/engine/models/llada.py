@@ -42,7 +42,7 @@ CHECKPOINT_PREFIX = "model.transformer."
 
 # Fields of the real config.json that select other architectures in modeling_llada.py; when
 # present they must hold the LLaDA-8B value this implementation computes.
-_ARCHITECTURE_FLAGS: dict[str, object] = {
+ARCHITECTURE_FLAGS: dict[str, object] = {
     "activation_type": "silu",
     "block_type": "llama",
     "layer_norm_type": "rms",
@@ -111,7 +111,7 @@ class LladaConfig:
         """From the parsed config.json; errors name `source` and the field."""
         if raw.get("model_type") != "llada":
             raise ValueError(f"{source}: model_type must be 'llada', got {raw.get('model_type')!r}")
-        for name, wanted in _ARCHITECTURE_FLAGS.items():
+        for name, wanted in ARCHITECTURE_FLAGS.items():
             if name in raw and raw[name] != wanted and not (wanted is None and raw[name] is False):
                 raise ValueError(f"{source}: {name} = {raw[name]!r} is not supported (LLaDA-8B has {wanted!r})")
 
