@@ -58,34 +58,48 @@ def diffusion_params(params: SamplingParams) -> DiffusionParams:
 class DiffusionEngine:
     """Continuous (phase-multiplexed) batching of diffusion requests over one LLaDA model."""
 
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, tokenizer=None):
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic, tokenizer=None, *,
+                 model_config: LladaConfig | None = None, runner=None, eos_token_ids: frozenset[int] = frozenset(),
+                 kv_bytes_per_token: int | None = None):
+        """`model_config` and `runner` may be injected (an emulated runner timed by a
+        performance model): then no model directory is read, `eos_token_ids` and
+        `kv_bytes_per_token` (the KV pool's sizing) are taken as given."""
         config.validate()
         self.config = config
         self.clock = clock
-        self.model_config = LladaConfig.from_dir(config.model)
-        device = _resolve_device(config.device)
-        if device.type == "cpu" and config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        injected = runner is not None
+        if injected and model_config is None:
+            raise ValueError("an injected runner needs its model_config")
+        self.model_config = model_config if model_config is not None else LladaConfig.from_dir(config.model)
         dtype = torch.float32 if config.dtype == "auto" else parse_dtype(config.dtype)
-        self.model = load_llada(config.model, dtype, device)
-        if tokenizer is None:
-            tokenizer = _load_tokenizer(Path(config.model))
-        self.tokenizer = tokenizer
-        raw = json.loads((Path(config.model) / "config.json").read_text())
-        eos = raw.get("eos_token_id")
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        if injected:
+            self.device = torch.device("cpu")
+            self.tokenizer = tokenizer
+            self.eos_token_ids = frozenset(eos_token_ids)
+        else:
+            self.device = _resolve_device(config.device)
+            if self.device.type == "cpu" and config.num_threads:
+                torch.set_num_threads(config.num_threads)
+            self.model = load_llada(config.model, dtype, self.device)
+            self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(config.model))
+            raw = json.loads((Path(config.model) / "config.json").read_text())
+            eos = raw.get("eos_token_id")
+            self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         self.max_model_len = min(config.max_model_len or self.model_config.max_sequence_length,
                                  self.model_config.max_sequence_length)
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.kv_bytes_per_token = 2 * self.model_config.n_layers * self.model_config.n_kv_heads * \
-            self.model_config.head_dim * elem
+        if kv_bytes_per_token is None:
+            elem = torch.empty((), dtype=dtype).element_size()
+            kv_bytes_per_token = 2 * self.model_config.n_layers * self.model_config.n_kv_heads * \
+                self.model_config.head_dim * elem
+        self.kv_bytes_per_token = kv_bytes_per_token
         budget = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES_CAP
         self.scheduler = DiffusionScheduler(DiffusionSchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             kv_capacity_tokens=max(1, budget // self.kv_bytes_per_token), cache=config.dllm_cache,
             policy=config.diffusion_policy, static_batch_size=config.static_batch_size))
-        self.runner = DiffusionRunner(self.model, cache=config.dllm_cache, max_num_logits=config.max_num_logits,
-                                      sparse_kv=config.sparse_kv, device=device)
+        self.runner = runner if injected else DiffusionRunner(
+            self.model, cache=config.dllm_cache, max_num_logits=config.max_num_logits,
+            sparse_kv=config.sparse_kv, device=self.device)
         self._requests: dict[str, tuple[StageKey, list[int], SamplingParams]] = {}
         self._emitted: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
