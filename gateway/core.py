@@ -33,7 +33,8 @@ class GatewayCore:
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
         self.limits = Limits(served_model=self.model_name, max_model_len=config.max_model_len or tokenization.max_model_len,
-                             default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit)
+                             default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit,
+                             engine_family=tokenization.engine_family, mask_token_id=tokenization.mask_token_id)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
         self.created = int(time.time())
         # config.py's `opt(list, ...)` leaves the `list` type itself as the default (not an

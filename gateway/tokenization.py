@@ -15,6 +15,10 @@ from splitserve.detokenizer import IncrementalDetokenizer
 # because this text, unlike a real template's, does not contain it.
 DEFAULT_CHAT_TEMPLATE_DOC = "<|{role}|>\\n{content}\\n ... <|assistant|>\\n"
 
+# config.json `model_type`s of diffusion models (dLLM-Serve): their requests are placed whole
+# on diffusion workers and take the denoising knobs.
+DIFFUSION_MODEL_TYPES = frozenset({"llada"})
+
 # config.json keys that hold the context length, in order of preference.
 _MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
 
@@ -45,14 +49,21 @@ def read_model_limits(model_dir: str | os.PathLike) -> tuple[int, int, str]:
 class Tokenization:
     """Prompt encoding, chat templating and token-id checks for the served model."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int = 0, model_type: str = ""):
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int = 0, model_type: str = "",
+                 mask_token_id: int | None = None):
         self.tokenizer = tokenizer
+        self.mask_token_id = mask_token_id  # a diffusion model's mask token
         self.max_model_len = max_model_len
         # The model's embedding table may be larger than the tokenizer (padded vocab); ids
         # past the tokenizer still embed, so the model's size is the bound.
         self.vocab_size = vocab_size or len(tokenizer)
         self.model_type = model_type
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+    @property
+    def engine_family(self) -> str:
+        """"diffusion" for a diffusion model, "" for an autoregressive one."""
+        return "diffusion" if self.model_type in DIFFUSION_MODEL_TYPES else ""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenization":
@@ -66,8 +77,16 @@ class Tokenization:
 
         model_dir = resolve_model_path(model_dir)
         max_len, vocab, model_type = read_model_limits(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(tokenizer, max_len, vocab, model_type)
+        if model_type in DIFFUSION_MODEL_TYPES:
+            # Not AutoTokenizer: it looks config.json's model_type up among transformers' models,
+            # which have no diffusion LLM.
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        mask = json.loads((Path(model_dir) / "config.json").read_text()).get("mask_token_id")
+        return cls(tokenizer, max_len, vocab, model_type, mask if isinstance(mask, int) else None)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a text prompt, with the tokenizer's special tokens (e.g. BOS)."""

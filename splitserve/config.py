@@ -97,6 +97,18 @@ class WorkerConfig(CommonConfig):
                           "slo_aware (without it: the emulated preset's, or learned from scratch on a real engine).")
     num_threads: int = opt(0, "torch CPU threads of the engine; 0: all cores this process may use but one (that "
                            "one runs the gRPC event loop).")
+    dllm_cache: str = opt("dual", "Diffusion models (LLaDA): dual = a Refresh step at each block start caches the "
+                          "sequence's KV, Reuse steps compute only the block against it (dLLM-Serve §2.3) | none = "
+                          "every step recomputes the whole sequence.")
+    max_num_logits: int = opt(2048, "Diffusion models: logit rows materialised at once; larger steps compute, "
+                              "decode and free their logits in chunks of this many rows (dLLM-Serve §4.3).")
+    sparse_kv: str = opt("head", "Diffusion models, for requests with retention_ratio < 1: head = each KV head keeps "
+                         "its own top positions (dLLM-Serve §4.5) | uniform = one set for all heads (Sparse-dLLM).")
+    diffusion_policy: str = opt("phase_multiplexed", "Diffusion models: phase_multiplexed = requests join in the "
+                                "query-token headroom others free moving from Refresh to Reuse (dLLM-Serve §4.4) | "
+                                "static = batches of --static-batch-size admitted when the previous one drained "
+                                "(the baseline).")
+    static_batch_size: int = opt(8, "Diffusion models, diffusion_policy static: requests per batch.")
     heartbeat_interval_s: float = opt(1.0, "How often the heartbeat is refreshed in Redis.")
     load_interval_s: float = opt(0.1, "How often load, prefill-queue metadata and latency samples are published.")
     heartbeat_ttl_s: float = opt(3.0, "How long the registry keeps a worker without a heartbeat.")

@@ -38,6 +38,14 @@ class InvalidArgument(SplitserveError):
     error_type = "invalid_request_error"
 
 
+class FailedPrecondition(SplitserveError):
+    """The call is well formed but this server is not in a state or kind that can serve it."""
+
+    status = "FAILED_PRECONDITION"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
 class Unauthenticated(SplitserveError):
     status = "UNAUTHENTICATED"
     http_status = 401
@@ -109,7 +117,8 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError
     # `abort` put the field at fault in front ("session_id: ..."): keep it for the client's error body.
     field = _PARAM_PREFIX.match(details)
     param = field.group(1) if field else None
-    for cls in (InvalidArgument, Unauthenticated, NotFound, Conflict, Unavailable, DeadlineExceeded, Cancelled):
+    for cls in (InvalidArgument, FailedPrecondition, Unauthenticated, NotFound, Conflict, Unavailable,
+                DeadlineExceeded, Cancelled):
         if cls.status == code.name:
             return cls(details, param=param)
     if code.name == Overloaded.status:

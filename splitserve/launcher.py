@@ -14,7 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.redis_server import PrivateRedis, ensure_redis, free_port
+from splitserve.redis_server import PrivateRedis, ensure_redis
+from splitserve.redis_server import free_port as pick_free_port
 
 
 @dataclass
@@ -120,6 +121,16 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     redis_url, private = ensure_redis(spec.redis_url)
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
     common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
+    # Every port is chosen before the services bind them (a worker binds its metrics port only
+    # once its model is loaded): one not yet bound would look free again, so none is handed out twice.
+    handed_out = {spec.http_port, spec.grpc_port}
+
+    def free_port() -> int:
+        while (port := pick_free_port()) in handed_out:
+            pass
+        handed_out.add(port)
+        return port
+
     sched_port, coord_port = free_port(), free_port()
     scheduler_options = {**common, "port": sched_port, "policy": spec.policy, "metrics_port": 0, **spec.scheduler_args}
     coordinator_options = {**common, "port": coord_port, "scheduler_address": f"{spec.host}:{sched_port}",

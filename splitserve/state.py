@@ -27,6 +27,7 @@ from splitserve.state_connection import (
     wait_until_reachable,
 )
 from splitserve.state_records import (
+    DIFFUSION,
     POOLS,
     ROLES,
     LatencyWindow,
@@ -43,6 +44,7 @@ from splitserve.state_records import (
 )
 
 __all__ = [
+    "DIFFUSION",
     "LATENCY_KINDS",
     "POOLS",
     "ROLES",

@@ -15,6 +15,15 @@ from typing import Any, TypeVar, get_type_hints
 ROLES = ("both", "prefill", "decode")  # a worker's role: which stages placement gives it
 # LAPS spatial mode (§3.2): the pool of a prefill worker; "" = in no pool (takes any length).
 POOLS = ("", "short", "long")
+# Engine kinds of diffusion workers (dLLM-Serve): a diffusion model's requests go only to
+# them, whole; an autoregressive model's never do.
+DIFFUSION = "diffusion"  # the engine family (RequestMeta.engine_family)
+DIFFUSION_ENGINE_KINDS = frozenset({"llada"})
+
+
+def engine_family(engine_kind: str) -> str:
+    """"diffusion" for a diffusion worker's engine kind, "" for an autoregressive one."""
+    return DIFFUSION if engine_kind in DIFFUSION_ENGINE_KINDS else ""
 
 
 @dataclass(frozen=True)

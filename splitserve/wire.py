@@ -49,4 +49,12 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
         params.top_p = message.top_p
     if message.HasField("seed"):
         params.seed = message.seed
+    if message.HasField("steps"):
+        params.steps = message.steps
+    if message.HasField("block_length"):
+        params.block_length = message.block_length
+    if message.remasking:
+        params.remasking = message.remasking
+    if message.HasField("retention_ratio"):
+        params.retention_ratio = message.retention_ratio
     return params

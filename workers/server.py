@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram
 
 from splitserve.config import WorkerConfig, default_worker_id, load_config
-from splitserve.errors import Conflict, InvalidArgument, SplitserveError, Unavailable, abort
+from splitserve.errors import Conflict, FailedPrecondition, InvalidArgument, SplitserveError, Unavailable, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, run
 from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
 from splitserve.core.session_pins import SessionHold
+from splitserve.state_records import DIFFUSION, engine_family
 from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
                               WorkerLoad)
 from splitserve.telemetry import percentile_buckets, request_id_var
@@ -112,6 +113,8 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
         captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
         captured_shapes_executor=config.captured_shapes_executor, max_captured_buckets=config.max_captured_buckets,
+        dllm_cache=config.dllm_cache, max_num_logits=config.max_num_logits, sparse_kv=config.sparse_kv,
+        diffusion_policy=config.diffusion_policy, static_batch_size=config.static_batch_size,
     )
 
 
@@ -132,6 +135,10 @@ class _LatencySamples:
     itl: list[float]
 
 
+def _NO_KV_HERE(worker_id: str) -> FailedPrecondition:  # noqa: N802 (reads as the error it builds)
+    return FailedPrecondition(f"worker {worker_id} serves a diffusion model: it holds no KV to move")
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """gRPC face of one engine."""
 
@@ -148,6 +155,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise Unavailable(f"worker {srv.worker_id} is draining")
             if len(stage.kv_sources) > 1:
                 raise InvalidArgument("kv_sources: at most one source per stage", param="kv_sources")
+            if srv.kv is None and (stage.kv_sources or sink is not None):
+                param = "kv_sources" if stage.kv_sources else "kv_sink"
+                raise InvalidArgument(f"{param}: worker {srv.worker_id} serves a diffusion model, whose requests "
+                                      "run whole on one worker (no KV moves)", param=param)
             kv = None
             if stage.kv_sources:
                 source = stage.kv_sources[0]
@@ -168,7 +179,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finally:
                 # A history this worker lent for the request's prefill elsewhere: that pull ended
                 # before this stage could start, and the stage holds its own references now.
-                await srv.kv.release_leases(stage.request_id)
+                if srv.kv is not None:
+                    await srv.kv.release_leases(stage.request_id)
             if spec.sink is not None:
                 total = len(spec.prompt_ids) + spec.sampling.max_tokens
                 srv.kv.start_push(key, spec.sink, spec.end if spec.end is not None and spec.end < total else total)
@@ -224,7 +236,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         keys |= {key for key in loop.stage_keys() if key.request_id == request.request_id}
         for key in sorted(keys):
             loop.abort(key)
-        released = await self.server.kv.release_for_request(request.request_id)
+        released = 0 if self.server.kv is None else await self.server.kv.release_for_request(request.request_id)
         return types_pb2.CancelResponse(cancelled=bool(keys) or released > 0)
 
     async def ReleaseSession(self, request: worker_pb2.ReleaseSessionRequest, context):
@@ -269,6 +281,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await abort(context, InvalidArgument("transfer_id and num_tokens > 0 are required", param="num_tokens"))
         if self.server.draining:
             return worker_pb2.PrepareKvResponse(ok=False, error=f"worker {self.server.worker_id} is draining")
+        if self.server.kv is None:
+            return worker_pb2.PrepareKvResponse(ok=False, error=f"worker {self.server.worker_id} serves a diffusion "
+                                                "model: it takes no KV")
         try:
             blocks = await self.server.kv.prepare(request.request_id, request.transfer_id, request.num_tokens,
                                                   request.start)
@@ -281,22 +296,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def LeaseSessionKv(self, request: worker_pb2.LeaseSessionKvRequest, context):
         if not request.session_id or not request.request_id:
             await abort(context, InvalidArgument("session_id and request_id are required", param="session_id"))
-        if self.server.draining:  # the prefill worker then recomputes the history
+        if self.server.draining or self.server.kv is None:  # the prefill worker then recomputes the history
             return worker_pb2.LeaseSessionKvResponse()
         blocks, tokens = await self.server.kv.lease_session(request.request_id, request.session_id,
                                                             request.max_tokens)
         return worker_pb2.LeaseSessionKvResponse(block_ids=blocks, num_tokens=tokens)
 
     async def PullKv(self, request, context):
+        if self.server.grpc_kv is None:
+            await abort(context, _NO_KV_HERE(self.server.worker_id))
         async for chunk in self.server.grpc_kv.handle_pull(request):
             yield chunk
 
     async def PushKv(self, request_iterator, context):
+        if self.server.grpc_kv is None:
+            await abort(context, _NO_KV_HERE(self.server.worker_id))
         return await self.server.grpc_kv.handle_push(request_iterator)
 
     async def Profile(self, request, context):
         from workers.profiling import handle_profile  # real engine steps of synthetic shapes
 
+        if self.server.kv is None:
+            await abort(context, FailedPrecondition(f"worker {self.server.worker_id} serves a diffusion model; "
+                                                    "profiling measures autoregressive prefill and decode steps"))
         try:
             return await handle_profile(self.server, request)
         except ValueError as err:
@@ -350,7 +372,8 @@ class WorkerServer:
         port = self.runtime.bound_port
         self.worker_id = self.worker_id or default_worker_id(self.config.host, port)
         self.address = self.config.advertise_address or f"{self.config.host}:{port}"
-        await self._start_kv_transfer()
+        if engine_family(self.engine.engine_kind) != DIFFUSION:  # a diffusion request never moves KV
+            await self._start_kv_transfer()
         await self.register()
         await self.publish_load()
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._publish_loop())]
@@ -371,8 +394,14 @@ class WorkerServer:
         return init
 
     def _build_engine(self) -> Engine:
-        """The engine of `backend`: the real one, or the emulated one (no weights, perf-model timing)."""
+        """The engine of `backend`: the real one (the diffusion engine for a diffusion model), or
+        the emulated one (no weights, perf-model timing)."""
         cfg = engine_config_from(self.config)
+        if self.config.backend == "real":
+            from workers.diffusion.engine import DiffusionEngine, is_diffusion_model  # torch: real engines only
+
+            if is_diffusion_model(self.config.model):
+                return DiffusionEngine(cfg)
         if self.config.backend == "emulated":
             from workers.engine.emulated import Emulation, build_emulated_engine
 
@@ -428,7 +457,7 @@ class WorkerServer:
     async def register(self) -> None:
         await self.store.register_worker(WorkerInfo(
             worker_id=self.worker_id, address=self.address, role=self.role,
-            engine_kind=self.engine.spec.architecture, model=self.config.model,
+            engine_kind=self.engine.engine_kind, model=self.config.model,
         ))
 
     def load_snapshot(self) -> WorkerLoad:

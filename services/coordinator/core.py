@@ -24,7 +24,7 @@ from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
-from splitserve.state import RequestRecord, SessionRecord
+from splitserve.state import DIFFUSION, RequestRecord, SessionRecord
 from splitserve.telemetry import outgoing_metadata, percentile_buckets
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,10 @@ class Coordinator:
                 now = time.monotonic()
                 if not emitted and attempt >= MAX_PLACEMENT_ATTEMPTS:
                     raise
+                if emitted and request.engine_family == DIFFUSION:
+                    # Its blocks came from a denoising run whose seed and cache lived on the
+                    # failed worker: no stage can continue it from tokens.
+                    raise Unavailable(f"a diffusion request cannot migrate once output was delivered: {err.message}")
                 if emitted:
                     migration_deadline = migration_deadline or now + self.config.migration_timeout_s
                     if now > migration_deadline:
@@ -165,6 +169,7 @@ class Coordinator:
             request_id=request_id, session_id=request.session_id, prompt_len=len(request.prompt_token_ids),
             max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else 16,
             slo=request.slo, priority=request.priority, arrival_unix_ms=time.time_ns() // 1_000_000,
+            engine_family=request.engine_family,
         )
         if request.HasField("predicted_output_len"):  # absent stays absent: the scheduler then predicts
             meta.predicted_output_len = request.predicted_output_len

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
 # POOLS and ROLES are re-exported: policies and the simulator take them from here.
-from splitserve.state_records import POOLS, ROLES, PrefillTask, WorkerLoad  # noqa: F401
+from splitserve.state_records import (DIFFUSION, POOLS, ROLES, PrefillTask, WorkerLoad,  # noqa: F401
+                                      engine_family)
 
 
 class NoWorkerAvailable(Unavailable):
@@ -90,6 +91,11 @@ class ClusterView:
         """The worker with this id, or None."""
         return next((w for w in self.workers if w.worker_id == worker_id), None)
 
+    def of_family(self, family: str) -> ClusterView:
+        """This view with only the workers of one engine family ("diffusion" or "": autoregressive)."""
+        kept = tuple(w for w in self.workers if engine_family(w.engine_kind) == family)
+        return self if len(kept) == len(self.workers) else ClusterView(kept, self.taken_at)
+
     def without(self, worker_ids: Iterable[str]) -> ClusterView:
         """This view without those workers (ones a request already failed on)."""
         drop = set(worker_ids)
@@ -117,6 +123,9 @@ class PlacementRequest:
     # Workers this request already failed on (a retry or migration); the view the policy
     # sees leaves them out, so a dead worker still in the registry is not chosen again.
     avoid_workers: tuple[str, ...] = ()
+    # "diffusion": a diffusion model's request, placed whole on a diffusion worker
+    # (`place_diffusion`); "": autoregressive, placed by the policy among the others.
+    engine_family: str = ""
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -181,6 +190,17 @@ class Placement:
         """The colocated plan: the whole sequence on one worker."""
         stage = StagePlacement(worker.worker_id, worker.address, 0, request.total_len)
         return cls((stage,), policy, reason)
+
+
+def place_diffusion(request: PlacementRequest, view: ClusterView) -> Placement:
+    """A diffusion request (dLLM-Serve) on the eligible diffusion worker with the fewest requests
+    (running, waiting and placed since its snapshot), whole: a denoising step reads the whole
+    sequence, so there is no prefill to split off and no KV to move. Ties by worker id."""
+    workers = view.of_family(DIFFUSION).eligible
+    if not workers:
+        raise NoWorkerAvailable("no diffusion worker is available for a diffusion model's request")
+    best = min(workers, key=lambda w: (w.load.running + w.load.waiting + w.inflight_assigned, w.worker_id))
+    return Placement.single_stage(best, request, "diffusion", "fewest requests among diffusion workers")
 
 
 # Role ranks for the direction KV may flow between the stages of one request.

@@ -72,6 +72,7 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
         slo_itl_ms=meta.slo.itl_ms,
         priority=meta.priority,
         avoid_workers=tuple(meta.avoid_workers),
+        engine_family=meta.engine_family,
     )
 
 

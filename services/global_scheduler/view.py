@@ -13,8 +13,9 @@ import time
 from typing import Callable, Iterable
 
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
-from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
-                                             PlacementRequest, WorkerSignals, orient_kv_transfers)
+from services.global_scheduler.policy import (DIFFUSION, ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
+                                             PlacementRequest, WorkerSignals, orient_kv_transfers,
+                                             place_diffusion)
 from splitserve.service import cancel_and_wait
 from splitserve.errors import Unavailable
 from splitserve.state import StateStore, WorkerActivity, WorkerInfo, WorkerLoad
@@ -122,15 +123,20 @@ class ClusterViewSource:
         if getattr(policy, "view_signals", False) and not self.with_signals:
             self.with_signals = True  # a policy that reads them was just set: read them now
             await self.refresh()
-        view = (await self.current(timeout_s)).without(request.avoid_workers)
+        view = self._view_for(request, await self.current(timeout_s))
         try:
-            placement = policy.place(request, view, now())
+            placement = _place(policy, request, view, now)
         except NoWorkerAvailable:
             await self.refresh()
-            view = (await self.current(timeout_s)).without(request.avoid_workers)
-            placement = policy.place(request, view, now())
+            view = self._view_for(request, await self.current(timeout_s))
+            placement = _place(policy, request, view, now)
         self.note_placed(placement.worker_ids)
         return orient_kv_transfers(placement, view)
+
+    @staticmethod
+    def _view_for(request: PlacementRequest, view: ClusterView) -> ClusterView:
+        """The workers that may take the request: of its engine family, none it failed on."""
+        return view.without(request.avoid_workers).of_family(request.engine_family)
 
     def note_placed(self, worker_ids: Iterable[str]) -> None:
         """Record a placement so the next view shows it before the workers' loads do."""
@@ -161,3 +167,13 @@ def worker_signals(activity: WorkerActivity) -> WorkerSignals:
     """The policy's view of a worker's activity: window means (None without samples) and queue."""
     return WorkerSignals(activity.ttft.mean if activity.ttft.count else None,
                          activity.itl.mean if activity.itl.count else None, activity.prefill_queue)
+
+
+def _place(policy: PlacementPolicy, request: PlacementRequest, view: ClusterView,
+           now: Callable[[], float]) -> Placement:
+    """A diffusion request is placed whole on a diffusion worker whatever the policy (its
+    split, disaggregation and session binding concern autoregressive decoding); any other
+    request by the policy."""
+    if request.engine_family == DIFFUSION:
+        return place_diffusion(request, view)
+    return policy.place(request, view, now())

@@ -31,13 +31,27 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["CACHE_MODES", "DIFFUSION_POLICIES", "REMASKING_STRATEGIES", "DiffusionBatch", "DiffusionParams",
-           "DiffusionScheduler", "DiffusionSchedulerConfig", "DiffusionSequence", "DiffusionWork", "Phase",
-           "transfer_token_schedule"]
+__all__ = ["CACHE_MODES", "DEFAULT_BLOCK_LENGTH", "DIFFUSION_POLICIES", "REMASKING_STRATEGIES", "DiffusionBatch",
+           "DiffusionParamError", "DiffusionParams", "DiffusionScheduler", "DiffusionSchedulerConfig",
+           "DiffusionSequence", "DiffusionWork", "Phase", "diffusion_params", "transfer_token_schedule"]
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
 CACHE_MODES = ("none", "dual")
 DIFFUSION_POLICIES = ("phase_multiplexed", "static")
+DEFAULT_BLOCK_LENGTH = 32
+
+
+class DiffusionParamError(ValueError):
+    """A request's denoising knob out of range; `param` names the field (the API's 400 carries it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _positive_param(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DiffusionParamError(name, f"{name} must be a positive int, got {value!r}")
 
 
 def _positive_int(name: str, value) -> None:
@@ -61,21 +75,26 @@ class DiffusionParams:
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "block_length", "steps"):
-            _positive_int(name, getattr(self, name))
+            _positive_param(name, getattr(self, name))
         if self.gen_length % self.block_length:
-            raise ValueError(f"block_length ({self.block_length}) must divide gen_length ({self.gen_length})")
+            raise DiffusionParamError("block_length", f"block_length ({self.block_length}) must divide the "
+                                      f"generated length (max_tokens = {self.gen_length})")
         if self.steps % self.num_blocks:
-            raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks "
-                             f"(gen_length / block_length = {self.num_blocks})")
+            raise DiffusionParamError("steps", f"steps ({self.steps}) must be a multiple of the number of blocks "
+                                      f"(max_tokens / block_length = {self.num_blocks})")
+        if self.steps > self.gen_length:
+            raise DiffusionParamError("steps", f"steps ({self.steps}) must be <= max_tokens ({self.gen_length}): "
+                                      "each step unmasks at least one token")
         for name in ("temperature", "cfg_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise DiffusionParamError(name, f"{name} must be a finite number >= 0, got {value!r}")
         if self.remasking not in REMASKING_STRATEGIES:
-            raise ValueError(f"remasking must be one of {list(REMASKING_STRATEGIES)}, got {self.remasking!r}")
+            raise DiffusionParamError("remasking", f"remasking must be one of {list(REMASKING_STRATEGIES)}, "
+                                      f"got {self.remasking!r}")
         r = self.retention_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
-            raise ValueError(f"retention_ratio must be in (0, 1], got {r!r}")
+            raise DiffusionParamError("retention_ratio", f"retention_ratio must be in (0, 1], got {r!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +119,22 @@ def transfer_token_schedule(masked_count: int, steps: int) -> list[int]:
         raise ValueError(f"steps must be >= 1, got {steps}")
     base, remainder = divmod(masked_count, steps)
     return [base + 1 if step < remainder else base for step in range(steps)]
+
+
+def diffusion_params(max_tokens: int, *, steps: int | None = None, block_length: int | None = None,
+                     temperature: float = 0.0, remasking: str = "low_confidence",
+                     retention_ratio: float = 1.0) -> DiffusionParams:
+    """A request's denoising knobs from its API fields, the defaults filled in: one step per
+    token; blocks of 32 when 32 divides max_tokens (and the steps), else one block.
+    DiffusionParamError names the field. The gateway (its 400s) and the engine share it."""
+    block = block_length
+    if block is None:
+        block = DEFAULT_BLOCK_LENGTH if max_tokens % DEFAULT_BLOCK_LENGTH == 0 else max_tokens
+        if steps is not None and max_tokens >= block and steps % (max_tokens // block):
+            block = max_tokens  # the default blocks would not divide these steps: one block
+    return DiffusionParams(gen_length=max_tokens, block_length=block, steps=max_tokens if steps is None else steps,
+                           temperature=temperature, remasking=remasking or "low_confidence",
+                           retention_ratio=retention_ratio)
 
 
 class Phase(str, Enum):

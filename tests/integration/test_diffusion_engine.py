@@ -154,3 +154,55 @@ def test_on_the_trained_model_head_centric_sparse_kv_keeps_more_answers_than_uni
                                            retention_ratio=0.35, ignore_eos=True))
         accuracy[selection] = tiny_task.accuracy([o.token_ids for o in outs], problems)
     assert accuracy["head"] >= accuracy["uniform"] + 0.2, accuracy
+
+
+# ---- the worker service's interface -----------------------------------------------------------
+
+def _stage(key, prompt, max_tokens=8, **fields):
+    from splitserve.core import StageSpec
+
+    return StageSpec(key, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, block_length=4,
+                                                        steps=8, ignore_eos=True), **fields)
+
+
+def test_engine_serves_whole_stages_and_refuses_split_or_kv(llada_dir):
+    from splitserve.core import KvInBlocks, KvSink, StageKey
+    from splitserve.core.session_pins import SessionHold
+    from workers.diffusion.engine import DiffusionEngine
+    from workers.engine.config import EngineConfig
+
+    engine = DiffusionEngine(EngineConfig(model=str(llada_dir), kv_cache_memory_bytes=1 << 20, detokenize=False))
+    assert engine.engine_kind == "llada"
+    prompt = _prompts([5])[0]
+    refusals = {
+        "kv_sources": dict(kv=KvInBlocks((0,), 4)),
+        "kv_sink": dict(sink=KvSink("w", "t", (1,), 4, 0)),
+        "generated_token_ids": dict(output_ids=(7,)),
+        "keep_kv": dict(keep_kv=True),
+        "session": dict(session=SessionHold("s", 60.0, 0)),
+        "end": dict(end=6),
+    }
+    for i, (field, extra) in enumerate(refusals.items()):
+        with pytest.raises(ValueError, match=field):
+            engine.add_stage(_stage(StageKey(f"bad-{i}", 0), prompt, **extra))
+    assert not engine.has_unfinished()
+
+    engine.add_stage(_stage(StageKey("a", 0), prompt, end=len(prompt) + 8))  # the whole range is fine
+    engine.add_stage(_stage(StageKey("b", 0), prompt))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_stage(_stage(StageKey("b", 0), prompt))
+    load = engine.load()
+    assert (load.engine_kind, load.waiting, load.block_size) == ("llada", 2, 1)
+    events = engine.step()  # both admitted; a Refresh each, no block final yet
+    assert events == [] and engine.last_step_tokens == 2 * (len(prompt) + 8)
+    load = engine.load()
+    assert load.running == 2 and load.free_blocks == load.total_blocks - 2 * (len(prompt) + 8)
+    assert engine.stage_keys("a") == [StageKey("a", 0)] and engine.progress(StageKey("a", 0)) is None
+    while not events:
+        events = engine.step()
+    assert {e.key for e in events} == {StageKey("a", 0), StageKey("b", 0)}
+    assert all(len(e.token_ids) == 4 and e.text == "" and e.finish_reason is None for e in events)
+    aborted = engine.abort_all()
+    assert {(e.key, e.finish_reason, e.num_output_tokens) for e in aborted} == \
+        {(StageKey("a", 0), "abort", 4), (StageKey("b", 0), "abort", 4)}
+    assert not engine.has_unfinished() and engine.load().free_blocks == engine.load().total_blocks

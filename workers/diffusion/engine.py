@@ -12,23 +12,34 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from splitserve.core import SamplingParams, StageKey, TokenEvent
-from splitserve.core.diffusion import (DiffusionParams, DiffusionScheduler, DiffusionSchedulerConfig,
-                                       DiffusionSequence)
+from splitserve.core import SamplingParams, StageKey, StageSpec, TokenEvent
+from splitserve.core.session_pins import SessionPinStats
+from splitserve.core.diffusion import (DiffusionParamError, DiffusionParams, DiffusionScheduler,
+                                       DiffusionSchedulerConfig, DiffusionSequence)
+from splitserve.core.diffusion import diffusion_params as core_diffusion_params
+from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.diffusion.runner import DiffusionRunner
 from workers.engine.config import EngineConfig, parse_dtype
 from workers.engine.model_runner import _CPU_DEFAULT_KV_BYTES_CAP, _resolve_device
 from workers.engine.models.llada import LladaConfig, load_llada
 
-__all__ = ["DiffusionEngine", "diffusion_params", "is_diffusion_model"]
+__all__ = ["DiffusionEngine", "ENGINE_KIND", "StepOutput", "diffusion_params", "is_diffusion_model"]
 
-DEFAULT_BLOCK_LENGTH = 32
+ENGINE_KIND = "llada"  # what a diffusion worker registers: one of state_records.DIFFUSION_ENGINE_KINDS
 
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the worker's loop reads of the latest step (the autoregressive SchedulerOutput's shape)."""
+
+    num_tokens: int = 0  # query tokens computed
+    hold_until: float | None = None  # diffusion batching never holds work back
 
 def is_diffusion_model(model_dir: str | Path) -> bool:
     """A LLaDA directory (config.json `model_type: llada`)."""
@@ -42,17 +53,14 @@ def is_diffusion_model(model_dir: str | Path) -> bool:
 
 
 def diffusion_params(params: SamplingParams) -> DiffusionParams:
-    """The request's denoising knobs from its sampling parameters (defaults: one step per
-    token, blocks of 32 when 32 divides max_tokens); a ValueError names the field."""
+    """The request's denoising knobs from its sampling parameters (`core.diffusion.diffusion_params`
+    fills the defaults); a ValueError names the field."""
     if params.top_k or params.top_p != 1.0:
-        raise ValueError("top_k and top_p are not supported by diffusion models (use temperature)")
-    gen = params.max_tokens
-    block = params.block_length or (DEFAULT_BLOCK_LENGTH if gen % DEFAULT_BLOCK_LENGTH == 0 else gen)
-    if params.block_length is None and params.steps is not None and params.steps % (gen // block):
-        block = gen  # the default blocks would not divide these steps: one block
-    return DiffusionParams(gen_length=gen, block_length=block, steps=params.steps or gen,
-                           temperature=params.temperature, remasking=params.remasking,
-                           retention_ratio=params.retention_ratio)
+        raise DiffusionParamError("top_k" if params.top_k else "top_p",
+                                  "top_k and top_p are not supported by diffusion models (use temperature)")
+    return core_diffusion_params(params.max_tokens, steps=params.steps, block_length=params.block_length,
+                                 temperature=params.temperature, remasking=params.remasking,
+                                 retention_ratio=params.retention_ratio)
 
 
 class DiffusionEngine:
@@ -103,6 +111,7 @@ class DiffusionEngine:
         self._requests: dict[str, tuple[StageKey, list[int], SamplingParams]] = {}
         self._emitted: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
+        self.last_output = StepOutput()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, key: StageKey, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -119,8 +128,9 @@ class DiffusionEngine:
         if length > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({knobs.gen_length}) exceeds "
                              f"max_model_len ({self.max_model_len})")
-        seq = DiffusionSequence(str(key),
-                                len(prompt_ids), knobs, self.clock())
+        if str(key) in self._requests:
+            raise ValueError(f"stage {key} is already running here")
+        seq = DiffusionSequence(str(key), len(prompt_ids), knobs, self.clock())
         self.scheduler.add(seq)  # raises when it could never run (names the limit)
         if params.seed is None and knobs.uses_randomness:
             params.seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
@@ -138,10 +148,69 @@ class DiffusionEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- what the worker service needs (the autoregressive Engine's interface) -----------------
+    engine_kind = ENGINE_KIND
+
+    def add_stage(self, spec: StageSpec) -> None:
+        """A whole request as one stage: a diffusion request is never split, disaggregated, fed
+        KV from elsewhere or kept for a session (its cache lives for one block); ValueError
+        naming the field otherwise."""
+        total = len(spec.prompt_ids) + spec.sampling.max_tokens
+        for field, refused in (("kv_sources", spec.kv is not None), ("kv_sink", spec.sink is not None),
+                               ("generated_token_ids", bool(spec.output_ids)), ("keep_kv", spec.keep_kv),
+                               ("session", spec.session is not None),
+                               ("end", spec.end is not None and spec.end != total)):
+            if refused:
+                raise ValueError(f"{field}: a diffusion model runs each request whole on one worker "
+                                 "(no split, KV transfer or session)")
+        self.add_request(spec.key, list(spec.prompt_ids), spec.sampling)
+
+    def abort_all(self) -> list[TokenEvent]:
+        """Abort every request (after a failed step); their final events."""
+        events = []
+        for name, (key, prompt, _) in list(self._requests.items()):
+            events.append(TokenEvent(key, [], "", "abort", len(prompt), self._emitted.get(name, 0)))
+            self.abort(key)
+        return events
+
+    @property
+    def last_step_tokens(self) -> int:
+        """Query tokens the latest step computed (0: it found nothing it could run)."""
+        return self.last_output.num_tokens
+
+    def stage_keys(self, request_id: str) -> list[StageKey]:
+        return [key for key, _, _ in self._requests.values() if key.request_id == request_id]
+
+    def progress(self, key: StageKey) -> None:
+        return None  # no KV is pushed from a diffusion worker
+
+    def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
+        return [], 0
+
+    def release_reserved(self, block_ids: list[int]) -> None:
+        pass  # nothing is ever reserved for incoming KV
+
+    def release_session(self, session_id: str) -> bool:
+        return False  # no session history is pinned
+
+    def session_stats(self) -> SessionPinStats:
+        return SessionPinStats()
+
+    def prefill_queue(self) -> list[PrefillTask]:
+        return []
+
+    def load(self) -> WorkerLoad:
+        """The KV pool as blocks of one token (what a request reserves at admission)."""
+        s = self.scheduler
+        capacity = s.config.kv_capacity_tokens
+        return WorkerLoad(engine_kind=self.engine_kind, free_blocks=capacity - s.kv_used_tokens,
+                          total_blocks=capacity, block_size=1, running=len(s.running), waiting=len(s.waiting))
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One denoising step of every scheduled request; events for the blocks that became final."""
         batch = self.scheduler.schedule()
+        self.last_output = StepOutput(batch.num_query_tokens)
         if not batch.entries:
             return []
         for work in batch.entries:
@@ -173,7 +242,9 @@ class DiffusionEngine:
             self.runner.release(seq.key)
             self._requests.pop(seq.key, None)
             self._emitted.pop(seq.key, None)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = ""
+        if self.tokenizer is not None and self.config.detokenize:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return TokenEvent(key, tokens, text, reason, len(prompt), done + len(tokens))
 
 

@@ -76,12 +76,18 @@ class EngineConfig:
     detokenize: bool = True
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_captured_buckets"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_captured_buckets",
+                     "max_num_logits", "static_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.captured_shapes_executor not in ("auto", "eager", "compile", "cuda_graph"):
             raise ValueError("captured_shapes_executor must be one of auto, eager, compile, cuda_graph, "
                              f"got {self.captured_shapes_executor!r}")
+        for name, value, choices in (("dllm_cache", self.dllm_cache, ("dual", "none")),
+                                     ("sparse_kv", self.sparse_kv, ("head", "uniform")),
+                                     ("diffusion_policy", self.diffusion_policy, ("phase_multiplexed", "static"))):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "sdpa", "flash"):

@@ -79,6 +79,11 @@ class Engine:
 
     # ---- what the worker around it needs to know ------------------------------------------
     @property
+    def engine_kind(self) -> str:
+        """What the worker registers as (the model's architecture; "emulated" for the emulated backend)."""
+        return self.spec.architecture
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.scheduler.kv_capacity_tokens
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "steps", "block_length", "remasking", "retention_ratio")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,10 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REMASKING_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_RATIO_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -24,7 +28,11 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    steps: int
+    block_length: int
+    remasking: str
+    retention_ratio: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., remasking: _Optional[str] = ..., retention_ratio: _Optional[float] = ...) -> None: ...
 
 class Slo(_message.Message):
     __slots__ = ("ttft_ms", "itl_ms")
@@ -35,7 +43,7 @@ class Slo(_message.Message):
     def __init__(self, ttft_ms: _Optional[int] = ..., itl_ms: _Optional[int] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens", "bound_worker", "avoid_workers")
+    __slots__ = ("request_id", "session_id", "prompt_len", "history_len", "predicted_output_len", "slo", "priority", "arrival_unix_ms", "max_tokens", "bound_worker", "avoid_workers", "engine_family")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +55,7 @@ class RequestMeta(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BOUND_WORKER_FIELD_NUMBER: _ClassVar[int]
     AVOID_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FAMILY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_len: int
@@ -58,7 +67,8 @@ class RequestMeta(_message.Message):
     max_tokens: int
     bound_worker: str
     avoid_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., bound_worker: _Optional[str] = ..., avoid_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    engine_family: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., history_len: _Optional[int] = ..., predicted_output_len: _Optional[int] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., bound_worker: _Optional[str] = ..., avoid_workers: _Optional[_Iterable[str]] = ..., engine_family: _Optional[str] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("worker_id", "start", "end", "transfer_id", "lazy", "block_ids")
