@@ -34,7 +34,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
 PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
 DIFFUSION = "diffusion"  # the engine family of diffusion models (LLaDA): RequestMeta.engine_family
-DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio")
+DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio", "cfg_scale")
 
 
 class PromptEncoder(Protocol):
@@ -86,6 +86,7 @@ class GenerationRequest:
     block_length: int | None = None
     remasking: str = ""
     retention_ratio: float | None = None
+    cfg_scale: float | None = None
 
     def sampling_params(self) -> types_pb2.SamplingParams:
         """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
@@ -149,6 +150,7 @@ class _OpenAIBody(BaseModel):
     block_length: int | None = None
     remasking: str | None = None
     retention_ratio: float | None = None
+    cfg_scale: float | None = None
     # splitserve extensions
     session_id: str | None = None
     priority: int | None = None
@@ -278,7 +280,8 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
     return _with_diffusion(req, limits, steps=s.steps if s.HasField("steps") else None,
                            block_length=s.block_length if s.HasField("block_length") else None,
                            remasking=s.remasking or None,
-                           retention_ratio=s.retention_ratio if s.HasField("retention_ratio") else None)
+                           retention_ratio=s.retention_ratio if s.HasField("retention_ratio") else None,
+                           cfg_scale=s.cfg_scale if s.HasField("cfg_scale") else None)
 
 
 # --- shared checks
@@ -319,7 +322,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens))
     return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
-                           retention_ratio=b.retention_ratio)
+                           retention_ratio=b.retention_ratio, cfg_scale=b.cfg_scale)
 
 
 def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> GenerationRequest:
@@ -345,7 +348,7 @@ def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> Gen
     try:
         diffusion_params(req.max_tokens, steps=given.get("steps"), block_length=given.get("block_length"),
                          temperature=req.temperature or 0.0, remasking=given.get("remasking", "low_confidence"),
-                         retention_ratio=retention)
+                         retention_ratio=retention, cfg_scale=given.get("cfg_scale", 0.0))
     except DiffusionParamError as err:
         param = "max_tokens" if err.param == "gen_length" else err.param
         raise InvalidArgument(str(err), param=param) from None

@@ -188,7 +188,7 @@ class GenerateOptions:
     included (None: the client's). `predicted_output_len` tells the scheduler how many
     tokens the request is expected to generate (it plans the split with it instead of its
     own prediction; None: no hint; above max_tokens counts as max_tokens). `steps`,
-    `block_length`, `remasking` and `retention_ratio` are a diffusion model's denoising knobs
+    `block_length`, `remasking`, `retention_ratio` and `cfg_scale` are a diffusion model's denoising knobs
     (dLLM-Serve; None: the server's defaults; an autoregressive model refuses them).
     Frozen, so one instance can serve many calls:
 
@@ -215,6 +215,7 @@ class GenerateOptions:
     block_length: int | None = None
     remasking: str | None = None
     retention_ratio: float | None = None
+    cfg_scale: float | None = None
 
     def __post_init__(self) -> None:
         # Tuples: the options stay as given even if the caller's list changes later.
@@ -255,7 +256,7 @@ def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions
     sampling = types_pb2.SamplingParams(top_k=opts.top_k or 0, ignore_eos=opts.ignore_eos, stop=list(opts.stop),
                                         stop_token_ids=list(opts.stop_token_ids))
     for name in ("max_tokens", "temperature", "top_p", "seed", "steps", "block_length", "remasking",
-                 "retention_ratio"):
+                 "retention_ratio", "cfg_scale"):
         value = getattr(opts, name)
         if value is not None:
             setattr(sampling, name, value)

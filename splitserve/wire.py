@@ -57,4 +57,6 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
         params.remasking = message.remasking
     if message.HasField("retention_ratio"):
         params.retention_ratio = message.retention_ratio
+    if message.HasField("cfg_scale"):
+        params.cfg_scale = message.cfg_scale
     return params

@@ -123,7 +123,7 @@ def transfer_token_schedule(masked_count: int, steps: int) -> list[int]:
 
 def diffusion_params(max_tokens: int, *, steps: int | None = None, block_length: int | None = None,
                      temperature: float = 0.0, remasking: str = "low_confidence",
-                     retention_ratio: float = 1.0) -> DiffusionParams:
+                     retention_ratio: float = 1.0, cfg_scale: float = 0.0) -> DiffusionParams:
     """A request's denoising knobs from its API fields, the defaults filled in: one step per
     token; blocks of 32 when 32 divides max_tokens (and the steps), else one block.
     DiffusionParamError names the field. The gateway (its 400s) and the engine share it."""
@@ -134,7 +134,7 @@ def diffusion_params(max_tokens: int, *, steps: int | None = None, block_length:
             block = max_tokens  # the default blocks would not divide these steps: one block
     return DiffusionParams(gen_length=max_tokens, block_length=block, steps=max_tokens if steps is None else steps,
                            temperature=temperature, remasking=remasking or "low_confidence",
-                           retention_ratio=retention_ratio)
+                           retention_ratio=retention_ratio, cfg_scale=cfg_scale)
 
 
 class Phase(str, Enum):
@@ -166,8 +166,10 @@ class DiffusionSequence:
         return Phase.REFRESH if cache == "none" or self.step_in_block == 0 else Phase.REUSE
 
     def query_tokens(self, cache: str) -> int:
-        """This step's cost in query tokens (§4.4): the sequence in Refresh, a block in Reuse."""
-        return self.length if self.phase(cache) is Phase.REFRESH else self.params.block_length
+        """This step's cost in query tokens (§4.4): the sequence in Refresh, a block in Reuse;
+        with classifier-free guidance twice that (a second pass sees the prompt masked)."""
+        tokens = self.length if self.phase(cache) is Phase.REFRESH else self.params.block_length
+        return 2 * tokens if self.params.cfg_scale > 0 else tokens
 
     def kv_tokens(self, cache: str) -> int:
         """Tokens of KV held between steps, fixed for the request's life (§4.5: allocated once)."""

@@ -19,11 +19,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # Diffusion models only (dLLM-Serve / LLaDA): denoising steps over max_tokens (default:
     # one per token), block length (default: 32 when it divides max_tokens, else max_tokens),
-    # remasking strategy, KV retention ratio (1: dense), classifier-free guidance.
+    # remasking strategy, KV retention ratio (1: dense), classifier-free guidance (0: none).
     steps: int | None = None
     block_length: int | None = None
     remasking: str = "low_confidence"
     retention_ratio: float = 1.0
+    cfg_scale: float = 0.0
 
     @property
     def greedy(self) -> bool:

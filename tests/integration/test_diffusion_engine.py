@@ -72,6 +72,36 @@ def test_the_engine_equals_the_reference_token_for_token(llada_dir, model, cache
     assert llm.engine.runner.peak_logit_rows <= 5
 
 
+GUIDED = [  # cfg_scale, remasking, temperature: guided and unguided requests in the same batches
+    (0.5, "random", 0.0),
+    (0.0, "low_confidence", 0.0),
+    (1.5, "low_confidence", 0.0),
+    (2.0, "low_confidence", 0.8),
+]
+
+
+def test_classifier_free_guidance_equals_the_reference(llada_dir, model):
+    prompts = _prompts([5, 13, 9, 21])
+    knobs = [DiffusionParams(gen_length=12, block_length=4, steps=6, cfg_scale=scale, remasking=remasking,
+                             temperature=temperature) for scale, remasking, temperature in GUIDED]
+    expected = [generate(model, [prompt], k, mask_token_id=model.config.mask_token_id,
+                         generators=[torch.Generator().manual_seed(seed)])[0].tokens
+                for prompt, k, seed in zip(prompts, knobs, SEEDS)]
+    # Logits in chunks of 5 rows: a guided request's 4-row block costs 8, so its rows split.
+    llm = LLM(str(llada_dir), dllm_cache="none", max_num_logits=5, max_num_batched_tokens=2 * (21 + 12) + 25)
+    params = [SamplingParams(max_tokens=12, block_length=4, steps=6, cfg_scale=k.cfg_scale, remasking=k.remasking,
+                             temperature=k.temperature, seed=seed, ignore_eos=True) for k, seed in zip(knobs, SEEDS)]
+    got = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    assert got == [list(e) for e in expected]
+    assert llm.engine.runner.peak_logit_rows <= 5
+    # Guidance is applied: the guided greedy requests decode otherwise without it.
+    unguided = generate(model, [prompts[2]], DiffusionParams(gen_length=12, block_length=4, steps=6),
+                        mask_token_id=model.config.mask_token_id)
+    assert got[2] != list(unguided[0].tokens)
+    with pytest.raises(ValueError, match="cfg_scale"):  # the dual cache has no unconditional pass
+        LLM(str(llada_dir)).generate([prompts[0]], SamplingParams(max_tokens=12, cfg_scale=0.5))
+
+
 def test_phase_multiplexing_admits_requests_mid_flight_and_changes_no_token(llada_dir):
     knobs = DiffusionParams(gen_length=16, block_length=4, steps=8)
     prompts = _prompts([7, 20, 11, 3])

@@ -78,6 +78,17 @@ def test_knobs_are_either_valid_or_refused_naming_a_field(max_tokens, steps, blo
         assert p.block_length == block_length
 
 
+def test_guidance_doubles_a_steps_query_tokens():
+    from splitserve.core.diffusion import DiffusionSequence
+
+    plain = DiffusionSequence("a", 10, diffusion_params(16, block_length=4, steps=8))
+    guided = DiffusionSequence("b", 10, diffusion_params(16, block_length=4, steps=8, cfg_scale=1.0))
+    assert (plain.query_tokens("none"), guided.query_tokens("none")) == (26, 52)
+    assert (plain.query_tokens("dual"), guided.query_tokens("dual")) == (26, 52)  # a Refresh
+    plain.advance(), guided.advance()
+    assert (plain.query_tokens("dual"), guided.query_tokens("dual")) == (4, 8)  # a Reuse
+
+
 # ---- the API -------------------------------------------------------------------------------------
 
 def test_diffusion_knobs_reach_the_submit_request():
@@ -115,6 +126,7 @@ def test_unset_knobs_stay_unset_on_the_wire():
     ({"session_id": "s"}, "session_id"),
     ({"prompt": [256, 49, MASK]}, "prompt"),
     ({"steps": "8"}, "steps"),  # strict JSON types
+    ({"cfg_scale": -0.5}, "cfg_scale"),
 ])
 def test_diffusion_model_refuses_bad_knobs_naming_the_field(body, param):
     with pytest.raises(InvalidArgument) as info:
@@ -123,7 +135,7 @@ def test_diffusion_model_refuses_bad_knobs_naming_the_field(body, param):
 
 
 @pytest.mark.parametrize("field, value", [("steps", 8), ("block_length", 4), ("remasking", "random"),
-                                          ("retention_ratio", 0.5)])
+                                          ("retention_ratio", 0.5), ("cfg_scale", 1.0)])
 def test_autoregressive_model_refuses_the_knobs(field, value):
     with pytest.raises(InvalidArgument) as info:
         completion_request({"prompt": "hi", "max_tokens": 16, field: value}, TOK, AR_LIMITS, "r1")
@@ -134,9 +146,10 @@ def test_autoregressive_model_refuses_the_knobs(field, value):
 
 def test_grpc_generate_request_carries_and_checks_the_knobs():
     msg = build_generate_request([256, 49, 50, 61], max_tokens=16, steps=8, block_length=4, remasking="random",
-                                 retention_ratio=0.75)
+                                 retention_ratio=0.75, cfg_scale=1.5)
     s = msg.sampling
-    assert (s.steps, s.block_length, s.remasking, s.retention_ratio) == (8, 4, "random", 0.75)
+    assert (s.steps, s.block_length, s.remasking, s.retention_ratio, s.cfg_scale) == (8, 4, "random", 0.75, 1.5)
+    assert sampling_from_proto(s).cfg_scale == 1.5
     req = generate_request(msg, TOK, DIFFUSION_LIMITS, "r1")
     assert (req.steps, req.block_length, req.remasking, req.retention_ratio, req.engine_family) == \
         (8, 4, "random", 0.75, DIFFUSION)

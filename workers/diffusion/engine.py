@@ -60,7 +60,7 @@ def diffusion_params(params: SamplingParams) -> DiffusionParams:
                                   "top_k and top_p are not supported by diffusion models (use temperature)")
     return core_diffusion_params(params.max_tokens, steps=params.steps, block_length=params.block_length,
                                  temperature=params.temperature, remasking=params.remasking,
-                                 retention_ratio=params.retention_ratio)
+                                 retention_ratio=params.retention_ratio, cfg_scale=params.cfg_scale)
 
 
 class DiffusionEngine:
@@ -118,6 +118,11 @@ class DiffusionEngine:
         """Queue a request; a ValueError names the field and the limit it breaks."""
         params.validate(self.model_config.vocab_size)
         knobs = diffusion_params(params)
+        if knobs.cfg_scale > 0 and self.config.dllm_cache != "none":
+            # The dual cache would need a second cache per request for the unconditional pass,
+            # which Fast-dLLM's caching does not define (nor does the reference).
+            raise DiffusionParamError("cfg_scale", "cfg_scale: classifier-free guidance runs on workers with "
+                                      f"dllm_cache none; this one has dllm_cache {self.config.dllm_cache}")
         if not prompt_ids:
             raise ValueError("prompt must hold at least one token")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):

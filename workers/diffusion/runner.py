@@ -112,7 +112,7 @@ class DiffusionRunner:
             return
         cfg = self.config
         states = [self.states[w.seq.key] for w in batch.entries]
-        positions = []
+        positions, inputs = [], []
         for work, state in zip(batch.entries, states):
             seq = state.seq
             if work.phase is Phase.REFRESH:
@@ -120,8 +120,18 @@ class DiffusionRunner:
             else:
                 positions.append(torch.arange(seq.block_start, seq.block_start + seq.params.block_length,
                                               device=self.device))
-        packed_positions = torch.cat(positions)
-        input_ids = torch.cat([s.ids[p] for s, p in zip(states, positions)])
+            inputs.append(state.ids[positions[-1]])
+        # Classifier-free guidance (no cache only): each guided request's unconditional pass, the
+        # same sequence with its prompt masked, packed after the conditional ones.
+        guided = [i for i, s in enumerate(states) if s.seq.params.cfg_scale > 0]
+        segments = list(zip(batch.entries, states, positions))
+        for i in guided:
+            unconditional = states[i].ids.clone()
+            unconditional[: states[i].seq.prompt_len] = self.mask_token_id
+            segments.append((batch.entries[i], states[i], positions[i]))
+            inputs.append(unconditional)
+        packed_positions = torch.cat([pos for _, _, pos in segments])
+        input_ids = torch.cat(inputs)
         cos, sin = _rope_cos_sin(cfg, packed_positions[None], self.device)
         cos, sin = cos[0].transpose(0, 1), sin[0].transpose(0, 1)  # [N, 1, head_dim]
         transformer = self.model.transformer
@@ -134,14 +144,14 @@ class DiffusionRunner:
             v = block.v_proj(normed).view(total, cfg.n_kv_heads, cfg.head_dim)
             attended = torch.empty_like(q)
             offset = 0
-            for work, state, pos in zip(batch.entries, states, positions):
+            for work, state, pos in segments:
                 rows = slice(offset, offset + pos.numel())
                 offset += pos.numel()
                 attended[rows] = self._attend(work.phase, state, layer, q[rows], k[rows], v[rows])
             hidden = hidden + block.attn_out(attended.flatten(1))
             normed = block.ff_norm(hidden)
             hidden = hidden + block.ff_out(F.silu(block.ff_proj(normed)) * block.up_proj(normed))
-        self._denoise(batch, states, positions, hidden)
+        self._denoise(batch, states, positions, hidden, guided)
 
     def _attend(self, phase: Phase, state: _RequestState, layer: int, q, k, v) -> torch.Tensor:
         """One request's attention in this layer: q [n, H, D], its fresh k/v [n, KVH, D]."""
@@ -198,9 +208,11 @@ class DiffusionRunner:
         else:
             state.cache[layer] = entry
 
-    def _denoise(self, batch: DiffusionBatch, states: list[_RequestState], positions, hidden: torch.Tensor) -> None:
-        """Logits of every request's block in chunks of `max_num_logits` rows (§4.3), each chunk
-        decoded and freed at once; then each request unmasks its step's tokens."""
+    def _denoise(self, batch: DiffusionBatch, states: list[_RequestState], positions, hidden: torch.Tensor,
+                 guided: list[int]) -> None:
+        """Logits of every request's block in chunks of at most `max_num_logits` rows (§4.3), each
+        chunk decoded and freed at once; then each request unmasks its step's tokens. A guided
+        request's rows count twice: its unconditional logits are materialised beside them."""
         rows, owners = [], []
         offset = 0
         for index, (state, pos) in enumerate(zip(states, positions)):
@@ -209,16 +221,19 @@ class DiffusionRunner:
             rows.append(torch.arange(first, first + seq.params.block_length, device=self.device))
             owners.extend([index] * seq.params.block_length)
             offset += pos.numel()
+        unconditional_first = {}  # request index -> the first row of its block in its unconditional pass
+        for index in guided:
+            unconditional_first[index] = offset + states[index].seq.block_start
+            offset += positions[index].numel()
         row_index = torch.cat(rows)
         candidates = torch.empty(row_index.numel(), dtype=torch.long, device=self.device)
         confidence = torch.empty(row_index.numel(), dtype=torch.float32, device=self.device)
         transformer, cfg = self.model.transformer, self.config
         head = transformer.wte.weight if cfg.weight_tying else transformer.ff_out.weight
         head = head[: cfg.vocab_size]
-        for chunk_start in range(0, row_index.numel(), self.max_num_logits):
-            chunk = slice(chunk_start, min(chunk_start + self.max_num_logits, row_index.numel()))
+        for chunk in _logit_chunks(owners, set(guided), self.max_num_logits):
             logits = F.linear(transformer.ln_f(hidden[row_index[chunk]]), head).float()
-            self.peak_logit_rows = max(self.peak_logit_rows, logits.shape[0])
+            guided_rows = 0
             # Rows of one request are contiguous; its generator draws them in order.
             start = chunk.start
             while start < chunk.stop:
@@ -228,6 +243,12 @@ class DiffusionRunner:
                     stop += 1
                 part = logits[start - chunk.start: stop - chunk.start]
                 params = states[owner].seq.params
+                if params.cfg_scale > 0:  # LLaDA's guidance: uncond + (s + 1) (cond - uncond)
+                    first = unconditional_first[owner] + start - owners.index(owner)
+                    uncond = F.linear(transformer.ln_f(hidden[first: first + stop - start]), head).float()
+                    part = uncond + (params.cfg_scale + 1) * (part - uncond)
+                    guided_rows += stop - start
+                    del uncond
                 if params.temperature > 0:
                     uniform = torch.rand(part.shape, generator=states[owner].generator, dtype=torch.float64,
                                          device=self.device)
@@ -239,6 +260,7 @@ class DiffusionRunner:
                     probs = F.softmax(part, dim=-1)
                     confidence[start:stop] = probs.gather(-1, candidates[start:stop, None]).squeeze(-1)
                 start = stop
+            self.peak_logit_rows = max(self.peak_logit_rows, logits.shape[0] + guided_rows)
             del logits
         offset = 0
         for work, state in zip(batch.entries, states):
@@ -256,3 +278,18 @@ class DiffusionRunner:
             chosen = order[: seq.num_transfer].sort().values
             block_ids[chosen] = cand[chosen]
             state.ids[block] = block_ids
+
+
+def _logit_chunks(owners: list[int], guided: set[int], max_rows: int):
+    """Slices of the logit rows (in order) holding at most `max_rows` materialised rows each, a
+    guided request's row counting twice (its unconditional row is computed beside it); a
+    chunk holds at least one row."""
+    start, weight = 0, 0
+    for index, owner in enumerate(owners):
+        cost = 2 if owner in guided else 1
+        if index > start and weight + cost > max_rows:
+            yield slice(start, index)
+            start, weight = index, 0
+        weight += cost
+    if start < len(owners):
+        yield slice(start, len(owners))

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "steps", "block_length", "remasking", "retention_ratio")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "steps", "block_length", "remasking", "retention_ratio", "cfg_scale")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class SamplingParams(_message.Message):
     BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REMASKING_FIELD_NUMBER: _ClassVar[int]
     RETENTION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -32,7 +33,8 @@ class SamplingParams(_message.Message):
     block_length: int
     remasking: str
     retention_ratio: float
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., remasking: _Optional[str] = ..., retention_ratio: _Optional[float] = ...) -> None: ...
+    cfg_scale: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., remasking: _Optional[str] = ..., retention_ratio: _Optional[float] = ..., cfg_scale: _Optional[float] = ...) -> None: ...
 
 class Slo(_message.Message):
     __slots__ = ("ttft_ms", "itl_ms")
