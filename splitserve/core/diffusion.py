@@ -33,7 +33,8 @@ from enum import Enum
 
 __all__ = ["CACHE_MODES", "DEFAULT_BLOCK_LENGTH", "DIFFUSION_POLICIES", "REMASKING_STRATEGIES", "DiffusionBatch",
            "DiffusionParamError", "DiffusionParams", "DiffusionScheduler", "DiffusionSchedulerConfig",
-           "DiffusionSequence", "DiffusionWork", "Phase", "diffusion_params", "transfer_token_schedule"]
+           "DiffusionSequence", "DiffusionWork", "Phase", "diffusion_params", "profile_batch",
+           "transfer_token_schedule"]
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
 CACHE_MODES = ("none", "dual")
@@ -227,6 +228,27 @@ class DiffusionBatch:
     def num_logit_rows(self) -> int:
         """Rows whose logits the step needs: each request's current block."""
         return sum(e.seq.params.block_length for e in self.entries)
+
+
+def profile_batch(max_num_batched_tokens: int, max_model_len: int,
+                  block_length: int = DEFAULT_BLOCK_LENGTH) -> DiffusionBatch:
+    """The worst step the scheduler can build (dLLM-Serve §4.2's dummy workload): Refresh steps
+    of sequences as long as the model allows, filling `max_num_batched_tokens` query tokens,
+    each with one block of logit rows. The profiler runs it to measure the activation peak."""
+    _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    if not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len!r}")
+    batch, left, index = DiffusionBatch(), max_num_batched_tokens, 0
+    while left > 0:
+        length = max(2, min(left, max_model_len))
+        block = min(block_length, length - 1)
+        prompt = length - block
+        seq = DiffusionSequence(f"profile-{index}", prompt, DiffusionParams(gen_length=block, block_length=block,
+                                                                             steps=block))
+        batch.entries.append(DiffusionWork(seq, Phase.REFRESH, seq.length, admitted=True))
+        left -= seq.length
+        index += 1
+    return batch
 
 
 @dataclass(frozen=True)

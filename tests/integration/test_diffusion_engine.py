@@ -236,3 +236,24 @@ def test_engine_serves_whole_stages_and_refuses_split_or_kv(llada_dir):
     assert {(e.key, e.finish_reason, e.num_output_tokens) for e in aborted} == \
         {(StageKey("a", 0), "abort", 4), (StageKey("b", 0), "abort", 4)}
     assert not engine.has_unfinished() and engine.load().free_blocks == engine.load().total_blocks
+
+
+def test_the_profile_step_runs_the_worst_batch_with_logits_bounded(llada_dir):
+    """The logit-aware profiler's dummy workload (§4.2) runs through the real runner (on CUDA the
+    allocator's peak is read around it); its logits never exceed max_num_logits rows at once."""
+    from splitserve.core.diffusion import profile_batch
+    from workers.diffusion.engine import DiffusionEngine, kv_pool_bytes
+    from workers.engine.config import EngineConfig
+
+    engine = DiffusionEngine(EngineConfig(model=str(llada_dir), max_num_batched_tokens=200, max_num_logits=7,
+                                          kv_cache_memory_bytes=1 << 20))
+    batch = profile_batch(200, engine.max_model_len)
+    assert batch.num_query_tokens == 200 and all(e.seq.length <= engine.max_model_len for e in batch.entries)
+    engine.run_profile_step()
+    assert 0 < engine.runner.peak_logit_rows <= 7 and not engine.runner.states
+    # 48 GB at 0.9, 1 GB held elsewhere, 16 GB of weights, a 2 GB activation peak (+5% guard).
+    gb = 10**9
+    assert kv_pool_bytes(48 * gb, 0.9, 1 * gb, 16 * gb, 2 * gb) == int(43.2 * gb - 17 * gb - 2.1 * gb)
+    assert kv_pool_bytes(24 * gb, 0.9, 0, 16 * gb, 8 * gb) == 0
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_pool_bytes(gb, 0.0, 0, 0, 0)

@@ -21,7 +21,7 @@ import torch
 from splitserve.core import SamplingParams, StageKey, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
 from splitserve.core.diffusion import (DiffusionParamError, DiffusionParams, DiffusionScheduler,
-                                       DiffusionSchedulerConfig, DiffusionSequence)
+                                       DiffusionSchedulerConfig, DiffusionSequence, profile_batch)
 from splitserve.core.diffusion import diffusion_params as core_diffusion_params
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.diffusion.runner import DiffusionRunner
@@ -29,7 +29,8 @@ from workers.engine.config import EngineConfig, parse_dtype
 from workers.engine.model_runner import _CPU_DEFAULT_KV_BYTES_CAP, _resolve_device
 from workers.engine.models.llada import LladaConfig, load_llada
 
-__all__ = ["DiffusionEngine", "ENGINE_KIND", "StepOutput", "diffusion_params", "is_diffusion_model"]
+__all__ = ["DiffusionEngine", "ENGINE_KIND", "StepOutput", "diffusion_params", "is_diffusion_model",
+           "kv_pool_bytes"]
 
 ENGINE_KIND = "llada"  # what a diffusion worker registers: one of state_records.DIFFUSION_ENGINE_KINDS
 
@@ -100,18 +101,51 @@ class DiffusionEngine:
             kv_bytes_per_token = 2 * self.model_config.n_layers * self.model_config.n_kv_heads * \
                 self.model_config.head_dim * elem
         self.kv_bytes_per_token = kv_bytes_per_token
-        budget = config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES_CAP
+        self.runner = runner if injected else DiffusionRunner(
+            self.model, cache=config.dllm_cache, max_num_logits=config.max_num_logits,
+            sparse_kv=config.sparse_kv, device=self.device)
+        budget = config.kv_cache_memory_bytes
+        if not budget:
+            budget = self._profile_kv_budget() if self.device.type == "cuda" else _CPU_DEFAULT_KV_BYTES_CAP
+        if budget < self.kv_bytes_per_token:
+            raise ValueError(f"the KV pool ({budget} bytes) holds no token of KV ({self.kv_bytes_per_token} bytes "
+                             "each): lower max_num_batched_tokens or max_num_logits, or raise gpu_memory_utilization")
         self.scheduler = DiffusionScheduler(DiffusionSchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             kv_capacity_tokens=max(1, budget // self.kv_bytes_per_token), cache=config.dllm_cache,
             policy=config.diffusion_policy, static_batch_size=config.static_batch_size))
-        self.runner = runner if injected else DiffusionRunner(
-            self.model, cache=config.dllm_cache, max_num_logits=config.max_num_logits,
-            sparse_kv=config.sparse_kv, device=self.device)
         self._requests: dict[str, tuple[StageKey, list[int], SamplingParams]] = {}
         self._emitted: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.last_output = StepOutput()
+
+    # ---- memory (dLLM-Serve §4.2) ---------------------------------------------------------------
+    def run_profile_step(self) -> None:
+        """The profiler's dummy workload: the worst step the scheduler can build (`profile_batch`),
+        run through the runner with its logits decomposed by max_num_logits, then released."""
+        batch = profile_batch(self.config.max_num_batched_tokens, self.max_model_len)
+        for work in batch.entries:
+            self.runner.start(work.seq, [0] * work.seq.prompt_len, None)
+        try:
+            self.runner.execute(batch)
+        finally:
+            for work in batch.entries:
+                self.runner.release(work.seq.key)
+
+    def _profile_kv_budget(self) -> int:
+        """CUDA: the bytes left for the KV pool once the weights, other processes and the measured
+        activation peak of `run_profile_step` are set aside (written to the CUDA allocator's
+        statistics; not run here, where there is no GPU)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)  # the weights
+        self.run_profile_step()
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - resident
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        return kv_pool_bytes(total, self.config.gpu_memory_utilization, used_by_others, resident, activations)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, key: StageKey, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -251,6 +285,20 @@ class DiffusionEngine:
         if self.tokenizer is not None and self.config.detokenize:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return TokenEvent(key, tokens, text, reason, len(prompt), done + len(tokens))
+
+
+PROFILE_GUARD_FRACTION = 0.05  # §4.2's guard band: allocator fragmentation, kernel selection
+
+
+def kv_pool_bytes(total: int, utilization: float, used_by_others: int, resident: int, activation_peak: int,
+                  guard_fraction: float = PROFILE_GUARD_FRACTION) -> int:
+    """The KV pool of the logit-aware profiler (dLLM-Serve §4.2): the device's share
+    (`utilization` of `total`) minus what other processes hold, this process's resident
+    tensors (the weights) and the activation peak of the profile step (its logits bounded by
+    max_num_logits rows, not vocab x every token), grown by a guard band; never negative."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    return max(0, int(total * utilization - used_by_others - resident - activation_peak * (1 + guard_fraction)))
 
 
 def _load_tokenizer(model_dir: Path):
