@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
+from opentelemetry.context import Context
 
 from gateway.validation import GenerationRequest
 from splitserve.errors import Unavailable, from_rpc_error
@@ -84,13 +84,13 @@ class CoordinatorClient:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         self.tokenization = tokenization
 
-    async def generate(self, request: GenerationRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, request: GenerationRequest, timeout_s: float | None = None,
+                       trace_context: Context | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request; closing the iterator early cancels it upstream."""
         assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
                                     len(request.prompt_token_ids))
         call = self.stub.Submit(request.submit_request(), timeout=timeout_s,
-                                metadata=outgoing_metadata(request.request_id))
+                                metadata=outgoing_metadata(request.request_id, trace_context))
         try:
             async for chunk in call:
                 delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
@@ -124,23 +124,14 @@ class CoordinatorClient:
             raise from_rpc_error(err) from None
         return reply.closed
 
-    async def ready(self, timeout_s: float = 1.0) -> bool:
-        """Whether the channel is READY, trying to connect for up to `timeout_s` when it is not."""
-        state = self.channel.get_state(try_to_connect=True)
-        if state == grpc.ChannelConnectivity.READY:
-            return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while state != grpc.ChannelConnectivity.READY:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self.channel.wait_for_state_change(state), remaining)
-            except asyncio.TimeoutError:
-                return False
-            state = self.channel.get_state(try_to_connect=True)
-        return True
+    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+        """Whether a request sent now would be served: the coordinator answers and its placement
+        has an eligible worker; (ready, why not)."""
+        try:
+            reply = await self.stub.Ready(coordinator_pb2.ReadyRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            return False, f"coordinator unreachable ({err.code().name})"
+        return reply.ready, reply.reason
 
     async def close(self) -> None:
         await self.channel.close()
@@ -157,13 +148,14 @@ class EmbeddedCoordinatorClient:
         self.coordinator = coordinator  # services.coordinator.core.Coordinator
         self.tokenization = tokenization
 
-    async def generate(self, request: GenerationRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, request: GenerationRequest, timeout_s: float | None = None,
+                       trace_context: Context | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request; closing the iterator early cancels it on the worker."""
         assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
                                     len(request.prompt_token_ids))
         deadline = time.monotonic() + (timeout_s or self.coordinator.config.request_timeout_s)
-        async with contextlib.aclosing(self.coordinator.submit(request.submit_request(), deadline)) as chunks:
+        submitted = self.coordinator.submit(request.submit_request(), deadline, trace_context=trace_context)
+        async with contextlib.aclosing(submitted) as chunks:
             async for chunk in chunks:
                 delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
                 if delta is not None:
@@ -178,8 +170,9 @@ class EmbeddedCoordinatorClient:
     async def close_session(self, session_id: str, owner: str) -> bool:
         return await self.coordinator.close_session(session_id, owner)
 
-    async def ready(self, timeout_s: float = 1.0) -> bool:
-        return True
+    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+        ready, reason, _ = await self.coordinator.ready(timeout_s)
+        return ready, reason
 
     async def close(self) -> None:
         """The gateway closes the embedded coordinator itself (it owns its lifetime)."""

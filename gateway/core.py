@@ -16,7 +16,11 @@ from gateway.coordinator_client import CoordinatorClient, GenerationDelta
 from gateway.tokenization import Tokenization
 from gateway.validation import GenerationRequest, Limits
 from splitserve.config import GatewayConfig
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
+
 from splitserve.errors import DeadlineExceeded, SplitserveError, Unauthenticated
+from splitserve.telemetry import end_span, span_context, start_span
 
 
 def served_model_name(config: GatewayConfig) -> str:
@@ -43,6 +47,12 @@ class GatewayCore:
         metrics.IN_FLIGHT.set_function(lambda: self.admission.in_flight)
         metrics.QUEUED.set_function(lambda: self.admission.queued)
 
+    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+        """Whether a request sent now would be served; (ready, why not)."""
+        if not self.admission.admitting:
+            return False, "draining"
+        return await self.coordinator.ready(timeout_s)
+
     def authenticate(self, authorization: str | None) -> str:
         """Check an `Authorization: Bearer <key>` value when API keys are configured; the
         caller's owner id for per-key limits (a digest of the key; "" without keys)."""
@@ -64,16 +74,24 @@ class GatewayCore:
     async def close_session(self, session_id: str, owner: str) -> bool:
         return await self.coordinator.close_session(session_id, owner)
 
-    async def generate(self, request: GenerationRequest, api: str,
-                       deadline: float | None = None) -> AsyncIterator[GenerationDelta]:
-        """Admit, run and measure one request; `deadline` is on the loop clock (covers queueing)."""
+    async def generate(self, request: GenerationRequest, api: str, deadline: float | None = None,
+                       trace_parent: Context | None = None) -> AsyncIterator[GenerationDelta]:
+        """Admit, run and measure one request; `deadline` is on the loop clock (covers queueing).
+        Traced as `gateway.request` under the caller's W3C trace context, if it sent one."""
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         status = "ok"
         finished = False
+        error: BaseException | None = None
+        span = start_span("gateway.request", trace_parent, kind=SpanKind.SERVER, attributes={
+            "splitserve.request_id": request.request_id, "splitserve.api": api, "gen_ai.request.model": self.model_name,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            "gen_ai.request.max_tokens": request.max_tokens})
+        completion_tokens = 0
         try:
             async with self.admission.slot():
                 metrics.QUEUE_WAIT.observe(loop.time() - arrived)
+                span.add_event("admitted")
                 timeout_s = None
                 if deadline is not None:
                     timeout_s = deadline - loop.time()
@@ -82,24 +100,31 @@ class GatewayCore:
                 metrics.PROMPT_TOKENS.inc(len(request.prompt_token_ids))
                 last = None
                 # aclosing: when our consumer closes us, the upstream call is cancelled now, not at GC.
-                async with contextlib.aclosing(self.coordinator.generate(request, timeout_s)) as deltas:
+                deltas = self.coordinator.generate(request, timeout_s, trace_context=span_context(span))
+                async with contextlib.aclosing(deltas):
                     async for delta in deltas:
                         now = loop.time()
+                        if last is None:
+                            span.add_event("first_token")
                         (metrics.TTFT if last is None else metrics.ITL).observe(now - (last or arrived))
                         last = now
+                        completion_tokens = delta.completion_tokens
                         metrics.COMPLETION_TOKENS.inc(len(delta.token_ids))
                         finished = bool(delta.finish_reason)
                         yield delta
         except SplitserveError as err:
-            status = err.code.name.lower()
+            status, error = err.code.name.lower(), err
             raise
         except (asyncio.CancelledError, GeneratorExit):
             # A consumer that stops reading after the last delta has not cancelled anything.
             status = "ok" if finished else "cancelled"
             raise
-        except Exception:
-            status = "internal"
+        except Exception as err:
+            status, error = "internal", err
             raise
         finally:
             metrics.REQUESTS.labels(api, status).inc()
             metrics.E2E.observe(loop.time() - arrived)
+            span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
+            span.set_attribute("splitserve.status", status)
+            end_span(span, error)

@@ -13,7 +13,7 @@ from gateway.core import GatewayCore
 from gateway.validation import MAX_ID_CHARS, generate_request
 from splitserve.errors import InvalidArgument, NotFound, SplitserveError, abort
 from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
-from splitserve.telemetry import request_id_var
+from splitserve.telemetry import incoming_context, request_id_var
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -41,7 +41,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             remaining = context.time_remaining()
             # The caller's deadline, on the loop clock, bounds queueing and the coordinator call.
             deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
-            stream = self.core.generate(req, api="grpc", deadline=deadline)
+            stream = self.core.generate(req, api="grpc", deadline=deadline,
+                                        trace_parent=incoming_context(context.invocation_metadata()))
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     response = gateway_pb2.GenerateResponse(request_id=request_id, text=delta.text,

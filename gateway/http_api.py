@@ -30,7 +30,7 @@ from gateway.validation import (
     with_session_header,
 )
 from splitserve.errors import Cancelled, InvalidArgument, NotFound, Overloaded, SplitserveError, Unavailable
-from splitserve.telemetry import request_id_var
+from splitserve.telemetry import http_parent_context, request_id_var
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -146,11 +146,18 @@ def create_app(core: GatewayCore) -> FastAPI:
         return JSONResponse(models_response(core.model_name, core.created, core.limits.max_model_len))
 
     @app.get("/health")
+    @app.get("/health/ready")
     async def health() -> JSONResponse:
-        if not core.admission.admitting:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not await core.coordinator.ready(timeout_s=1.0):
-            return JSONResponse({"status": "coordinator unreachable"}, status_code=503)
+        """Readiness: a request sent now would be served (admitting, the coordinator answers, a
+        worker is eligible); 503 saying why otherwise."""
+        ready, reason = await core.ready()
+        if not ready:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """Liveness: the process and its event loop answer (while starting and draining too)."""
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -181,7 +188,7 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage)
     headers = {"X-Request-Id": request_id}
-    stream = core.generate(req, api="http")
+    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()))
     if not req.stream:
         try:
             result = await _until_disconnected(request, _collect(stream))

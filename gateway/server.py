@@ -26,11 +26,12 @@ from gateway.tokenization import Tokenization
 from services.coordinator.server import open_coordinator
 from splitserve.config import CommonConfig, CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import gateway_pb2_grpc
-from splitserve.service import ServiceRuntime, insecure_channel, run
+from splitserve.service import ServiceRuntime, cancel_and_wait, insecure_channel, run
 
 log = logging.getLogger(__name__)
 
 HTTP_SHUTDOWN_GRACE_S = 2.0
+READINESS_INTERVAL_S = 0.5  # how often gRPC health re-checks readiness (and a check's timeout)
 # GatewayConfig.coordinator_address value that runs the coordinator in the gateway process.
 EMBEDDED = "embedded"
 
@@ -74,6 +75,7 @@ class GatewayServer:
         self._coordinator_config = coordinator_config
         self._embedded = None
         self._exit_stack = contextlib.AsyncExitStack()
+        self._readiness_task: asyncio.Task | None = None
 
     @property
     def grpc_port(self) -> int:
@@ -104,13 +106,30 @@ class GatewayServer:
                 self._http_task.result()  # raises the startup error
                 raise RuntimeError("the HTTP server exited during start-up")
             await asyncio.sleep(0.01)
-        await self.runtime.set_serving(True)
+        # gRPC health follows readiness (as /health does): SERVING once a request would be served.
+        await self._update_readiness()
+        self._readiness_task = asyncio.create_task(self._readiness_loop())
         log.info("gateway ready: grpc port %d, http port %d, model %s, coordinator %s", self.grpc_port,
                  self.http_port, self.core.model_name, config.coordinator_address)
+
+    async def _update_readiness(self) -> bool:
+        ready, _ = await self.core.ready(timeout_s=READINESS_INTERVAL_S)
+        await self.runtime.set_serving(ready)
+        return ready
+
+    async def _readiness_loop(self) -> None:
+        while self.core.admission.admitting:
+            try:
+                await self._update_readiness()
+            except Exception as err:  # a probe reports; it must not end the loop
+                log.warning("readiness check failed: %s", err)
+            await asyncio.sleep(READINESS_INTERVAL_S)  # periodic re-check, not synchronisation
 
     async def drain(self) -> None:
         """Stop admitting (new requests get UNAVAILABLE / 503) and wait for in-flight ones."""
         assert self.core is not None
+        await cancel_and_wait(self._readiness_task)
+        await self.runtime.set_serving(False)
         self.core.admission.stop_admitting()
         await self.core.admission.wait_idle()
         if self._embedded is not None:
@@ -139,6 +158,7 @@ class GatewayServer:
         await self._close_http_and_channel()
 
     async def _close_http_and_channel(self) -> None:
+        await cancel_and_wait(self._readiness_task)
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await asyncio.gather(self._http_task, return_exceptions=True)

@@ -294,6 +294,9 @@ def up(
                                     "process (one gRPC hop less per request and token)."),
     placement: str = typer.Option("scheduler", help="scheduler: plans from the GlobalScheduler service | local: the "
                                   "same policy run inside the coordinator (one RPC less per request)."),
+    otlp_endpoint: str = typer.Option("", envvar="SPLITSERVE_OTLP_ENDPOINT", show_envvar=True,
+                                      help="OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) every service exports its "
+                                      "trace spans to; the standard OTEL_EXPORTER_OTLP_ENDPOINT works too."),
 ) -> None:
     """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
     import signal as _signal
@@ -342,7 +345,7 @@ def up(
         worker_args=worker_args,
         scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
         gateway_args=_emulated_gateway_args(backend, model_preset),
-        coordinator=coordinator, placement=placement,
+        coordinator=coordinator, placement=placement, otlp_endpoint=otlp_endpoint,
     )
     what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"
     console.print(f"starting {workers} {what} (logs in {log_dir}/) ...")

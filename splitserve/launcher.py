@@ -42,6 +42,9 @@ class ClusterSpec:
     placement: str = "scheduler"
     log_dir: Path | None = None
     log_json: bool = True
+    # OTLP/gRPC endpoint every service exports its spans to ("" : none, unless the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT is set in the environment the services inherit).
+    otlp_endpoint: str = ""
 
 
 @dataclass
@@ -121,6 +124,8 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     redis_url, private = ensure_redis(spec.redis_url)
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
     common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
+    if spec.otlp_endpoint:
+        common["otlp_endpoint"] = spec.otlp_endpoint
     # Every port is chosen before the services bind them (a worker binds its metrics port only
     # once its model is loaded): one not yet bound would look free again, so none is handed out twice.
     handed_out = {spec.http_port, spec.grpc_port}

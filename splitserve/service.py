@@ -13,9 +13,13 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.config import CommonConfig
-from splitserve.telemetry import setup_logging, setup_tracing, start_metrics_server
+from splitserve.telemetry import setup_logging, setup_tracing, shutdown_tracing, start_metrics_server
 
 log = logging.getLogger(__name__)
+
+# gRPC health service names: "" and the proto service's own name report readiness (this
+# replica can serve a request now); LIVENESS_SERVICE that the process answers at all.
+LIVENESS_SERVICE = "liveness"
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -65,8 +69,10 @@ class ServiceRuntime:
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
-        # grpc_health reports "" as SERVING by default; readiness is ours to declare.
+        # grpc_health reports "" as SERVING by default; readiness is ours to declare. Liveness
+        # ("liveness") is SERVING while the server runs, starting and draining included.
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.bound_port = self.server.add_insecure_port(f"{self.config.host}:{self.port}")
         if self.bound_port == 0:
             raise RuntimeError(f"{self.service}: cannot listen on {self.config.host}:{self.port}")
@@ -113,6 +119,7 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
         runner = asyncio.run
     try:
         runner(main())
+        shutdown_tracing()  # the last spans reach the collector before the process ends
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     except Exception as err:  # e.g. a port already taken

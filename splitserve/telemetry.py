@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 import time
 from typing import Iterable, Sequence
@@ -63,24 +64,41 @@ def start_metrics_server(host: str, port: int) -> int:
     return server.server_port
 
 
-def setup_tracing(service: str, otlp_endpoint: str) -> None:
-    """Export spans over OTLP when an endpoint is configured; otherwise tracing is a no-op."""
-    if not otlp_endpoint:
-        return
+def setup_tracing(service: str, otlp_endpoint: str) -> bool:
+    """Export spans over OTLP/gRPC to `otlp_endpoint`, else to the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT (OTEL_SERVICE_NAME names the service when set); with neither,
+    tracing stays a no-op (spans are not recorded). Whether export was set up."""
+    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if not endpoint:
+        return False
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": f"splitserve-{service}"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+    name = os.environ.get("OTEL_SERVICE_NAME") or f"splitserve-{service}"
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    # A short delay: a request's spans reach the collector within a second of its end.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
+                                                   schedule_delay_millis=500))
     trace.set_tracer_provider(provider)
+    return True
 
 
-def outgoing_metadata(request_id: str = "") -> list[tuple[str, str]]:
-    """gRPC metadata carrying the current trace context and request id to the next hop."""
+def shutdown_tracing() -> None:
+    """Flush and stop the span exporter (at process exit, so the last spans are not lost)."""
+    provider = trace.get_tracer_provider()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def outgoing_metadata(request_id: str = "", parent: otel_context.Context | None = None) -> list[tuple[str, str]]:
+    """gRPC metadata carrying a trace context (`parent`, else the current one) and the request
+    id to the next hop (W3C traceparent / tracestate)."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=parent)
     md = list(carrier.items())
     if request_id:
         md.append(("x-request-id", request_id))
@@ -88,13 +106,48 @@ def outgoing_metadata(request_id: str = "") -> list[tuple[str, str]]:
 
 
 def incoming_context(metadata: Iterable[tuple[str, str]] | None) -> otel_context.Context:
-    """The trace context a caller sent in its gRPC metadata."""
-    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    """The trace context a caller sent in its gRPC metadata (or HTTP headers)."""
+    carrier = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
     return propagate.extract(carrier)
 
 
-def tracer(name: str) -> trace.Tracer:
+def http_parent_context(headers: Iterable[tuple[str, str]]) -> otel_context.Context:
+    """The parent of a request handled over HTTP: the web framework's own server span when it
+    traces requests (FastAPI does once a tracer provider is set; it read `traceparent` already),
+    else the caller's context from the headers."""
+    if trace.get_current_span().get_span_context().is_valid:
+        return otel_context.get_current()
+    return incoming_context(headers)
+
+
+def tracer(name: str = "splitserve") -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+def start_span(name: str, parent: otel_context.Context | None = None, *, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+               attributes: dict | None = None, start_time_ns: int | None = None) -> trace.Span:
+    """A span under `parent`, ended by the caller. Spans are passed explicitly (`span_context`)
+    rather than made current: a request's work crosses async generators and threads, where an
+    attached context would be detached in the wrong place."""
+    return tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time_ns)
+
+
+def span_context(span: trace.Span) -> otel_context.Context:
+    """The context whose current span is `span` (the parent of its children, the next hop's caller)."""
+    return trace.set_span_in_context(span)
+
+
+def record_interval(name: str, parent: trace.Span, start_ns: int, end_ns: int, attributes: dict | None = None) -> None:
+    """A finished child span of `parent` from timestamps taken earlier (e.g. a stage's queue wait)."""
+    span = start_span(name, span_context(parent), attributes=attributes, start_time_ns=start_ns)
+    span.end(end_time=max(start_ns, end_ns))
+
+
+def end_span(span: trace.Span, error: BaseException | None = None) -> None:
+    """End `span`, marked as failed with the error's message when one is given."""
+    if error is not None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(error) or type(error).__name__))
+    span.end()
 
 
 def now_ns() -> int:

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from splitserve.config import WorkerConfig, default_worker_id, load_config
@@ -22,7 +23,8 @@ from splitserve.core.session_pins import SessionHold
 from splitserve.state_records import DIFFUSION, engine_family
 from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
                               WorkerLoad)
-from splitserve.telemetry import percentile_buckets, request_id_var
+from splitserve.telemetry import (end_span, incoming_context, percentile_buckets, record_interval, request_id_var,
+                                  start_span)
 from splitserve.wire import load_to_proto, sampling_from_proto
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop
@@ -135,6 +137,19 @@ class _LatencySamples:
     itl: list[float]
 
 
+def _record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, first_token_ns: int, end_ns: int,
+                         output_tokens: int) -> None:
+    """The stage's phases as child spans: queue wait (arrival to first scheduled, as the engine
+    measured it), prefill (to the first token, or to the end of a prefill-only stage) and decode."""
+    scheduled_ns = arrived_ns + int((queue_wait_s or 0.0) * 1e9)
+    if queue_wait_s is not None:
+        record_interval("worker.queue", span, arrived_ns, scheduled_ns)
+    prefilled_ns = first_token_ns or end_ns
+    record_interval("worker.prefill", span, scheduled_ns, prefilled_ns)
+    if first_token_ns and end_ns > first_token_ns:
+        record_interval("worker.decode", span, first_token_ns, end_ns, {"gen_ai.usage.output_tokens": output_tokens})
+
+
 def _NO_KV_HERE(worker_id: str) -> FailedPrecondition:  # noqa: N802 (reads as the error it builds)
     return FailedPrecondition(f"worker {worker_id} serves a diffusion model: it holds no KV to move")
 
@@ -150,6 +165,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id_var.set(stage.request_id)
         key = StageKey(stage.request_id, stage.stage_index)
         sink = stage.kv_sink if stage.HasField("kv_sink") and stage.kv_sink.worker_id else None
+        # Traced as worker.stage (queue wait, prefill, decode and KV transfers below it) under the
+        # coordinator's stage span, whose W3C context arrives in the call's metadata.
+        span = start_span("worker.stage", incoming_context(context.invocation_metadata()), kind=SpanKind.SERVER,
+                          attributes={"splitserve.request_id": stage.request_id, "splitserve.worker_id": srv.worker_id,
+                                      "splitserve.stage_index": stage.stage_index, "splitserve.start": stage.start,
+                                      "splitserve.end": stage.end})
         try:
             if srv.draining:
                 raise Unavailable(f"worker {srv.worker_id} is draining")
@@ -162,14 +183,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv = None
             if stage.kv_sources:
                 source = stage.kv_sources[0]
+                waited = time.time_ns()
                 if source.lazy:
                     kv = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
                                                   source.end, source.transfer_id or str(key),
                                                   list(stage.prompt_token_ids) + list(stage.generated_token_ids))
                 else:
                     kv = await srv.kv.acquire_prefix(source.transfer_id, source.end)
+                record_interval("worker.kv_receive", span, waited, time.time_ns(), {
+                    "splitserve.source_worker": source.worker_id, "splitserve.lazy_pull": source.lazy,
+                    "splitserve.kv_tokens": kv.num_tokens if kv is not None else 0})
             spec = stage_spec_from_proto(stage, key, kv)
             arrived = time.monotonic()
+            arrived_ns = time.time_ns()
             try:
                 events = await srv.loop.add(spec)
             except ValueError as err:
@@ -185,14 +211,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 total = len(spec.prompt_ids) + spec.sampling.max_tokens
                 srv.kv.start_push(key, spec.sink, spec.end if spec.end is not None and spec.end < total else total)
         except SplitserveError as err:
+            end_span(span, err)
             await abort(context, err)
             return
         finished = False
         last = arrived
         first_ns = 0
+        queue_wait_s = None
+        error: BaseException | None = None
         try:
             while True:
                 ev = await events.get()
+                if queue_wait_s is None:
+                    queue_wait_s = ev.queue_wait_s
                 if not ev.finished and not events.empty():
                     ev = _merge_pending(ev, events)
                 now = time.monotonic()
@@ -207,9 +238,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     last = now
                 finished = ev.finished
                 kv_blocks, kv_tokens = [], 0
+                if finished:
+                    _record_stage_phases(span, arrived_ns, queue_wait_s, first_ns, time.time_ns(),
+                                         ev.num_output_tokens)
                 if finished and sink is not None:
                     # The next stage may start once its KV is in place: push the rest first.
+                    pushing = time.time_ns()
                     await srv.kv.finish_push(key, completed=ev.finish_reason == "stage_end")
+                    record_interval("worker.kv_push", span, pushing, time.time_ns(),
+                                    {"splitserve.sink_worker": sink.worker_id})
                 elif finished and stage.keep_kv:  # held for a lazy pull; Cancel(request_id) frees it
                     kv_blocks, kv_tokens = await srv.loop.call(lambda engine: engine.kv_blocks(key))
                 yield types_pb2.TokenChunk(
@@ -221,13 +258,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
                 if finished:
                     STAGES.labels(ev.finish_reason).inc()
+                    span.set_attribute("splitserve.finish_reason", ev.finish_reason)
                     return
+        except BaseException as err:
+            error = err
+            raise
         finally:
             if not finished:  # caller went away or cancelled: free the blocks now
                 srv.loop.abort(key)
                 if sink is not None:
                     asyncio.ensure_future(srv.kv.finish_push(key, completed=False))
                 STAGES.labels("abort").inc()
+                span.set_attribute("splitserve.finish_reason", "abort")
+            end_span(span, error if not isinstance(error, (GeneratorExit, asyncio.CancelledError)) else None)
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         loop = self.server.loop

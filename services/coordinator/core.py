@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Histogram
 
 from services.coordinator.placement import Placer
@@ -25,7 +27,7 @@ from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
 from splitserve.state import DIFFUSION, RequestRecord, SessionRecord
-from splitserve.telemetry import outgoing_metadata, percentile_buckets
+from splitserve.telemetry import end_span, outgoing_metadata, percentile_buckets, record_interval, span_context, start_span
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +58,29 @@ class Coordinator:
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def submit(self, request: coordinator_pb2.SubmitRequest, deadline: float) -> AsyncIterator[types_pb2.TokenChunk]:
-        """Stream the request's tokens; `deadline` is on the monotonic clock. Raises SplitserveError."""
+    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str, int]:
+        """(ready, why not, eligible workers): ready when placement has a worker to use now."""
+        try:
+            count = await self.placer.eligible_workers(timeout_s)
+        except SplitserveError as err:
+            return False, f"placement unavailable: {err.message}", 0
+        except Exception as err:  # a readiness probe reports, it does not raise
+            return False, f"placement unavailable: {err}", 0
+        return count > 0, "" if count else "no eligible worker is registered yet", count
+
+    async def submit(self, request: coordinator_pb2.SubmitRequest, deadline: float,
+                     trace_context: Context | None = None) -> AsyncIterator[types_pb2.TokenChunk]:
+        """Stream the request's tokens; `deadline` is on the monotonic clock. Raises SplitserveError.
+        Traced as `coordinator.request` (placement and each stage below it) under `trace_context`."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
         emitted: list[int] = []
         outcome = "error"
         plan_holder: list[types_pb2.Plan] = []
         session: SessionRecord | None = None
+        span = start_span("coordinator.request", trace_context, kind=SpanKind.SERVER, attributes={
+            "splitserve.request_id": request_id, "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        error: BaseException | None = None
         try:
             if not request.prompt_token_ids:
                 raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
@@ -72,7 +89,8 @@ class Coordinator:
             if request.session_id:
                 session = await self._sessions().begin_round(request.session_id, request_id,
                                                              len(request.prompt_token_ids))
-            async for chunk in self._run(request, request_id, deadline, emitted, plan_holder, session):
+            async for chunk in self._run(request, request_id, deadline, emitted, plan_holder, session,
+                                         span_context(span)):
                 if emitted and len(emitted) == len(chunk.token_ids):
                     TTFT.observe(time.monotonic() - started)
                 if chunk.finish_reason:  # before yielding: a consumer may stop at the last chunk
@@ -83,13 +101,16 @@ class Coordinator:
                         session = None
                 yield chunk
         except SplitserveError as err:
-            outcome = err.code.name.lower()
+            outcome, error = err.code.name.lower(), err
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if outcome == "error":  # closed before the last chunk
                 outcome = "cancelled"
             raise
         finally:
+            span.set_attribute("splitserve.outcome", outcome)
+            span.set_attribute("gen_ai.usage.output_tokens", len(emitted))
+            end_span(span, error)
             if session is not None:  # the round failed: the session stays where it was, free for a retry
                 self._spawn(self._end_round(session, request_id, None, outcome, 0))
             REQUESTS.labels(outcome).inc()
@@ -113,7 +134,8 @@ class Coordinator:
 
     # ---- lifecycle ----------------------------------------------------------------
     async def _run(self, request, request_id: str, deadline: float, emitted: list[int],
-                   plan_holder: list[types_pb2.Plan], session: SessionRecord | None = None):
+                   plan_holder: list[types_pb2.Plan], session: SessionRecord | None = None,
+                   trace: Context | None = None):
         """Place and execute; on a worker failure, continue elsewhere from the tokens so far.
 
         Before the first token a failure simply re-places the request. After it, the
@@ -127,7 +149,7 @@ class Coordinator:
         while True:
             attempt += 1
             calling.worker_id = ""
-            plan = await self._place(request, request_id, deadline, session, failed_workers)
+            plan = await self._place(request, request_id, deadline, session, failed_workers, trace)
             if emitted:  # migrating: one stage, everything recomputed from tokens
                 last = plan.stages[-1]
                 del plan.stages[:]
@@ -137,7 +159,8 @@ class Coordinator:
             self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
                                            emitted_token_ids=list(emitted), decision=dict(plan.decision)))
             try:
-                async for chunk in self._execute(request, request_id, plan, deadline, emitted, session, calling):
+                async for chunk in self._execute(request, request_id, plan, deadline, emitted, session, calling,
+                                                 trace):
                     yield chunk
                 return
             except Unavailable as err:
@@ -163,7 +186,7 @@ class Coordinator:
                 await asyncio.sleep(min(0.05 * attempt, 0.5))  # back off while the registry drops the dead worker
 
     async def _place(self, request, request_id: str, deadline: float, session: SessionRecord | None = None,
-                     avoid_workers: list[str] = ()) -> types_pb2.Plan:
+                     avoid_workers: list[str] = (), trace: Context | None = None) -> types_pb2.Plan:
         sampling = request.sampling
         meta = types_pb2.RequestMeta(
             request_id=request_id, session_id=request.session_id, prompt_len=len(request.prompt_token_ids),
@@ -179,8 +202,16 @@ class Coordinator:
             meta.history_len = min(session.history_len, len(request.prompt_token_ids) - 1)
             meta.bound_worker = session.decode_worker
         t = time.monotonic()
-        plan = await self.placer.place(meta, _remaining(deadline))
+        span = start_span("coordinator.place", trace, attributes={"splitserve.avoid_workers": list(avoid_workers)})
+        try:
+            plan = await self.placer.place(meta, _remaining(deadline), span_context(span))
+        except BaseException as err:
+            end_span(span, err)
+            raise
         PLACE_SECONDS.observe(time.monotonic() - t)
+        span.set_attribute("splitserve.policy", plan.policy)
+        span.set_attribute("splitserve.workers", [s.worker_id for s in plan.stages])
+        end_span(span)
         if not plan.stages:
             raise Unavailable("the scheduler returned an empty plan")
         return plan
@@ -233,7 +264,7 @@ class Coordinator:
         return lease.num_tokens
 
     async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
-                       session: SessionRecord | None, calling: _Calling):
+                       session: SessionRecord | None, calling: _Calling, trace: Context | None = None):
         stages = list(plan.stages)
         if session is not None:  # the last stage's worker keeps the round's KV for the next round
             last = stages[-1]
@@ -251,11 +282,23 @@ class Coordinator:
             stage.sampling.CopyFrom(request.sampling)
             stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
             stage.priority = request.priority
-            if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
-                await self._wire_kv(request_id, stage, stages[index + 1], deadline, calling, history_lent)
-            calling.worker_id = stage.worker_id
-            stub = await self.workers.stub(stage.worker_id)
-            call = stub.Execute(stage, timeout=_remaining(deadline), metadata=outgoing_metadata(request_id))
+            span = start_span("coordinator.stage", trace, kind=SpanKind.CLIENT, attributes={
+                "splitserve.stage_index": index, "splitserve.worker_id": stage.worker_id,
+                "splitserve.start": stage.start, "splitserve.end": stage.end, "splitserve.push_kv": stage.push_kv})
+            error: BaseException | None = None
+            try:
+                if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
+                    wired = time.time_ns()
+                    await self._wire_kv(request_id, stage, stages[index + 1], deadline, calling, history_lent)
+                    record_interval("coordinator.kv_reserve", span, wired, time.time_ns(),
+                                    {"splitserve.worker_id": stages[index + 1].worker_id})
+                calling.worker_id = stage.worker_id
+                stub = await self.workers.stub(stage.worker_id)
+            except BaseException as err:
+                end_span(span, err)
+                raise
+            call = stub.Execute(stage, timeout=_remaining(deadline),
+                                metadata=outgoing_metadata(request_id, span_context(span)))
             self._calls[request_id] = call
             try:
                 async for chunk in call:
@@ -276,10 +319,12 @@ class Coordinator:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.CANCELLED and request_id not in self._calls:
                     return
-                raise from_rpc_error(err) from None
+                error = from_rpc_error(err)
+                raise error from None
             finally:
                 self._calls.pop(request_id, None)
                 call.cancel()  # no-op when finished; frees the worker's blocks when the caller left
+                end_span(span, error)
 
     # ---- sessions ------------------------------------------------------------------
     def _sessions(self) -> SessionService:

@@ -15,6 +15,7 @@ import time
 from typing import Protocol
 
 import grpc
+from opentelemetry.context import Context
 
 from services.global_scheduler import metrics as scheduler_metrics
 from services.global_scheduler.policy import (NoWorkerAvailable, PlacementPolicy, configured_policy_params,
@@ -38,7 +39,12 @@ PLACEMENTS = ("scheduler", "local")
 class Placer(Protocol):
     """Plans requests and hands finished ones back to policies that learn from them."""
 
-    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float) -> types_pb2.Plan: ...
+    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float,
+                    trace_context: Context | None = None) -> types_pb2.Plan: ...
+
+    async def eligible_workers(self, timeout_s: float) -> int:
+        """Workers placement may use now (readiness: none means a request would fail)."""
+        ...
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None: ...
 
@@ -52,11 +58,20 @@ class SchedulerPlacer:
         self.channel = channel
         self.stub = scheduler_pb2_grpc.GlobalSchedulerStub(channel)
 
-    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float) -> types_pb2.Plan:
+    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float,
+                    trace_context: Context | None = None) -> types_pb2.Plan:
         try:
-            return await self.stub.Place(meta, timeout=timeout_s, metadata=outgoing_metadata(meta.request_id))
+            return await self.stub.Place(meta, timeout=timeout_s,
+                                         metadata=outgoing_metadata(meta.request_id, trace_context))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
+
+    async def eligible_workers(self, timeout_s: float) -> int:
+        try:
+            state = await self.stub.ClusterState(scheduler_pb2.ClusterStateRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        return sum(1 for load in state.workers if not load.draining)
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None:
         await self.stub.ReportCompletion(report, timeout=5.0)
@@ -84,8 +99,9 @@ class LocalPlacer:
     async def start(self) -> None:
         await self.views.start()
 
-    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float) -> types_pb2.Plan:
-        request = placement_request_from_meta(meta)
+    async def place(self, meta: types_pb2.RequestMeta, timeout_s: float,
+                    trace_context: Context | None = None) -> types_pb2.Plan:
+        request = placement_request_from_meta(meta)  # traced by the caller's coordinator.place span
         started = time.perf_counter()
         try:
             placement = await self.views.place(self.policy, request, time.time, min(timeout_s, self.view_timeout_s))
@@ -97,6 +113,13 @@ class LocalPlacer:
         plan = placement_to_plan(meta.request_id, placement)
         plan.report_completion = learns_from_completions(self.policy)
         return plan
+
+    async def eligible_workers(self, timeout_s: float) -> int:
+        view = await self.views.current(min(timeout_s, self.view_timeout_s))
+        if not view.eligible:  # one that registered since the last background refresh counts at once
+            await self.views.refresh()
+            view = await self.views.current(min(timeout_s, self.view_timeout_s))
+        return len(view.eligible)
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None:
         if learns_from_completions(self.policy):

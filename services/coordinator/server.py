@@ -25,7 +25,7 @@ from splitserve.errors import SplitserveError, abort
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, insecure_channel, run
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
-from splitserve.telemetry import request_id_var
+from splitserve.telemetry import incoming_context, request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining or self.coordinator.config.request_timeout_s)
         try:
-            async for chunk in self.coordinator.submit(request, deadline):
+            async for chunk in self.coordinator.submit(request, deadline,
+                                                       incoming_context(context.invocation_metadata())):
                 yield chunk
         except SplitserveError as err:
             await abort(context, err)
+
+    async def Ready(self, request: coordinator_pb2.ReadyRequest, context):
+        remaining = context.time_remaining()
+        ready, reason, count = await self.coordinator.ready(min(remaining or 1.0, 2.0))
+        return coordinator_pb2.ReadyResponse(ready=ready, reason=reason, eligible_workers=count)
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         return types_pb2.CancelResponse(cancelled=self.coordinator.cancel(request.request_id))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from services.global_scheduler import metrics
 from services.global_scheduler.policy import (
@@ -35,6 +36,7 @@ from splitserve.config import SchedulerConfig, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, abort
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, run
+from splitserve.telemetry import end_span, incoming_context, start_span
 from splitserve.wire import load_to_proto
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
 
@@ -124,6 +126,9 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
 
     async def Place(self, request: types_pb2.RequestMeta, context: grpc.aio.ServicerContext) -> types_pb2.Plan:
         policy = self.policy
+        span = start_span("scheduler.place", incoming_context(context.invocation_metadata()), kind=SpanKind.SERVER,
+                          attributes={"splitserve.request_id": request.request_id, "splitserve.policy": policy.name,
+                                      "splitserve.prompt_len": request.prompt_len})
         try:
             placement_request = placement_request_from_meta(request)
             started = time.perf_counter()
@@ -132,9 +137,14 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
             metrics.observe_decision(policy.name, placement.decision)
         except NoWorkerAvailable as err:
             metrics.NO_WORKER.labels(policy.name).inc()
+            end_span(span, err)
             await abort(context, err)
         except SplitserveError as err:
+            end_span(span, err)
             await abort(context, err)
+        span.set_attribute("splitserve.workers", list(placement.worker_ids))
+        span.set_attribute("splitserve.reason", placement.reason)
+        end_span(span)
         for worker_id in placement.worker_ids:
             metrics.PLACEMENTS.labels(placement.policy, worker_id).inc()
         log.debug("placed %s on %s (%s: %s)", request.request_id, placement.worker_ids,

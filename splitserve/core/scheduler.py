@@ -115,6 +115,8 @@ class TokenEvent:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # Seconds the stage waited before it was first scheduled (its trace's queue span); None: unknown.
+    queue_wait_s: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -311,7 +313,7 @@ class Scheduler:
             elif seq.reached_stage_end:  # a prefill-only stage: KV done, nothing sampled
                 self.finish(seq, FinishReason.STAGE_END)
                 events.append(TokenEvent(seq.key, [], "", FinishReason.STAGE_END.value, seq.prompt_len,
-                                         seq.num_output_tokens))
+                                         seq.num_output_tokens, _queue_wait(seq)))
         self.policy.observe(ExecutedBatch(out.shape, latency_s))
         return events
 
@@ -395,7 +397,7 @@ class Scheduler:
         if reason is not None:
             self.finish(seq, reason)
         return TokenEvent(seq.key, [token], text, reason.value if reason else None, seq.prompt_len,
-                          seq.num_output_tokens)
+                          seq.num_output_tokens, _queue_wait(seq))
 
     def _admit(self, seq: Sequence, wanted: int) -> int | None:
         """Move a waiting sequence to running with blocks for its next tokens (at most `wanted`);
@@ -423,6 +425,8 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
+        if seq.admitted_time is None:
+            seq.admitted_time = self.clock()
         return n
 
     def _admission(self, seq: Sequence, wanted: int) -> tuple[list[int], int]:
@@ -586,3 +590,7 @@ def _session_of(seq: Sequence) -> str | None:
 def _view(seq: Sequence, num_computed_tokens: int) -> QueuedRequest:
     return QueuedRequest(seq.key, seq.arrival_time, seq.prompt_len, seq.end, num_computed_tokens, seq.priority,
                          seq.ttft_deadline, seq.itl_slo_s, seq.num_preemptions)
+
+
+def _queue_wait(seq: Sequence) -> float | None:
+    return None if seq.admitted_time is None else max(0.0, seq.admitted_time - seq.arrival_time)

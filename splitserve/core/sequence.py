@@ -70,6 +70,7 @@ class Sequence:
     stop_at: int | None = None
     priority: int = 0
     ttft_deadline: float | None = None  # arrival + TTFT objective (clock seconds); None: none
+    admitted_time: float | None = None  # when first moved to running (clock seconds): its queue wait ends
     itl_slo_s: float | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -40,12 +40,12 @@ class RecordingCoordinator:
     def __init__(self):
         self.submitted = []
 
-    async def generate(self, request, timeout_s=None):
+    async def generate(self, request, timeout_s=None, trace_context=None):
         self.submitted.append(request.submit_request())
         yield GenerationDelta("A", [65], "stop", len(request.prompt_token_ids), 1)
 
-    async def ready(self, timeout_s: float = 1.0) -> bool:
-        return True
+    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+        return True, ""
 
     async def close(self) -> None:
         pass

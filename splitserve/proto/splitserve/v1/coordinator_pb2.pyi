@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReadyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadyResponse(_message.Message):
+    __slots__ = ("ready", "reason", "eligible_workers")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ELIGIBLE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    reason: str
+    eligible_workers: int
+    def __init__(self, ready: _Optional[bool] = ..., reason: _Optional[str] = ..., eligible_workers: _Optional[int] = ...) -> None: ...
+
 class CreateSessionRequest(_message.Message):
     __slots__ = ("session_id", "ttl_s", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class CoordinatorStub:
                 request_serializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.Ready = channel.unary_unary(
+                '/splitserve.v1.Coordinator/Ready',
+                request_serializer=splitserve_dot_v1_dot_coordinator__pb2.ReadyRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ReadyResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -86,6 +91,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ready(self, request, context):
+        """Whether a request submitted now would be placed (a worker is eligible in the placement's view).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +120,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'Ready': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ready,
+                    request_deserializer=splitserve_dot_v1_dot_coordinator__pb2.ReadyRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_coordinator__pb2.ReadyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class Coordinator:
             '/splitserve.v1.Coordinator/DeleteSession',
             splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
             splitserve_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ready(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Coordinator/Ready',
+            splitserve_dot_v1_dot_coordinator__pb2.ReadyRequest.SerializeToString,
+            splitserve_dot_v1_dot_coordinator__pb2.ReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
