@@ -14,6 +14,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+# The trace of the request being handled (32 hex digits), for log lines: spans are passed
+# explicitly, not made current, so the current span does not tell it.
+trace_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("trace_id", default="")
 
 
 class JsonFormatter(logging.Formatter):
@@ -34,9 +37,12 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id:
             entry["request_id"] = request_id
-        span = trace.get_current_span().get_span_context()
-        if span.is_valid:
-            entry["trace_id"] = f"{span.trace_id:032x}"
+        trace_id = trace_id_var.get()
+        if not trace_id:
+            span = trace.get_current_span().get_span_context()
+            trace_id = f"{span.trace_id:032x}" if span.is_valid else ""
+        if trace_id:
+            entry["trace_id"] = trace_id
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -129,7 +135,12 @@ def start_span(name: str, parent: otel_context.Context | None = None, *, kind: t
     """A span under `parent`, ended by the caller. Spans are passed explicitly (`span_context`)
     rather than made current: a request's work crosses async generators and threads, where an
     attached context would be detached in the wrong place."""
-    return tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time_ns)
+    span = tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time_ns)
+    if kind is trace.SpanKind.SERVER:  # a service's span of the request it handles: its log lines carry the trace
+        ids = span.get_span_context()
+        if ids.is_valid:
+            trace_id_var.set(f"{ids.trace_id:032x}")
+    return span
 
 
 def span_context(span: trace.Span) -> otel_context.Context:

@@ -78,3 +78,20 @@ def test_tracing_is_exported_only_when_an_endpoint_is_configured(monkeypatch):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     assert telemetry.setup_tracing("gateway", "") is False
+
+
+def test_log_lines_carry_the_request_and_trace_of_the_server_span(exporter):
+    import contextvars
+    import json
+    import logging
+
+    def handle():
+        telemetry.request_id_var.set("req-9")
+        span = telemetry.start_span("worker.stage", kind=SpanKind.SERVER)
+        record = logging.LogRecord("w", logging.INFO, __file__, 1, "stage done", None, None)
+        line = json.loads(telemetry.JsonFormatter("worker").format(record))
+        telemetry.end_span(span)
+        return line, f"{span.get_span_context().trace_id:032x}"
+
+    line, trace_id = contextvars.copy_context().run(handle)  # as each request's task has its own context
+    assert (line["request_id"], line["trace_id"], line["service"]) == ("req-9", trace_id, "worker")
