@@ -26,6 +26,7 @@ from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
+from splitserve.core.sampling import request_seed
 from splitserve.state import DIFFUSION, RequestRecord, SessionRecord
 from splitserve.telemetry import end_span, outgoing_metadata, percentile_buckets, record_interval, span_context, start_span
 
@@ -86,6 +87,10 @@ class Coordinator:
                 raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
             if request_id in self._calls:
                 raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
+            if not request.sampling.HasField("seed"):
+                # Fixed here, once: each worker would otherwise draw its own, and a request split,
+                # disaggregated or migrated across workers would not sample the tokens one worker does.
+                request.sampling.seed = request_seed(request_id)
             if request.session_id:
                 session = await self._sessions().begin_round(request.session_id, request_id,
                                                              len(request.prompt_token_ids))

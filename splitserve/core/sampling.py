@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
+
+def request_seed(request_id: str) -> int:
+    """The sampling seed of a request that brings none, in [0, 2^63): fixed once per request
+    (by the coordinator) so that every worker a split, disaggregated or migrated request runs
+    on samples the same tokens; derived from the request id, so a record tells it."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
 
 
 @dataclass

@@ -136,6 +136,22 @@ def test_split_at_any_token_equals_colocated(transport_cluster, reference, split
         _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
 
 
+def test_an_unseeded_sampled_request_split_across_workers_samples_as_one_worker(transport_cluster, tiny_model_dirs):
+    """Its seed is fixed once, by the coordinator, from the request id: both stages sample with it."""
+    from splitserve.core.sampling import request_seed
+
+    _set_split(transport_cluster, P + 5)
+    case = dict(temperature=0.8, top_k=50)
+    request_id = f"unseeded-{uuid.uuid4().hex[:8]}"
+    expected = LLM(str(tiny_model_dirs["llama"])).generate([PROMPT], SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, seed=request_seed(request_id), **case))[0].token_ids
+    result = _generate(transport_cluster, case, request_id)
+    assert result.token_ids == expected
+    stages = _stages_of(transport_cluster, request_id)
+    assert [(s["start"], s["end"]) for s in stages] == [(0, P + 5), (P + 5, L)]
+    assert stages[0]["worker_id"] != stages[1]["worker_id"]
+
+
 def test_last_steps_went_layer_by_layer_over_nixl(transport_cluster):
     """The split requests above moved their last step's KV per layer (NIXL), whole (gRPC)."""
     slices = sum(_metric(transport_cluster, f"worker-{i}", "splitserve_worker_kv_layer_slices_total")
