@@ -385,16 +385,38 @@ def up(
             _send_diffusion_demo_request(cluster.gateway_http)
         elif demo_request:
             _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"))
-        console.print("serving; Ctrl-C stops every service")
-        while not stop["now"]:
-            dead = cluster.dead_children()
-            if dead:
-                console.print(f"[red]{', '.join(c.name for c in dead)} exited; stopping the cluster[/red]")
-                raise typer.Exit(1)
-            time.sleep(0.5)  # supervising children until a signal arrives
+        console.print("serving; Ctrl-C stops every service (one that dies is restarted)")
+        _supervise(cluster, stop)
     finally:
         console.print("stopping ...")
         cluster.stop()
+
+
+def _supervise(cluster, stop: dict) -> None:
+    """Restart services that die, with backoff, until Ctrl-C or SIGTERM; each restart is
+    counted in Redis for `splitserve status`."""
+    import asyncio
+
+    from splitserve.launcher import RestartPolicy
+    from splitserve.state import RedisRetryPolicy, StateStore
+
+    policy = RestartPolicy()
+    while not stop["now"]:
+        for child, what in cluster.supervise(policy):
+            console.print(f"[yellow]{child.name} {what}[/yellow]")
+            if what.startswith("restarted"):
+                try:
+                    asyncio.run(_record_restart(StateStore(cluster.redis_url, cluster.redis_prefix,
+                                                           retry_policy=RedisRetryPolicy(attempts=2)),
+                                                child.name, child.restarts))
+                except Exception as err:  # the count is for display; supervision goes on
+                    console.print(f"could not record the restart in Redis: {err}")
+        time.sleep(0.2)  # supervising children until a signal arrives
+
+
+async def _record_restart(store, name: str, restarts: int) -> None:
+    async with store:
+        await store.record_restart(name, restarts)
 
 
 def _ensure_up_real_model(preset: str) -> Path:
@@ -519,15 +541,15 @@ def status(
             for w in workers:
                 windows[w.worker_id] = (await store.window_stats(w.worker_id, "ttft", window_s=window_s),
                                         await store.window_stats(w.worker_id, "itl", window_s=window_s))
-            return workers, loads, windows
+            return workers, loads, windows, await store.get_restarts()
 
     try:
-        workers, loads, windows = asyncio.run(read())
+        workers, loads, windows, restarts = asyncio.run(read())
     except StateUnavailableError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
     table = Table("worker", "address", "role", "pool", "L_m", "busy", "kind", "KV used", "running", "waiting",
-                  "queued prefill", f"TTFT p50/p99 ms ({window_s:.0f}s)", "ITL p50/p99 ms")
+                  "queued prefill", f"TTFT p50/p99 ms ({window_s:.0f}s)", "ITL p50/p99 ms", "restarts")
     for w in sorted(workers, key=lambda w: w.worker_id):
         load = loads.get(w.worker_id)
         ttft, itl = windows[w.worker_id]
@@ -540,8 +562,11 @@ def status(
                       str(load.running) if load else "-", str(load.waiting) if load else "-",
                       str(load.queued_prefill_tokens) if load else "-",
                       f"{ttft.p50 * 1e3:.1f}/{ttft.p99 * 1e3:.1f} (n={ttft.count})",
-                      f"{itl.p50 * 1e3:.1f}/{itl.p99 * 1e3:.1f} (n={itl.count})")
+                      f"{itl.p50 * 1e3:.1f}/{itl.p99 * 1e3:.1f} (n={itl.count})", str(restarts.get(w.worker_id, 0)))
     console.print(table if workers else f"no live workers under prefix {redis_prefix!r} at {redis_url}")
+    others = {name: n for name, n in restarts.items() if name not in {w.worker_id for w in workers}}
+    if others:  # services other than live workers that `splitserve up` restarted
+        console.print("restarted by splitserve up: " + ", ".join(f"{n} x {name}" for name, n in sorted(others.items())))
 
 
 serve_app = typer.Typer(help="Run one service (what compose and Kubernetes run).", no_args_is_help=True)

@@ -47,6 +47,26 @@ class ClusterSpec:
     otlp_endpoint: str = ""
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a supervised service that died is started again: after `initial_backoff_s`, doubled
+    per restart in a row up to `max_backoff_s`; a run that lasted `stable_after_s` resets the
+    count (a crash loop backs off, a rare crash is restarted at once), as a process supervisor
+    or Kubernetes' CrashLoopBackOff does."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0
+
+    def backoff_s(self, crashes_in_a_row: int) -> float:
+        """The wait before the next start after this many crashes in a row (0: the first)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** min(max(0, crashes_in_a_row), 32))
+
+    def in_a_row(self, previous_in_a_row: int, ran_s: float) -> int:
+        """Crashes in a row before this one, after a run of `ran_s` seconds (a stable run resets them)."""
+        return 0 if ran_s >= self.stable_after_s else previous_in_a_row + 1
+
+
 @dataclass
 class Child:
     name: str
@@ -54,6 +74,24 @@ class Child:
     grpc_address: str
     log_path: Path | None
     metrics_port: int = 0
+    cmd: list[str] = field(default_factory=list)  # how to start it again
+    env: dict[str, str] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # since the cluster started
+    in_a_row: int = 0  # restarts without a stable run between them
+    restart_at: float | None = None  # when a dead child is due to start again
+
+    def respawn(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=self.env)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child has its own copy
+        self.started_at = time.monotonic()
+        self.restarts += 1
+        self.restart_at = None
 
 
 @dataclass
@@ -91,6 +129,25 @@ class Cluster:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.process.poll() is not None]
+
+    def supervise(self, policy: RestartPolicy, now: float | None = None) -> list[tuple[Child, str]]:
+        """One supervision pass: note each newly dead child's restart time by `policy`, start the
+        ones that are due; what happened, as (child, "exited with code N; restarting in S s" |
+        "restarted"). Called periodically by `splitserve up` until it is told to stop."""
+        now = time.monotonic() if now is None else now
+        happened = []
+        for child in self.children:
+            if child.process.poll() is None:
+                continue
+            if child.restart_at is None:
+                child.in_a_row = policy.in_a_row(child.in_a_row, now - child.started_at)
+                child.restart_at = now + policy.backoff_s(child.in_a_row)
+                happened.append((child, f"exited with code {child.process.returncode}; restarting in "
+                                        f"{child.restart_at - now:.1f} s"))
+            elif now >= child.restart_at:
+                child.respawn()
+                happened.append((child, f"restarted (restart {child.restarts})"))
+        return happened
 
 
 def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:
@@ -177,9 +234,9 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
             if name != "gateway":  # the gateway serves /metrics on its HTTP port
                 options = {**options, "metrics_port": free_port()}
             env = {**os.environ, **gateway_env} if name == "gateway" and gateway_env else None
-            proc = subprocess.Popen(_serve_cmd(name.split("-")[0], options), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=env)
-            children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0))))
+            cmd = _serve_cmd(name.split("-")[0], options)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0)), cmd, env))
         # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
         children.reverse()
         deadline = time.monotonic() + ready_timeout_s

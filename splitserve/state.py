@@ -73,6 +73,10 @@ class _Keys:
     def worker_index(self) -> str:
         return f"{self.prefix}workers"
 
+    def restarts(self) -> str:
+        """Hash: service name -> times the local supervisor (`splitserve up`) restarted it."""
+        return f"{self.prefix}supervisor:restarts"
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}worker:{_plain_id(worker_id, 'worker_id')}"
 
@@ -248,6 +252,16 @@ class StateStore:
                 keys=[index, *(self._keys.worker(w) for w in expired)], args=expired
             )
         return [from_hash(WorkerInfo, row) for row in rows if row]
+
+    # ---- the local supervisor ----------------------------------------------------
+    @unavailable_on_connection_error
+    async def record_restart(self, service: str, restarts: int) -> None:
+        """How many times `splitserve up` has restarted `service` (what `splitserve status` shows)."""
+        await self._redis.hset(self._keys.restarts(), _nonempty(service, "service"), int(restarts))
+
+    @unavailable_on_connection_error
+    async def get_restarts(self) -> dict[str, int]:
+        return {name: int(count) for name, count in (await self._redis.hgetall(self._keys.restarts())).items()}
 
     # ---- load snapshots ------------------------------------------------------------
 
