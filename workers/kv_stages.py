@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from prometheus_client import Counter, Histogram
 
@@ -37,6 +38,12 @@ KV_EXPOSED_SECONDS = Histogram(
 KV_LAYER_SLICES = Counter("splitserve_worker_kv_layer_slices_total",
                           "Per-layer slices pushed from inside a stage's last step (NIXL, kv_layer_push)")
 KV_OUTCOMES = Counter("splitserve_worker_kv_incoming_total", "Incoming stage KV: used or recomputed", ["outcome"])
+KV_UNUSABLE = Counter("splitserve_worker_kv_unusable_total",
+                      "Incoming stage KV recomputed instead: failed (a bad checksum, or the sender's notice that "
+                      "its push failed) or timeout (nothing more arrived within kv_transfer_timeout_s)", ["reason"])
+KV_FAILURE_NOTICES = Counter("splitserve_worker_kv_failure_notices_total",
+                             "Failed pushes this worker told the receiver about (sent) or could not (undelivered)",
+                             ["result"])
 KV_INCOMING_TOKENS = Counter("splitserve_worker_kv_incoming_tokens_total",
                              "Tokens of KV taken from other workers instead of computed, by how", ["how"])
 HISTORY_CACHED_TOKENS = Counter(
@@ -95,6 +102,9 @@ class KvStageManager:
         self._reservations: dict[str, _Reservation] = {}
         self._leases: list[_Lease] = []
         self._pushes: dict[str, _OutgoingPush] = {}
+        # Tells a receiver that a push failed (the gRPC transport's signal_failure, whatever
+        # transport carried the data); None: the receiver finds out at its transfer timeout.
+        self.failure_notice: Callable[[BlockTransfer, str, float], Awaitable[bool]] | None = None
 
     def on_chunk(self, chunk: BlockTransfer, checksum_ok: bool) -> None:
         """Transport callback: a chunk of an incoming transfer is in place."""
@@ -143,9 +153,10 @@ class KvStageManager:
             KV_OUTCOMES.labels("used").inc()
             KV_INCOMING_TOKENS.labels("pushed").inc(num_tokens - reservation.start)
             return KvInBlocks(tuple(reservation.block_ids), num_tokens, reservation.start)
-        outcome = "corrupt" if corrupt else "timeout"
+        outcome = "failed" if corrupt else "timeout"
         log.warning("incoming KV %s unusable (%s); recomputing from tokens", transfer_id, outcome)
         KV_OUTCOMES.labels("recomputed").inc()
+        KV_UNUSABLE.labels(outcome).inc()
         await self.loop.call(lambda engine: engine.release_reserved(reservation.block_ids))
         return None
 
@@ -323,11 +334,17 @@ class KvStageManager:
                 checksum = digest ^ 0xFFFFFFFF
             started = time.perf_counter()
             try:
+                if self.fault_injection == "fail":  # testing: a push that fails at the sender
+                    raise KvTransferError(f"injected failure of the push of {sink.transfer_id}")
                 await self.transport.push(transfer, checksum, self.transfer_timeout_s)
             except (KvTransferError, Exception) as err:
                 push.failed = True
                 log.warning("pushing KV [%d, %d) of %s to %s failed: %s", start, end, sink.transfer_id,
                             sink.worker_id, err)
+                if self.failure_notice is not None:  # the receiver recomputes now, not at its timeout
+                    KV_FAILURE_NOTICES.labels(
+                        "sent" if await self.failure_notice(transfer, str(err), min(2.0, self.transfer_timeout_s))
+                        else "undelivered").inc()
                 continue
             KV_PUSH_SECONDS.observe(time.perf_counter() - started)
             log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, sink.transfer_id,

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from splitserve.wire import load_to_proto, sampling_from_proto
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop
 from workers.kv_stages import KvStageManager
-from workers.kv_transfer.base import KvMemory
+from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
 from workers.kv_transfer.tracker import TransferTracker
 
@@ -137,6 +138,12 @@ class _LatencySamples:
     itl: list[float]
 
 
+def _flip_a_payload_byte(chunk) -> None:
+    if chunk.payload:
+        middle = len(chunk.payload) // 2
+        chunk.payload = chunk.payload[:middle] + bytes([chunk.payload[middle] ^ 0x5A]) + chunk.payload[middle + 1:]
+
+
 def _record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, first_token_ns: int, end_ns: int,
                          output_tokens: int) -> None:
     """The stage's phases as child spans: queue wait (arrival to first scheduled, as the engine
@@ -148,6 +155,12 @@ def _record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, firs
     record_interval("worker.prefill", span, scheduled_ns, prefilled_ns)
     if first_token_ns and end_ns > first_token_ns:
         record_interval("worker.decode", span, first_token_ns, end_ns, {"gen_ai.usage.output_tokens": output_tokens})
+
+
+def _first_word(message: str) -> str:
+    """The field a core error names: its messages start with it ("top_p must be in (0, 1], ...")."""
+    match = re.match(r"[a-z_]+", message)
+    return match.group(0) if match else ""
 
 
 def _NO_KV_HERE(worker_id: str) -> FailedPrecondition:  # noqa: N802 (reads as the error it builds)
@@ -201,7 +214,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except ValueError as err:
                 if kv is not None:
                     await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
-                raise InvalidArgument(str(err)) from None
+                raise InvalidArgument(str(err), param=_first_word(str(err)) or "stage") from None
             finally:
                 # A history this worker lent for the request's prefill elsewhere: that pull ended
                 # before this stage could start, and the stage holds its own references now.
@@ -348,8 +361,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PullKv(self, request, context):
         if self.server.grpc_kv is None:
             await abort(context, _NO_KV_HERE(self.server.worker_id))
-        async for chunk in self.server.grpc_kv.handle_pull(request):
-            yield chunk
+        try:
+            async for chunk in self.server.grpc_kv.handle_pull(request):
+                yield chunk
+        except KvTransferError as err:  # a bad request: blocks this worker does not have, a bad token range
+            field = "block_ids" if "block ids" in str(err) else "start"
+            await abort(context, InvalidArgument(f"{field}: {err}", param=field))
 
     async def PushKv(self, request_iterator, context):
         if self.server.grpc_kv is None:
@@ -495,6 +512,13 @@ class WorkerServer:
             transport = self.grpc_kv
             await transport.start()
         self.kv.transport = transport
+        if not emulated:
+            self.kv.failure_notice = self.grpc_kv.signal_failure  # over gRPC whatever carries the data
+            if cfg.kv_fault_injection == "corrupt":
+                # Testing: the bytes themselves are altered in flight on gRPC (a payload byte
+                # flipped after its digest was taken); NIXL's writes land unaltered and the
+                # digest it sends is forged instead (workers/kv_stages.py).
+                self.grpc_kv.outgoing_chunk_hook = _flip_a_payload_byte
         log.info("KV transport: %s", transport.name)
 
     async def register(self) -> None:

@@ -185,10 +185,16 @@ def test_pd_disaggregated_equals_colocated(transport_cluster, reference):
                 worker_pb2_grpc.WorkerStub(channel).SetRole(worker_pb2.SetRoleRequest(role="both"), timeout=5)
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "truncate"])
-def test_bad_transfer_is_detected_and_recomputed(fault, tiny_model_dirs, tmp_path_factory, reference):
-    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={"kv_fault_injection": fault,
-                                                                    "kv_transfer_timeout_s": 2.0})
+# corrupt: on gRPC a payload byte is flipped in flight after its digest was taken; over NIXL
+# the writes land intact and the digest sent with them is forged. fail: the push fails at
+# the sender, which tells the receiver at once. truncate: the last chunk is never sent.
+@pytest.mark.parametrize("fault, transport, reason", [
+    ("corrupt", "grpc", "failed"), ("corrupt", "nixl", "failed"), ("fail", "nixl", "failed"),
+    ("truncate", "nixl", "timeout")])
+def test_bad_transfer_is_detected_and_recomputed(fault, transport, reason, tiny_model_dirs, tmp_path_factory,
+                                                 reference):
+    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={
+        "kv_fault_injection": fault, "kv_transfer_timeout_s": 2.0, "kv_transport": transport})
     try:
         _set_split(cluster, P + 1)
         for i, case in enumerate(CASES):
@@ -196,8 +202,18 @@ def test_bad_transfer_is_detected_and_recomputed(fault, tiny_model_dirs, tmp_pat
             assert result.token_ids == reference[i]
         assert _kv_recomputed(cluster) == len(CASES)
         assert _kv_used(cluster) == 0
+        # Detected for what it is: a failed transfer is known at once, without waiting out the timeout.
+        assert _kv_unusable(cluster, reason) == len(CASES)
+        if fault == "fail":
+            assert sum(_metric(cluster, f"worker-{i}", "splitserve_worker_kv_failure_notices_total", result="sent")
+                       for i in range(len(cluster.worker_addresses))) == len(CASES)
     finally:
         cluster.stop()
+
+
+def _kv_unusable(cluster, reason: str) -> float:
+    return sum(_metric(cluster, f"worker-{i}", "splitserve_worker_kv_unusable_total", reason=reason)
+               for i in range(len(cluster.worker_addresses)))
 
 
 def test_killing_the_first_stage_worker_mid_request(tiny_model_dirs, tmp_path_factory):

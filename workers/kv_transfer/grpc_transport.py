@@ -106,6 +106,28 @@ class GrpcTransport:
             yield self._chunk(transfer, start, end, payload, digest, len(src), last=first + per_chunk >= total,
                               block_ids=transfer.dst_blocks[first : first + per_chunk])
 
+    async def signal_failure(self, transfer: BlockTransfer, error: str, timeout_s: float) -> bool:
+        """Tell the receiver that `transfer` will not complete (whatever transport carried it), so
+        it recomputes now instead of waiting out its transfer timeout; whether it was told."""
+        notice = worker_pb2.KvChunk(transfer_id=transfer.transfer_id, request_id=transfer.request_id,
+                                    start=transfer.token_start, end=transfer.token_end, last=True, failed=True,
+                                    error=error[:500], src_worker=self.worker_id, block_ids=transfer.dst_blocks)
+
+        async def one():
+            yield notice
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            stub = await self._stub(transfer.dst_worker, deadline)
+            reply = await stub.PushKv(one(), timeout=self._remaining(deadline, "failure notice"))
+        except (grpc.aio.AioRpcError, KvTransferError) as exc:
+            log.warning("could not tell %s that transfer %s failed: %s", transfer.dst_worker, transfer.transfer_id, exc)
+            return False
+        if not reply.ok:
+            log.warning("%s refused the failure notice of %s: %s", transfer.dst_worker, transfer.transfer_id,
+                        reply.error)
+        return reply.ok
+
     def _read_with_digest(self, blocks: list[int]) -> tuple[bytes, int]:
         payload = self.memory.read(blocks)
         return payload, kv_digest((payload,))
@@ -128,6 +150,17 @@ class GrpcTransport:
         """Worker.PushKv: verify, write and report (on_chunk) each chunk as it arrives."""
         received_tokens = 0
         async for chunk in request_iterator:
+            if chunk.failed:  # the sender's notice that this transfer will not complete
+                try:
+                    piece = BlockTransfer(chunk.transfer_id, chunk.src_worker, self.worker_id, (),
+                                          tuple(chunk.block_ids), chunk.start, chunk.end, chunk.request_id)
+                except ValueError as exc:
+                    log.warning("bad KV failure notice from %s: %s", chunk.src_worker, exc)
+                    return worker_pb2.PushKvResponse(ok=False, error=f"bad failure notice: {exc}")
+                log.warning("KV push %s from %s failed at the sender: %s", chunk.transfer_id, chunk.src_worker,
+                            chunk.error)
+                self._report(piece, False)
+                return worker_pb2.PushKvResponse(ok=True, received_tokens=received_tokens)
             piece, error = await self._accept(chunk, tuple(chunk.block_ids))
             if piece is not None:
                 self._report(piece, error is None)

@@ -76,7 +76,7 @@ class PullKvRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "start", "end", "payload", "dtype", "shape", "checksum", "last", "block_ids", "src_worker")
+    __slots__ = ("transfer_id", "request_id", "start", "end", "payload", "dtype", "shape", "checksum", "last", "block_ids", "src_worker", "failed", "error")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class KvChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SRC_WORKER_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     start: int
@@ -99,7 +101,9 @@ class KvChunk(_message.Message):
     last: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     src_worker: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., src_worker: _Optional[str] = ...) -> None: ...
+    failed: bool
+    error: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., payload: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., last: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., src_worker: _Optional[str] = ..., failed: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("ok", "received_tokens", "error")
