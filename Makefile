@@ -55,3 +55,23 @@ clean:
 # Regenerate the committed gRPC stubs from protos/ (a test fails when they are stale).
 protos: setup
 	$(PY) scripts/gen_protos.py
+
+# --- Docker images (docs/deployment.md) ---
+.PHONY: wheels base-images images
+IMAGE ?= splitserve:cpu
+# Empty: python:3.11-slim-bookworm from a registry; where none answers: splitserve-base:bookworm
+# (make base-images).
+BASE_IMAGE ?=
+
+# The exact wheels of .venv's runtime dependencies (torch's CPU build included) into
+# docker/wheelhouse: `docker build` then installs offline (--no-index).
+wheels: setup
+	bash docker/make_wheelhouse.sh $(VENV) docker/wheelhouse
+
+# Debian bookworm base images from Debian packages (debootstrap + docker import), no registry needed.
+base-images:
+	bash docker/build_base_image.sh
+
+images: wheels
+	docker build -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) .
+	@docker image inspect -f '{{.Size}}' $(IMAGE) | awk '{printf "$(IMAGE): %.2f GB\n", $$1/1e9}'

@@ -1,0 +1,331 @@
+"""The deployment files, checked offline: Kubernetes manifests rendered by kustomize and validated
+against the Kubernetes schemas, docker-compose.yml parsed (and `config`-checked by Compose when it
+is installed), and every environment variable and port in both agreeing with the services' typed
+configs (splitserve/config.py: a field `max_num_seqs` of WorkerConfig is SPLITSERVE_WORKER_MAX_NUM_SEQS,
+a common one SPLITSERVE_REDIS_URL). The Grafana dashboard queries only metrics the code defines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitserve.config import SERVICE_CONFIGS, env_var
+
+ROOT = Path(__file__).resolve().parents[2]
+KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu")
+K8S_VERSION = "1.30.0"
+# Kinds defined by CRDs: kubernetes-validate has no schema for them (checked by hand below).
+CRD_GROUPS = ("monitoring.coreos.com/",)
+# Compose variables no service reads: they choose images, mounts and counts (docs/deployment.md).
+DEPLOY_ONLY = {"SPLITSERVE_IMAGE", "SPLITSERVE_CUDA_IMAGE", "SPLITSERVE_REDIS_IMAGE", "SPLITSERVE_BASE_IMAGE",
+               "SPLITSERVE_CUDA_BASE_IMAGE", "SPLITSERVE_CUDA_BUILDER_IMAGE", "SPLITSERVE_MODEL_DIR",
+               "SPLITSERVE_WORKERS", "SPLITSERVE_GPU_WORKERS", "SPLITSERVE_EMULATED_WORKERS",
+               "SPLITSERVE_HTTP_PUBLISH", "SPLITSERVE_GRPC_PUBLISH", "SPLITSERVE_REDIS_PORT", "SPLITSERVE_STOP_GRACE"}
+# Variables of other software the containers read (UCX for NIXL, the downward API, Grafana, images).
+FOREIGN_ENV = re.compile(r"^(UCX_\w+|POD_NAME|POD_IP|GF_\w+|PROMETHEUS_\w+|GRAFANA_\w+)$")
+
+
+def config_env(service: str) -> dict[str, dataclasses.Field]:
+    cls = SERVICE_CONFIGS[service]
+    return {env_var(cls, f): f for f in dataclasses.fields(cls)}
+
+
+ALL_CONFIG_ENV = {name for service in SERVICE_CONFIGS for name in config_env(service)}
+
+
+def default(service: str, field_name: str):
+    return next(f.default for f in dataclasses.fields(SERVICE_CONFIGS[service]) if f.name == field_name)
+
+
+def served(args: list[str] | None) -> str | None:
+    """The service a container runs: `serve SERVICE` in its command."""
+    args = [str(a) for a in args or []]
+    if "serve" in args and args.index("serve") + 1 < len(args):
+        return args[args.index("serve") + 1]
+    return None
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+@lru_cache(maxsize=None)
+def rendered(path: str) -> tuple[dict, ...]:
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        out = subprocess.run([kubectl, "kustomize", str(ROOT / path)], capture_output=True, text=True, timeout=60)
+    elif shutil.which("kustomize"):
+        out = subprocess.run(["kustomize", "build", str(ROOT / path)], capture_output=True, text=True, timeout=60)
+    else:
+        pytest.skip("neither kubectl nor kustomize is installed: the manifests cannot be rendered")
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def by_kind(docs, kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(docs):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                yield d, c
+
+
+def container_env(docs, c) -> dict[str, str | None]:
+    """The container's environment: env entries and the ConfigMaps / Secrets of envFrom."""
+    env: dict[str, str | None] = {}
+    maps, secrets = by_kind(docs, "ConfigMap"), by_kind(docs, "Secret")
+    for source in c.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(maps[source["configMapRef"]["name"]]["data"])
+        if "secretRef" in source:
+            secret = secrets[source["secretRef"]["name"]]
+            env.update(secret.get("stringData", {}))
+            env.update({k: None for k in secret.get("data", {})})
+    for item in c.get("env", []):
+        env[item["name"]] = item.get("value")
+    return env
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_kustomize_renders_and_validates(path):
+    import kubernetes_validate
+
+    docs = rendered(path)
+    kinds = {d["kind"] for d in docs}
+    assert {"StatefulSet", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+            "NetworkPolicy", "ConfigMap", "Secret", "ServiceMonitor"} <= kinds
+    for doc in docs:
+        assert doc["metadata"].get("namespace", "splitserve") == "splitserve" or doc["kind"] == "Namespace"
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            assert doc["spec"]["endpoints"] and doc["spec"]["selector"]
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_k8s_env_and_ports_match_typed_configs(path):
+    docs = rendered(path)
+    services = by_kind(docs, "Service")
+    seen = set()
+    for workload, c in containers(docs):
+        service = served(c.get("args") or c.get("command"))
+        if service is None:
+            continue
+        seen.add(service)
+        env = container_env(docs, c)
+        valid = config_env(service)
+        for name in env:
+            assert name in valid or FOREIGN_ENV.match(name), f"{workload['metadata']['name']}: {name} is not an option " \
+                                                             f"of the {service} config"
+
+        def value(field_name):
+            name = env_var(SERVICE_CONFIGS[service], next(f for f in dataclasses.fields(SERVICE_CONFIGS[service])
+                                                         if f.name == field_name))
+            return int(env[name]) if env.get(name) is not None else default(service, field_name)
+
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == value("port"), f"{service}: grpc containerPort vs its port option"
+        if service == "gateway":
+            assert ports["http"] == value("http_port")
+        else:
+            assert ports["metrics"] == value("metrics_port") != 0
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            grpc_probe = c.get(probe, {}).get("grpc")
+            if grpc_probe:
+                assert grpc_probe["port"] == ports["grpc"], f"{service} {probe}"
+                assert grpc_probe.get("service", "") in ("", "liveness", f"splitserve.v1.{service.capitalize()}")
+        assert c["resources"]["requests"] and c["resources"]["limits"], f"{service}: requests and limits"
+        # Every Service in front of the workload targets a port the container names.
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        for svc in services.values():
+            if all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()):
+                for p in svc["spec"]["ports"]:
+                    assert p["targetPort"] in ports, f"Service {svc['metadata']['name']}: {p['targetPort']}"
+        # host:port addresses point at a Service exposing that port.
+        for name, raw in env.items():
+            if name.endswith("_ADDRESS") and raw and ":" in raw and not raw.startswith("$("):
+                host, port = raw.rsplit(":", 1)
+                assert host in services and int(port) in [p["port"] for p in services[host]["spec"]["ports"]], raw
+            if name == "SPLITSERVE_REDIS_URL":
+                host, port = re.match(r"redis://([^:/]+):(\d+)", raw).groups()
+                assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+    assert seen == set(SERVICE_CONFIGS)
+
+
+def test_k8s_shape_of_the_deployment():
+    base, cpu, gpu = (rendered(p) for p in KUSTOMIZATIONS)
+    sts, dep = by_kind(base, "StatefulSet"), by_kind(base, "Deployment")
+    assert sts["redis"]["spec"]["volumeClaimTemplates"]
+    assert dep["scheduler"]["spec"]["replicas"] == 2
+    worker = sts["worker"]["spec"]["template"]["spec"]
+    wc = worker["containers"][0]
+    assert wc["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "IPC_LOCK" in wc["securityContext"]["capabilities"]["add"]
+    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in worker["volumes"])
+    assert any(e["name"].startswith("UCX_") for e in wc["env"])
+    assert worker["terminationGracePeriodSeconds"] > float(container_env(base, wc)["SPLITSERVE_DRAIN_TIMEOUT_S"])
+    cpu_worker = by_kind(cpu, "StatefulSet")["worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(cpu_worker["resources"])
+    assert container_env(cpu, cpu_worker)["SPLITSERVE_WORKER_DEVICE"] == "cpu"
+    assert by_kind(gpu, "StatefulSet")["worker"]["spec"]["replicas"] == 4
+    hpa = by_kind(base, "HorizontalPodAutoscaler")["gateway"]["spec"]
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "splitserve_gateway_in_flight_requests"
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] in defined_metrics()
+    assert set(by_kind(base, "PodDisruptionBudget")) >= {"redis", "gateway"}
+    # Only the gateway takes traffic from anywhere: the one rule with no `from`.
+    open_rules = [p for p in by_kind(base, "NetworkPolicy").values()
+                  for rule in p["spec"].get("ingress", []) if "from" not in rule]
+    assert [p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in open_rules] == ["gateway"]
+
+
+# ---------------------------------------------------------------- Compose
+
+
+def compose_doc(*files: str) -> dict:
+    doc: dict = {"services": {}}
+    for name in files:
+        part = yaml.safe_load((ROOT / name).read_text())
+        for svc, body in part["services"].items():
+            merged = doc["services"].setdefault(svc, {})
+            for key, val in body.items():
+                if isinstance(val, dict) and isinstance(merged.get(key), dict):
+                    merged[key] = {**merged[key], **val}
+                else:
+                    merged[key] = val
+    return doc
+
+
+def interpolated(text: str) -> set[str]:
+    return set(re.findall(r"\$\{([A-Z0-9_]+)", text))
+
+
+def resolve(raw) -> str:
+    """A compose value with ${VAR:-default} replaced by its default."""
+    return re.sub(r"\$\{[A-Z0-9_]+:?-([^}]*)\}", r"\1", str(raw))
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker/compose.hostnet.yml")])
+def test_compose_env_and_ports_match_typed_configs(files):
+    doc = compose_doc(*files)
+    services = doc["services"]
+    assert {"redis", "scheduler", "coordinator", "worker", "worker-emulated", "worker-gpu", "gateway"} <= set(services)
+    seen = set()
+    for name, svc in services.items():
+        service = served(svc.get("command"))
+        env = svc.get("environment", {})
+        if service is None:
+            continue
+        seen.add(service)
+        for key in env:
+            assert key in config_env(service) or FOREIGN_ENV.match(key), f"{name}: {key} is not a {service} option"
+        assert svc["healthcheck"]["test"] and "stop_grace_period" in svc
+        grace = int(resolve(svc["stop_grace_period"]).rstrip("s"))
+        assert grace > float(resolve(env["SPLITSERVE_DRAIN_TIMEOUT_S"])), f"{name}: stop_grace_period <= drain"
+        port_var = f"SPLITSERVE_{service.upper()}_PORT"
+        port = int(resolve(env.get(port_var, default(service, "port"))))
+        if len(files) == 1:
+            assert port == default(service, "port") or service == "worker", f"{name}: {port_var}"
+        if service == "gateway" and len(files) == 1:
+            published = [resolve(p).split(":")[1] for p in svc["ports"]]
+            assert published == [resolve(env["SPLITSERVE_GATEWAY_HTTP_PORT"]), resolve(env["SPLITSERVE_GATEWAY_PORT"])]
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert cond["condition"] == "service_healthy" and dep in services
+    assert seen == set(SERVICE_CONFIGS)
+    # Addresses in the base file name a compose service and its gRPC port.
+    if len(files) == 1:
+        coord = services["coordinator"]["environment"]
+        gw = services["gateway"]["environment"]
+        assert resolve(coord["SPLITSERVE_COORDINATOR_SCHEDULER_ADDRESS"]) == f"scheduler:{default('scheduler', 'port')}"
+        assert resolve(gw["SPLITSERVE_GATEWAY_COORDINATOR_ADDRESS"]) == f"coordinator:{default('coordinator', 'port')}"
+        assert resolve(services["scheduler"]["environment"]["SPLITSERVE_REDIS_URL"]).startswith("redis://redis:6379/")
+    # Profiles: emulated workers, GPU workers reserving nvidia GPUs, monitoring.
+    assert services["worker-emulated"]["profiles"] == ["emulated"]
+    assert resolve(services["worker-emulated"]["environment"]["SPLITSERVE_WORKER_BACKEND"]) == "emulated"
+    assert resolve(services["worker-emulated"]["scale"]) == "16"
+    gpu = services["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
+
+
+def test_compose_variables_are_config_options_or_documented():
+    text = (ROOT / "docker-compose.yml").read_text() + (ROOT / "docker/compose.hostnet.yml").read_text()
+    for var in interpolated(text):
+        if var.startswith("SPLITSERVE_"):
+            assert var in ALL_CONFIG_ENV or var in DEPLOY_ONLY, f"${{{var}}}: neither a config option nor documented"
+    docs = (ROOT / "docs/deployment.md").read_text()
+    for var in DEPLOY_ONLY:
+        assert var in docs, f"{var} is not described in docs/deployment.md"
+
+
+@pytest.mark.parametrize("tool", [["docker-compose"], ["docker", "compose"]])
+def test_compose_config_accepted_by_compose(tool):
+    if shutil.which(tool[0]) is None:
+        pytest.skip(f"{' '.join(tool)} is not installed")
+    if tool == ["docker", "compose"] and subprocess.run(tool + ["version"], capture_output=True).returncode != 0:
+        pytest.skip("Compose v2 (docker compose) is not installed")
+    profiles = ["--profile", "emulated", "--profile", "gpu", "--profile", "monitoring"]
+    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker/compose.hostnet.yml"]):
+        out = subprocess.run([*tool, *sum((["-f", f] for f in files), []), *profiles, "config", "-q"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+
+# ---------------------------------------------------------------- images, health check, dashboard
+
+
+def test_dockerfile_and_healthcheck_agree_with_configs():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001", text, re.M) and "HEALTHCHECK" in text
+    for service in SERVICE_CONFIGS:  # every service listens on all addresses in a container
+        assert f"SPLITSERVE_{service.upper()}_HOST=0.0.0.0" in text
+        assert f"SPLITSERVE_{service.upper()}_HOST" in config_env(service)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim-bookworm", text, re.M)
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}
+    assert {default(s, "port") for s in SERVICE_CONFIGS} | {default("gateway", "http_port")} <= exposed
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hc", ROOT / "docker/healthcheck.py")
+    hc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hc)
+    assert hc.DEFAULT_PORTS == {s: default(s, "port") for s in SERVICE_CONFIGS}
+    ignored = (ROOT / ".dockerignore").read_text()
+    assert "docker/wheelhouse" in ignored and "!splitserve/**" in ignored
+
+
+@lru_cache(maxsize=1)
+def defined_metrics() -> frozenset[str]:
+    """Metric names the code defines (Counter/Histogram/Gauge), with the series Prometheus derives."""
+    names = set()
+    for path in [*ROOT.glob("gateway/*.py"), *ROOT.glob("services/**/*.py"), *ROOT.glob("workers/**/*.py"),
+                 *ROOT.glob("splitserve/*.py")]:
+        text = path.read_text()
+        for kind, name in re.findall(r"\b(Counter|Histogram|Gauge)\(\s*\"(splitserve_\w+)\"", text):
+            names.add(name)
+            if kind == "Histogram":
+                names.update(f"{name}{s}" for s in ("_bucket", "_sum", "_count"))
+    return frozenset(names)
+
+
+def test_grafana_dashboard_queries_defined_metrics():
+    dash = json.loads((ROOT / "docker/grafana/dashboards/splitserve.json").read_text())
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            used.update(re.findall(r"\bsplitserve_\w+", target["expr"]))
+    assert len(used) >= 20
+    assert used <= defined_metrics(), sorted(used - defined_metrics())
+    prom = yaml.safe_load((ROOT / "docker/prometheus/prometheus.yml").read_text())
+    assert {j["job_name"] for j in prom["scrape_configs"]} == {"gateway", "scheduler", "coordinator", "worker"}
+    provisioning = yaml.safe_load((ROOT / "docker/grafana/provisioning/dashboards/splitserve.yml").read_text())
+    assert provisioning["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
