@@ -6,6 +6,18 @@ import hashlib
 from dataclasses import dataclass, field
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): a well-spread 63-bit number (the sampler's per-token
+    generator seed; the emulated engines' token ids)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 def request_seed(request_id: str) -> int:
     """The sampling seed of a request that brings none, in [0, 2^63): fixed once per request
     (by the coordinator) so that every worker a split, disaggregated or migrated request runs

@@ -24,6 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from splitserve.core.diffusion import DiffusionBatch, DiffusionSequence
+from splitserve.core.sampling import mix_seed
 from splitserve.diffusion_perf import (DEFAULT_MEMORY_UTILIZATION, LOGIT_BYTES_PER_ELEMENT, DiffusionPerfModel,
                                       MemoryPlan, StepCost)
 from workers.diffusion.engine import DiffusionEngine
@@ -44,15 +45,6 @@ ORDINARY_TOKEN_LIMIT = 126080
 LLADA_ROPE_THETA = 500000.0
 LLADA_RMS_NORM_EPS = 1e-5
 
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(key: int, index: int) -> int:
-    """splitmix64 of (key, index), as workers/engine/emulated._mix."""
-    z = (key * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
 
 
 class VirtualClock:
@@ -164,7 +156,7 @@ class EmulatedDiffusionRunner:
             state.masked = list(range(seq.block_start, seq.block_start + seq.params.block_length))
         count = seq.num_transfer
         for position in state.masked[:count]:
-            state.ids[position] = _mix(state.token_key, position) % self.ordinary_token_limit
+            state.ids[position] = mix_seed(state.token_key, position) % self.ordinary_token_limit
         del state.masked[:count]
 
 

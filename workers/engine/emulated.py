@@ -42,6 +42,7 @@ from prometheus_client import Counter, Histogram
 from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import gpu_spec, max_kv_tokens, model_spec, preset
 from splitserve.core import SamplingParams, SchedulerOutput, StageKey, StageSpec, TokenEvent, step_time
+from splitserve.core.sampling import mix_seed
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 
@@ -68,15 +69,6 @@ OVERHEAD = Histogram("splitserve_emulated_step_overhead_seconds", "Control-plane
 LATE = Histogram("splitserve_emulated_step_late_seconds", "Engine-thread wake-up past the model's deadline",
                  buckets=_STEP_BUCKETS)
 
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(key: int, index: int) -> int:
-    """splitmix64 of (key, index), as workers/engine/sampler.mix_seed (which imports torch)."""
-    z = (key * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass(frozen=True)
@@ -258,7 +250,7 @@ class EmulatedRunner:
     def token_for(self, token_ids: list[int], params: SamplingParams, seed: int) -> int:
         """The token at position len(token_ids): see the module docstring."""
         key = token_ids[-1] if params.greedy else seed
-        token = _mix(key, len(token_ids)) % self._vocab_emitted
+        token = mix_seed(key, len(token_ids)) % self._vocab_emitted
         for special in self.spec.special_token_ids:  # sorted: skip over each special id
             if token >= special:
                 token += 1

@@ -10,16 +10,9 @@ from __future__ import annotations
 import torch
 
 from splitserve.core import SamplingParams
+from splitserve.core.sampling import mix_seed
 
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """splitmix64 of (seed, index): a well-spread 63-bit generator seed."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+__all__ = ["mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
 
 
 def sample(
