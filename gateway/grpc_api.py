@@ -33,8 +33,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             self.core.authenticate(_authorization(context))
-            if len(request.request_id) > MAX_ID_CHARS:
-                raise InvalidArgument(f"request_id must be at most {MAX_ID_CHARS} characters", param="request_id")
+            rid = request.request_id
+            if len(rid) > MAX_ID_CHARS or not (rid.isascii() and rid.isprintable()):
+                # It travels on as gRPC metadata (x-request-id), which only takes printable ASCII.
+                raise InvalidArgument(f"request_id must be at most {MAX_ID_CHARS} printable ASCII characters",
+                                      param="request_id")
             request_id = request.request_id or uuid.uuid4().hex
             request_id_var.set(request_id)
             req = generate_request(request, self.core.tokenization, self.core.limits, request_id)

@@ -29,7 +29,15 @@ from gateway.validation import (
     session_open_params,
     with_session_header,
 )
-from splitserve.errors import Cancelled, InvalidArgument, NotFound, Overloaded, SplitserveError, Unavailable
+from splitserve.errors import (
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    SplitserveError,
+    Unavailable,
+)
 from splitserve.telemetry import http_parent_context, request_id_var
 
 log = logging.getLogger(__name__)
@@ -127,8 +135,8 @@ def create_app(core: GatewayCore) -> FastAPI:
         """Open a multi-turn session (an extension of the OpenAI API): send its id as the
         x-session-id header (or a session_id body field) on each round."""
         owner = core.authenticate(request.headers.get("authorization"))
-        body = await _read_json(request) if (await request.body()).strip() else {}
-        session_id, ttl_s = session_open_params(body)
+        raw = await _read_body(request, core.config.max_request_body_bytes)
+        session_id, ttl_s = session_open_params(_parse_json(raw) if raw.strip() else {})
         opened, ttl = await core.open_session(session_id, ttl_s, owner)
         return JSONResponse({"id": opened, "object": "session", "ttl_s": max(1, round(ttl))})
 
@@ -167,17 +175,42 @@ def create_app(core: GatewayCore) -> FastAPI:
     return app
 
 
-async def _read_json(request: Request) -> Any:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 naming the limit once it is larger than `limit` bytes
+    (by its Content-Length before reading, else while reading: it is never held whole)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit, at_least=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> PayloadTooLarge:
+    return PayloadTooLarge(f"body: the request body is {'over ' if at_least else ''}{size} bytes, larger than the "
+                           f"limit of {limit} bytes (max_request_body_bytes)", param="body")
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise InvalidArgument(f"request body is not valid JSON: {err}", param="body") from None
+    except RecursionError:
+        raise InvalidArgument("request body is not valid JSON: nested too deeply", param="body") from None
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    return _parse_json(await _read_body(request, limit))
 
 
 async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Response:
     core.authenticate(request.headers.get("authorization"))
-    body = await _read_json(request)
+    body = await _read_json(request, core.config.max_request_body_bytes)
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
     validate = chat_request if chat else completion_request

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from splitserve.errors import NotFound, Overloaded, SplitserveError, Unauthenticated
+from splitserve.errors import NotFound, Overloaded, PayloadTooLarge, SplitserveError, Unauthenticated
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 # OpenAI's `code` strings for the errors that have one; others get their gRPC code's name.
-_ERROR_CODES = {Unauthenticated: "invalid_api_key", Overloaded: "rate_limit_exceeded"}
+_ERROR_CODES = {Unauthenticated: "invalid_api_key", Overloaded: "rate_limit_exceeded",
+                PayloadTooLarge: "request_too_large"}
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

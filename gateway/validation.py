@@ -28,6 +28,7 @@ from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: the detokenizer matches each against every step's text
 MAX_ID_CHARS = 256  # request and session ids
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -195,9 +196,42 @@ def invalid_argument_from_pydantic(errors: Sequence[dict[str, Any]]) -> InvalidA
     return InvalidArgument(f"{path}: {err.get('msg', 'invalid value')}", param=str(loc[0]))
 
 
+def check_unicode(body: dict[str, Any]) -> None:
+    """Refuse lone surrogates (what JSON's "\\ud800" escape decodes to) anywhere in a body: no
+    tokenizer, protobuf or JSON encoder takes them. The error names the top-level field."""
+    for key, value in body.items():
+        if not _encodable(key):
+            raise InvalidArgument("request body: a field name is not valid Unicode (lone surrogate escape)",
+                                  param="body")
+        stack = [value]
+        while stack:  # iterative: a deeply nested value must not exhaust the stack
+            item = stack.pop()
+            if isinstance(item, str):
+                bad = not _encodable(item)
+            elif isinstance(item, dict):
+                bad = not all(_encodable(k) for k in item)
+                stack.extend(item.values())
+            else:
+                bad = False
+                if isinstance(item, list):
+                    stack.extend(item)
+            if bad:
+                raise InvalidArgument(f"{key}: holds a string that is not valid Unicode (a lone surrogate such "
+                                      "as \\ud800)", param=key)
+
+
+def _encodable(text: Any) -> bool:
+    try:
+        str(text).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse(model_cls: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(body).__name__}", param="body")
+    check_unicode(body)
     try:
         return model_cls.model_validate(body)
     except ValidationError as err:
@@ -300,8 +334,9 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
     if b.stream_options is not None and not b.stream:
         raise InvalidArgument("stream_options is only allowed when stream is true", param="stream_options")
     top_k = b.top_k if b.top_k is not None else 0
-    if top_k < -1:
-        raise InvalidArgument(f"top_k must be >= 0 (0 or -1 disables it), got {top_k}", param="top_k")
+    if not -1 <= top_k <= UINT32_MAX:
+        raise InvalidArgument(f"top_k must be >= 0 and <= {UINT32_MAX} (0 or -1 disables it), got {top_k}",
+                              param="top_k")
     if b.seed is not None and not 0 <= b.seed < SEED_LIMIT:
         raise InvalidArgument(f"seed must be in [0, 2^63), got {b.seed}", param="seed")
     for name in ("slo_ttft_ms", "slo_itl_ms"):
@@ -433,6 +468,10 @@ def _stop_strings(stop: Any) -> list[str]:
         raise InvalidArgument(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise InvalidArgument("stop strings must be non-empty", param="stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidArgument(f"stop strings may be at most {MAX_STOP_CHARS} characters long, got one of {longest}",
+                              param="stop")
     return list(stops)
 
 
@@ -522,6 +561,7 @@ def session_open_params(body: Any) -> tuple[str, float]:
     """POST /v1/sessions body: optional `session_id` (str) and `ttl_s` (seconds, > 0)."""
     if not isinstance(body, dict):
         raise InvalidArgument("request body must be a JSON object", param="body")
+    check_unicode(body)
     unknown = set(body) - {"session_id", "ttl_s"}
     if unknown:
         raise InvalidArgument(f"unknown field(s) {sorted(unknown)}; accepted: session_id, ttl_s", param=min(unknown))
@@ -529,6 +569,6 @@ def session_open_params(body: Any) -> tuple[str, float]:
     if not isinstance(session_id, str):
         raise InvalidArgument("session_id must be a string", param="session_id")
     ttl = body.get("ttl_s", 0)
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0 or ttl > UINT32_MAX:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= UINT32_MAX:  # NaN too
         raise InvalidArgument(f"ttl_s must be a number of seconds in [0, {UINT32_MAX}], got {ttl!r}", param="ttl_s")
     return _id_string(session_id, "session_id"), float(ttl)

@@ -185,6 +185,8 @@ class GatewayConfig(CommonConfig):
                              "cluster's gateway takes the preset model's context, as its workers do).")
     max_tokens_limit: int = opt(4096, "Largest max_tokens a request may ask for.")
     default_max_tokens: int = opt(16, "max_tokens when a request sets none.")
+    max_request_body_bytes: int = opt(16 << 20, "Largest HTTP request body accepted (larger: 413 naming the limit; "
+                                      "gRPC messages are bounded by --max-message-bytes).")
     max_concurrent_requests: int = opt(256, "Requests in flight before new ones wait in the admission queue.")
     max_queued_requests: int = opt(1024, "Admission queue length; beyond it requests get 429 / RESOURCE_EXHAUSTED.")
     queue_timeout_s: float = opt(30.0, "Longest wait in the admission queue before 429.")

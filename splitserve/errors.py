@@ -38,6 +38,12 @@ class InvalidArgument(SplitserveError):
     error_type = "invalid_request_error"
 
 
+class PayloadTooLarge(InvalidArgument):
+    """A request larger than a configured size limit (HTTP 413; on gRPC the transport's own limit answers)."""
+
+    http_status = 413
+
+
 class FailedPrecondition(SplitserveError):
     """The call is well formed but this server is not in a state or kind that can serve it."""
 
@@ -99,14 +105,24 @@ class Cancelled(SplitserveError):
 
 
 RETRY_AFTER_KEY = "retry-after-ms"
+PARAM_KEY = "splitserve-param"  # trailing metadata: the request field at fault
+MAX_DETAILS_CHARS = 512  # of a status message: sent percent-encoded in a header (soft limit 8 KiB)
 _PARAM_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*): ")
 
 
 async def abort(context: grpc.aio.ServicerContext, err: SplitserveError):
-    """End an RPC with the error's status; overload carries a retry hint as trailing metadata."""
+    """End an RPC with the error's status; overload carries a retry hint and an error naming a
+    field carries its name as trailing metadata (so the field survives every hop)."""
+    trailing = []
     if isinstance(err, Overloaded):
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(err.retry_after_s * 1000))),))
+        trailing.append((RETRY_AFTER_KEY, str(int(err.retry_after_s * 1000))))
+    if err.param and err.param.isascii() and err.param.isprintable():
+        trailing.append((PARAM_KEY, err.param))
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
     message = err.message if err.param is None or err.param in err.message else f"{err.param}: {err.message}"
+    if len(message) > MAX_DETAILS_CHARS:  # details travel in a header: a huge echoed value would break the stream
+        message = message[:MAX_DETAILS_CHARS] + "..."
     await context.abort(err.code, message)
 
 
@@ -114,16 +130,19 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError
     """Rebuild a typed error from a downstream service's status, to pass it upstream."""
     code = err.code()
     details = err.details() or code.name
-    # `abort` put the field at fault in front ("session_id: ..."): keep it for the client's error body.
+    # The field at fault, for the client's error body: `abort` sends it as trailing metadata
+    # (and in front of a message that does not name it: "session_id: ...").
     field = _PARAM_PREFIX.match(details)
     param = field.group(1) if field else None
+    trailing = err.trailing_metadata() or ()
+    param = next((value for key, value in trailing if key == PARAM_KEY), param)
     for cls in (InvalidArgument, FailedPrecondition, Unauthenticated, NotFound, Conflict, Unavailable,
                 DeadlineExceeded, Cancelled):
         if cls.status == code.name:
             return cls(details, param=param)
     if code.name == Overloaded.status:
         retry = 1.0
-        for key, value in (err.trailing_metadata() or ()):
+        for key, value in trailing:
             if key == RETRY_AFTER_KEY:
                 retry = int(value) / 1000
         return Overloaded(details, retry_after_s=retry)

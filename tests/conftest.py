@@ -149,7 +149,7 @@ def cluster(tiny_model_dirs, tmp_path_factory):
         redis_prefix=f"ss:test-{uuid.uuid4().hex[:8]}:",
         log_dir=log_dir,
         worker_args={"kv_cache_memory_bytes": 8 << 20, "max_num_seqs": 32},
-        gateway_args={"max_tokens_limit": 256, "max_message_bytes": 1 << 20},
+        gateway_args={"max_tokens_limit": 256, "max_message_bytes": 1 << 20, "max_request_body_bytes": 1 << 20},
     )
     running = start_cluster(spec)
     yield running

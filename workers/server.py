@@ -333,8 +333,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.DrainResponse(in_flight=in_flight)
 
     async def PrepareKv(self, request: worker_pb2.PrepareKvRequest, context):
-        if not request.transfer_id or request.num_tokens == 0:
-            await abort(context, InvalidArgument("transfer_id and num_tokens > 0 are required", param="num_tokens"))
+        # A request id too: a reservation is freed by Cancel(request_id), or only at its TTL.
+        for name in ("request_id", "transfer_id", "num_tokens"):
+            if not getattr(request, name):
+                await abort(context, InvalidArgument(f"{name} is required (request_id, transfer_id and num_tokens > 0)",
+                                                     param=name))
         if self.server.draining:
             return worker_pb2.PrepareKvResponse(ok=False, error=f"worker {self.server.worker_id} is draining")
         if self.server.kv is None:

@@ -40,6 +40,7 @@ E2E = Histogram("splitserve_coordinator_e2e_seconds", "Submit to last token", bu
 
 # Placement is retried when a worker dies before producing a token.
 MAX_PLACEMENT_ATTEMPTS = 3
+MAX_REQUEST_ID_CHARS = 256  # as the gateway's
 
 
 class Coordinator:
@@ -85,6 +86,10 @@ class Coordinator:
         try:
             if not request.prompt_token_ids:
                 raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
+            if len(request_id) > MAX_REQUEST_ID_CHARS or not (request_id.isascii() and request_id.isprintable()):
+                # It travels as gRPC metadata (x-request-id) to the scheduler and the workers.
+                raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters, "
+                                      f"got {request_id[:64]!r}", param="request_id")
             if request_id in self._calls:
                 raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
             if not request.sampling.HasField("seed"):

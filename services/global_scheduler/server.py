@@ -39,6 +39,7 @@ from splitserve.service import ServiceRuntime, run
 from splitserve.telemetry import end_span, incoming_context, start_span
 from splitserve.wire import load_to_proto
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
+from splitserve.state_records import DIFFUSION
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ GRPC_SERVICE_NAME = "splitserve.v1.GlobalScheduler"
 # Plans cover prompt_len + RequestMeta.max_tokens; callers that leave it unset get the
 # predicted output length or SamplingParams' own default.
 DEFAULT_MAX_TOKENS = 16
+UINT32_MAX = 2**32 - 1
+ENGINE_FAMILIES = ("", DIFFUSION)  # RequestMeta.engine_family: autoregressive, diffusion
 
 
 def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest:
@@ -60,8 +63,15 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
         raise InvalidArgument(
             f"history_len {meta.history_len} exceeds prompt_len {meta.prompt_len}", param="history_len"
         )
+    if meta.engine_family not in ENGINE_FAMILIES:
+        raise InvalidArgument(f"engine_family must be one of {ENGINE_FAMILIES}, got {meta.engine_family[:64]!r}",
+                              param="engine_family")
     # Presence, not the value, tells a client's hint (0 included) from no hint.
     hint = meta.predicted_output_len if meta.HasField("predicted_output_len") else None
+    max_tokens = meta.max_tokens or hint or DEFAULT_MAX_TOKENS
+    if meta.prompt_len + max_tokens > UINT32_MAX:  # the plan's last stage ends there: a uint32 token position
+        raise InvalidArgument(f"max_tokens: prompt_len + max_tokens = {meta.prompt_len + max_tokens} exceeds the "
+                              f"largest token position {UINT32_MAX}", param="max_tokens")
     return PlacementRequest(
         request_id=meta.request_id,
         session_id=meta.session_id,
@@ -69,7 +79,7 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
         history_len=meta.history_len,
         bound_worker=meta.bound_worker,
         predicted_output_len=hint,
-        max_tokens=meta.max_tokens or hint or DEFAULT_MAX_TOKENS,
+        max_tokens=max_tokens,
         slo_ttft_ms=meta.slo.ttft_ms,
         slo_itl_ms=meta.slo.itl_ms,
         priority=meta.priority,
