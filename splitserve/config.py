@@ -118,7 +118,9 @@ class WorkerConfig(CommonConfig):
                                  "the lanes two workers share (CPU: one core's copy each; GPU: one per NIC).")
     kv_transfer_timeout_s: float = opt(10.0, "Longest wait for a stage's incoming KV before recomputing it from tokens.")
     kv_reservation_ttl_s: float = opt(60.0, "Reserved KV blocks no stage claimed are freed after this.")
-    kv_fault_injection: str = opt("", "Testing only: corrupt | truncate the KV this worker pushes.")
+    kv_fault_injection: str = opt("", "Testing only: corrupt (bytes altered in flight on gRPC; a forged digest "
+                                  "on NIXL) | truncate (the last chunk never sent) | fail (the push fails at "
+                                  "the sender, which tells the receiver) the KV this worker pushes.")
     kv_layer_push: bool = opt(True, "NIXL: push a stage's last step's KV layer by layer as each decoder layer writes "
                               "it, instead of as one chunk after the step (gRPC always pushes whole chunks).")
 

@@ -77,6 +77,20 @@ def session_hold_from_proto(stage: types_pb2.Stage) -> SessionHold | None:
     return SessionHold(s.session_id, float(s.ttl_s or DEFAULT_SESSION_PIN_TTL_S), s.history_len)
 
 
+def dialable_host(host: str) -> str:
+    """The address peers dial for a server bound to `host`: a wildcard (0.0.0.0, ::, "") is
+    nothing another host can dial, so this host's own address stands for it (the name's
+    address, as a container or pod sees itself); any other host as given."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def resolve_num_threads(num_threads: int) -> int:
     """0 (auto): every core this process may use but one, which stays free for the gRPC event loop."""
     if num_threads > 0:
@@ -434,7 +448,7 @@ class WorkerServer:
         await self.runtime.start()
         port = self.runtime.bound_port
         self.worker_id = self.worker_id or default_worker_id(self.config.host, port)
-        self.address = self.config.advertise_address or f"{self.config.host}:{port}"
+        self.address = self.config.advertise_address or f"{dialable_host(self.config.host)}:{port}"
         if engine_family(self.engine.engine_kind) != DIFFUSION:  # a diffusion request never moves KV
             await self._start_kv_transfer()
         await self.register()

@@ -60,3 +60,14 @@ def test_unknown_coordinator_topology_is_rejected(tmp_path):
 
     with pytest.raises(ValueError, match="coordinator must be process or embedded"):
         start_cluster(ClusterSpec(model=str(tmp_path), coordinator="sideways", redis_url="redis://127.0.0.1:6379/0"))
+
+
+def test_a_worker_bound_to_every_address_advertises_one_peers_can_dial():
+    import socket
+
+    from workers.server import dialable_host
+
+    assert dialable_host("10.1.2.3") == "10.1.2.3" and dialable_host("127.0.0.1") == "127.0.0.1"
+    own = dialable_host("0.0.0.0")
+    assert own not in ("0.0.0.0", "") and socket.inet_aton(own)  # an IPv4 address of this host
+    assert dialable_host("::") == own

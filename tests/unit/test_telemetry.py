@@ -95,3 +95,4 @@ def test_log_lines_carry_the_request_and_trace_of_the_server_span(exporter):
 
     line, trace_id = contextvars.copy_context().run(handle)  # as each request's task has its own context
     assert (line["request_id"], line["trace_id"], line["service"]) == ("req-9", trace_id, "worker")
+
