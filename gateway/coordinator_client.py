@@ -124,11 +124,12 @@ class CoordinatorClient:
             raise from_rpc_error(err) from None
         return reply.closed
 
-    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+    async def ready(self, timeout_s: float = 1.0, engine_family: str = "") -> tuple[bool, str]:
         """Whether a request sent now would be served: the coordinator answers and its placement
-        has an eligible worker; (ready, why not)."""
+        has an eligible worker of the model's engine family; (ready, why not)."""
         try:
-            reply = await self.stub.Ready(coordinator_pb2.ReadyRequest(), timeout=timeout_s)
+            reply = await self.stub.Ready(coordinator_pb2.ReadyRequest(engine_family=engine_family),
+                                          timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             return False, f"coordinator unreachable ({err.code().name})"
         return reply.ready, reply.reason
@@ -170,8 +171,8 @@ class EmbeddedCoordinatorClient:
     async def close_session(self, session_id: str, owner: str) -> bool:
         return await self.coordinator.close_session(session_id, owner)
 
-    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
-        ready, reason, _ = await self.coordinator.ready(timeout_s)
+    async def ready(self, timeout_s: float = 1.0, engine_family: str = "") -> tuple[bool, str]:
+        ready, reason, _ = await self.coordinator.ready(timeout_s, engine_family)
         return ready, reason
 
     async def close(self) -> None:

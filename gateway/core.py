@@ -51,7 +51,7 @@ class GatewayCore:
         """Whether a request sent now would be served; (ready, why not)."""
         if not self.admission.admitting:
             return False, "draining"
-        return await self.coordinator.ready(timeout_s)
+        return await self.coordinator.ready(timeout_s, self.tokenization.engine_family)
 
     def authenticate(self, authorization: str | None) -> str:
         """Check an `Authorization: Bearer <key>` value when API keys are configured; the

@@ -397,14 +397,15 @@ def _supervise(cluster, stop: dict) -> None:
     counted in Redis for `splitserve status`."""
     import asyncio
 
-    from splitserve.launcher import RestartPolicy
+    from splitserve.launcher import RESTARTED, RestartPolicy
     from splitserve.state import RedisRetryPolicy, StateStore
 
     policy = RestartPolicy()
     while not stop["now"]:
-        for child, what in cluster.supervise(policy):
-            console.print(f"[yellow]{child.name} {what}[/yellow]")
-            if what.startswith("restarted"):
+        for event in cluster.supervise(policy):
+            child = event.child
+            console.print(f"[yellow]{child.name} {event.message}[/yellow]")
+            if event.kind == RESTARTED:
                 try:
                     asyncio.run(_record_restart(StateStore(cluster.redis_url, cluster.redis_prefix,
                                                            retry_policy=RedisRetryPolicy(attempts=2)),

@@ -59,12 +59,14 @@ class RestartPolicy:
     stable_after_s: float = 60.0
 
     def backoff_s(self, crashes_in_a_row: int) -> float:
-        """The wait before the next start after this many crashes in a row (0: the first)."""
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** min(max(0, crashes_in_a_row), 32))
+        """The wait before the next start after this many crashes in a row (1: a first or rare
+        crash, restarted after `initial_backoff_s`)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** min(max(0, crashes_in_a_row - 1), 32))
 
     def in_a_row(self, previous_in_a_row: int, ran_s: float) -> int:
-        """Crashes in a row before this one, after a run of `ran_s` seconds (a stable run resets them)."""
-        return 0 if ran_s >= self.stable_after_s else previous_in_a_row + 1
+        """Crashes in a row counting this one, after a run of `ran_s` seconds: a stable run
+        starts the count over."""
+        return 1 if ran_s >= self.stable_after_s else previous_in_a_row + 1
 
 
 @dataclass
@@ -130,10 +132,10 @@ class Cluster:
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.process.poll() is not None]
 
-    def supervise(self, policy: RestartPolicy, now: float | None = None) -> list[tuple[Child, str]]:
+    def supervise(self, policy: RestartPolicy, now: float | None = None) -> list[SupervisionEvent]:
         """One supervision pass: note each newly dead child's restart time by `policy`, start the
-        ones that are due; what happened, as (child, "exited with code N; restarting in S s" |
-        "restarted"). Called periodically by `splitserve up` until it is told to stop."""
+        ones that are due (one that cannot be started is tried again after the next backoff).
+        Called periodically by `splitserve up` until it is told to stop."""
         now = time.monotonic() if now is None else now
         happened = []
         for child in self.children:
@@ -142,12 +144,31 @@ class Cluster:
             if child.restart_at is None:
                 child.in_a_row = policy.in_a_row(child.in_a_row, now - child.started_at)
                 child.restart_at = now + policy.backoff_s(child.in_a_row)
-                happened.append((child, f"exited with code {child.process.returncode}; restarting in "
-                                        f"{child.restart_at - now:.1f} s"))
+                happened.append(SupervisionEvent(child, EXITED, f"exited with code {child.process.returncode}; "
+                                                                f"restarting in {child.restart_at - now:.1f} s"))
             elif now >= child.restart_at:
-                child.respawn()
-                happened.append((child, f"restarted (restart {child.restarts})"))
+                try:
+                    child.respawn()
+                except OSError as err:  # e.g. the interpreter or its log file is gone for a moment
+                    child.in_a_row += 1
+                    child.restart_at = now + policy.backoff_s(child.in_a_row)
+                    happened.append(SupervisionEvent(child, START_FAILED, f"could not be started ({err}); "
+                                                                          f"retrying in {child.restart_at - now:.1f} s"))
+                    continue
+                happened.append(SupervisionEvent(child, RESTARTED, f"restarted (restart {child.restarts})"))
         return happened
+
+
+EXITED, RESTARTED, START_FAILED = "exited", "restarted", "start_failed"
+
+
+@dataclass(frozen=True)
+class SupervisionEvent:
+    """What one supervision pass did to one child."""
+
+    child: Child
+    kind: str  # EXITED | RESTARTED | START_FAILED
+    message: str
 
 
 def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:

@@ -105,6 +105,7 @@ class KvStageManager:
         # Tells a receiver that a push failed (the gRPC transport's signal_failure, whatever
         # transport carried the data); None: the receiver finds out at its transfer timeout.
         self.failure_notice: Callable[[BlockTransfer, str, float], Awaitable[bool]] | None = None
+        self._notices: set[asyncio.Future] = set()  # notices in flight (kept referenced until done)
 
     def on_chunk(self, chunk: BlockTransfer, checksum_ok: bool) -> None:
         """Transport callback: a chunk of an incoming transfer is in place."""
@@ -311,6 +312,10 @@ class KvStageManager:
         await self.loop.call(lambda engine: engine.release(key))
         return not push.failed
 
+    async def _notify_failure(self, transfer: BlockTransfer, error: str) -> None:
+        delivered = await self.failure_notice(transfer, error, min(2.0, self.transfer_timeout_s))
+        KV_FAILURE_NOTICES.labels("sent" if delivered else "undelivered").inc()
+
     async def _pusher(self, push: _OutgoingPush) -> None:
         bs = self.memory.block_size
         while True:
@@ -342,9 +347,10 @@ class KvStageManager:
                 log.warning("pushing KV [%d, %d) of %s to %s failed: %s", start, end, sink.transfer_id,
                             sink.worker_id, err)
                 if self.failure_notice is not None:  # the receiver recomputes now, not at its timeout
-                    KV_FAILURE_NOTICES.labels(
-                        "sent" if await self.failure_notice(transfer, str(err), min(2.0, self.transfer_timeout_s))
-                        else "undelivered").inc()
+                    # In the background: a dead receiver must not hold up this stage's end.
+                    notice = asyncio.ensure_future(self._notify_failure(transfer, str(err)))
+                    self._notices.add(notice)
+                    notice.add_done_callback(self._notices.discard)
                 continue
             KV_PUSH_SECONDS.observe(time.perf_counter() - started)
             log.debug("pushed KV [%d, %d) of %s in %.1f ms", start, end, sink.transfer_id,

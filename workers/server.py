@@ -86,9 +86,17 @@ def dialable_host(host: str) -> str:
     import socket
 
     try:
-        return socket.gethostbyname(socket.gethostname())
+        address = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        address = "127.0.0.1"
+    if address.startswith("127."):  # e.g. Debian's 127.0.1.1 for the host name: the outward interface instead
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(("10.255.255.255", 1))  # a UDP connect picks a route; nothing is sent
+                address = probe.getsockname()[0]
+        except OSError:
+            pass  # no route at all: only this host can dial it anyway
+    return address
 
 
 def resolve_num_threads(num_threads: int) -> int:
@@ -228,7 +236,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except ValueError as err:
                 if kv is not None:
                     await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
-                raise InvalidArgument(str(err), param=_first_word(str(err)) or "stage") from None
+                # The core's DiffusionParamError names its field; other messages start with it.
+                param = getattr(err, "param", None) or _first_word(str(err)) or "stage"
+                raise InvalidArgument(str(err), param=param) from None
             finally:
                 # A history this worker lent for the request's prefill elsewhere: that pull ended
                 # before this stage could start, and the stage holds its own references now.
@@ -241,6 +251,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             end_span(span, err)
             await abort(context, err)
             return
+        except BaseException as err:  # cancelled while waiting for KV, or a failure below the RPC layer
+            end_span(span, err if not isinstance(err, asyncio.CancelledError) else None)
+            raise
         finished = False
         last = arrived
         first_ns = 0

@@ -60,15 +60,17 @@ class Coordinator:
     def in_flight(self) -> int:
         return len(self._calls)
 
-    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str, int]:
-        """(ready, why not, eligible workers): ready when placement has a worker to use now."""
+    async def ready(self, timeout_s: float = 1.0, engine_family: str = "") -> tuple[bool, str, int]:
+        """(ready, why not, eligible workers): ready when placement has a worker of the model's
+        engine family to use now."""
         try:
-            count = await self.placer.eligible_workers(timeout_s)
+            count = await self.placer.eligible_workers(timeout_s, engine_family)
         except SplitserveError as err:
             return False, f"placement unavailable: {err.message}", 0
         except Exception as err:  # a readiness probe reports, it does not raise
             return False, f"placement unavailable: {err}", 0
-        return count > 0, "" if count else "no eligible worker is registered yet", count
+        kind = "diffusion " if engine_family == DIFFUSION else ""
+        return count > 0, "" if count else f"no eligible {kind}worker is registered yet", count
 
     async def submit(self, request: coordinator_pb2.SubmitRequest, deadline: float,
                      trace_context: Context | None = None) -> AsyncIterator[types_pb2.TokenChunk]:
@@ -304,11 +306,11 @@ class Coordinator:
                                     {"splitserve.worker_id": stages[index + 1].worker_id})
                 calling.worker_id = stage.worker_id
                 stub = await self.workers.stub(stage.worker_id)
+                call = stub.Execute(stage, timeout=_remaining(deadline),
+                                    metadata=outgoing_metadata(request_id, span_context(span)))
             except BaseException as err:
                 end_span(span, err)
                 raise
-            call = stub.Execute(stage, timeout=_remaining(deadline),
-                                metadata=outgoing_metadata(request_id, span_context(span)))
             self._calls[request_id] = call
             try:
                 async for chunk in call:

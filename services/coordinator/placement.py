@@ -28,6 +28,7 @@ from services.global_scheduler.server import (
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.errors import Unavailable, from_rpc_error
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from splitserve.state_records import engine_family as engine_family_of
 from splitserve.state import StateStore
 from splitserve.telemetry import outgoing_metadata
 
@@ -42,8 +43,8 @@ class Placer(Protocol):
     async def place(self, meta: types_pb2.RequestMeta, timeout_s: float,
                     trace_context: Context | None = None) -> types_pb2.Plan: ...
 
-    async def eligible_workers(self, timeout_s: float) -> int:
-        """Workers placement may use now (readiness: none means a request would fail)."""
+    async def eligible_workers(self, timeout_s: float, engine_family: str = "") -> int:
+        """Workers of `engine_family` placement may use now (readiness: none means a request would fail)."""
         ...
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None: ...
@@ -66,12 +67,13 @@ class SchedulerPlacer:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
 
-    async def eligible_workers(self, timeout_s: float) -> int:
+    async def eligible_workers(self, timeout_s: float, engine_family: str = "") -> int:
         try:
             state = await self.stub.ClusterState(scheduler_pb2.ClusterStateRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
-        return sum(1 for load in state.workers if not load.draining)
+        return sum(1 for load in state.workers
+                   if not load.draining and engine_family_of(load.engine_kind) == engine_family)
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None:
         await self.stub.ReportCompletion(report, timeout=5.0)
@@ -114,11 +116,11 @@ class LocalPlacer:
         plan.report_completion = learns_from_completions(self.policy)
         return plan
 
-    async def eligible_workers(self, timeout_s: float) -> int:
-        view = await self.views.current(min(timeout_s, self.view_timeout_s))
+    async def eligible_workers(self, timeout_s: float, engine_family: str = "") -> int:
+        view = (await self.views.current(min(timeout_s, self.view_timeout_s))).of_family(engine_family)
         if not view.eligible:  # one that registered since the last background refresh counts at once
             await self.views.refresh()
-            view = await self.views.current(min(timeout_s, self.view_timeout_s))
+            view = (await self.views.current(min(timeout_s, self.view_timeout_s))).of_family(engine_family)
         return len(view.eligible)
 
     async def report_completion(self, report: scheduler_pb2.CompletionReport) -> None:

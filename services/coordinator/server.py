@@ -51,7 +51,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Ready(self, request: coordinator_pb2.ReadyRequest, context):
         remaining = context.time_remaining()
-        ready, reason, count = await self.coordinator.ready(min(remaining or 1.0, 2.0))
+        ready, reason, count = await self.coordinator.ready(min(remaining or 1.0, 2.0), request.engine_family)
         return coordinator_pb2.ReadyResponse(ready=ready, reason=reason, eligible_workers=count)
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):

@@ -152,6 +152,9 @@ class GlobalSchedulerServicer(scheduler_pb2_grpc.GlobalSchedulerServicer):
         except SplitserveError as err:
             end_span(span, err)
             await abort(context, err)
+        except BaseException as err:  # cancelled (the caller's deadline) or a policy bug: the span ends too
+            end_span(span, err if not isinstance(err, asyncio.CancelledError) else None)
+            raise
         span.set_attribute("splitserve.workers", list(placement.worker_ids))
         span.set_attribute("splitserve.reason", placement.reason)
         end_span(span)

@@ -230,18 +230,21 @@ class DiffusionBatch:
         return sum(e.seq.params.block_length for e in self.entries)
 
 
-def profile_batch(max_num_batched_tokens: int, max_model_len: int,
-                  block_length: int = DEFAULT_BLOCK_LENGTH) -> DiffusionBatch:
+def profile_batch(max_num_batched_tokens: int, max_model_len: int, max_num_logits: int) -> DiffusionBatch:
     """The worst step the scheduler can build (dLLM-Serve §4.2's dummy workload): Refresh steps
     of sequences as long as the model allows, filling `max_num_batched_tokens` query tokens,
-    each with one block of logit rows. The profiler runs it to measure the activation peak."""
+    whose blocks hold as many logit rows as a step can materialise at once (`max_num_logits`,
+    or every query token but the prompts' first when fewer). The profiler runs it to measure
+    the activation peak, logits included."""
     _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    _positive_int("max_num_logits", max_num_logits)
     if not isinstance(max_model_len, int) or max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {max_model_len!r}")
-    batch, left, index = DiffusionBatch(), max_num_batched_tokens, 0
+    batch, left, rows_left, index = DiffusionBatch(), max_num_batched_tokens, max_num_logits, 0
     while left > 0:
         length = max(2, min(left, max_model_len))
-        block = min(block_length, length - 1)
+        block = max(1, min(rows_left, length - 1))
+        rows_left = max(0, rows_left - block)
         prompt = length - block
         seq = DiffusionSequence(f"profile-{index}", prompt, DiffusionParams(gen_length=block, block_length=block,
                                                                              steps=block))
@@ -281,6 +284,10 @@ class DiffusionScheduler:
     def check_fits(self, seq: DiffusionSequence) -> None:
         """A request that could never run alone is refused up front (the error names the limit)."""
         c = self.config
+        if seq.params.cfg_scale > 0 and 2 * seq.length > c.max_num_batched_tokens:
+            raise DiffusionParamError("cfg_scale", f"cfg_scale: a guided Refresh computes prompt + max_tokens = "
+                                      f"{seq.length} tokens twice, {2 * seq.length} > max_num_batched_tokens "
+                                      f"({c.max_num_batched_tokens})")
         if seq.length > c.max_num_batched_tokens:
             raise ValueError(f"prompt + gen_length = {seq.length} tokens exceeds max_num_batched_tokens "
                              f"({c.max_num_batched_tokens}): a Refresh step computes the whole sequence at once")

@@ -95,16 +95,18 @@ def services(receiver, tiny_model_dirs, tmp_path_factory):
         wait_port_healthy(f"127.0.0.1:{ports['scheduler']}", procs[0], 60)
         wait_port_healthy(f"127.0.0.1:{ports['coordinator']}", procs[1], 60)
 
-        def start_worker(index: int, role: str) -> subprocess.Popen:
+        def start_worker(index: int, role: str, worker_model: str = model) -> subprocess.Popen:
             port = free_port()
-            proc = spawn(f"worker-{index}", {**common, "port": port, "worker_id": f"tr-worker-{index}", "model": model,
+            proc = spawn(f"worker-{index}", {**common, "port": port, "worker_id": f"tr-worker-{index}",
+                                             "model": worker_model,
                                              "role": role, "kv_transport": "grpc",
                                              "kv_cache_memory_bytes": 16 << 20})
             wait_port_healthy(f"127.0.0.1:{port}", proc, 120)
             return proc
 
         yield {"http": f"http://127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['gateway']}",
-               "gateway": procs[2], "start_worker": start_worker, "logs": logs}
+               "gateway": procs[2], "start_worker": start_worker, "logs": logs,
+               "scheduler": f"127.0.0.1:{ports['scheduler']}"}
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -140,6 +142,14 @@ def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(
     assert httpx.get(f"{http}/health/ready", timeout=5).status_code == 503
     assert _grpc_health(services["grpc"], "") == health_pb2.HealthCheckResponse.NOT_SERVING
     assert _grpc_health(services["grpc"], "liveness") == health_pb2.HealthCheckResponse.SERVING
+
+    # A worker of another engine family (a diffusion model) cannot serve this llama gateway: still not ready.
+    from workers.diffusion.tiny_task import TINY_MODEL_DIR
+
+    services["start_worker"](9, "both", str(TINY_MODEL_DIR))
+    _until(lambda: "tr-worker-9" in _scheduler_view(services["scheduler"]), 30, "the scheduler to see the worker")
+    reply = httpx.get(f"{http}/health", timeout=5)
+    assert reply.status_code == 503 and "no eligible worker" in reply.json()["reason"]
 
     services["start_worker"](0, "prefill")
     services["start_worker"](1, "decode")
@@ -190,6 +200,15 @@ def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(
                             "worker.kv_receive": "worker.stage", "scheduler.place": "coordinator.place",
                             "coordinator.place": "coordinator.request", "coordinator.request": "gateway.request",
                             "coordinator.kv_reserve": "coordinator.stage"}
+
+
+def _scheduler_view(address: str) -> set[str]:
+    from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        state = scheduler_pb2_grpc.GlobalSchedulerStub(channel).ClusterState(scheduler_pb2.ClusterStateRequest(),
+                                                                            timeout=5)
+    return {w.worker_id for w in state.workers}
 
 
 def _live(http: str) -> bool:

@@ -247,10 +247,14 @@ def test_the_profile_step_runs_the_worst_batch_with_logits_bounded(llada_dir):
 
     engine = DiffusionEngine(EngineConfig(model=str(llada_dir), max_num_batched_tokens=200, max_num_logits=7,
                                           kv_cache_memory_bytes=1 << 20))
-    batch = profile_batch(200, engine.max_model_len)
+    batch = profile_batch(200, engine.max_model_len, 7)
     assert batch.num_query_tokens == 200 and all(e.seq.length <= engine.max_model_len for e in batch.entries)
+    assert batch.num_logit_rows >= 7  # a step's worst logit peak is reached
+    wide = profile_batch(200, engine.max_model_len, 150)  # many logit rows: blocks span the sequences
+    assert wide.num_logit_rows >= 150 and wide.num_query_tokens == 200
     engine.run_profile_step()
-    assert 0 < engine.runner.peak_logit_rows <= 7 and not engine.runner.states
+    assert engine.runner.peak_logit_rows == 7 and not engine.runner.states
+    assert engine.runner.cache == "dual"  # stored no KV while profiling, and restored
     # 48 GB at 0.9, 1 GB held elsewhere, 16 GB of weights, a 2 GB activation peak (+5% guard).
     gb = 10**9
     assert kv_pool_bytes(48 * gb, 0.9, 1 * gb, 16 * gb, 2 * gb) == int(43.2 * gb - 17 * gb - 2.1 * gb)

@@ -12,10 +12,11 @@ from splitserve.launcher import Child, Cluster, ClusterSpec, RestartPolicy
 
 def test_backoff_doubles_in_a_crash_loop_and_resets_after_a_stable_run():
     policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0, stable_after_s=60.0)
-    assert [policy.backoff_s(n) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert [policy.backoff_s(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     assert policy.backoff_s(10_000) == 4.0
+    assert policy.in_a_row(0, ran_s=5.0) == 1  # the first crash
     assert policy.in_a_row(3, ran_s=5.0) == 4  # died soon again: one more in a row
-    assert policy.in_a_row(3, ran_s=61.0) == 0  # ran long enough: a fresh start
+    assert policy.in_a_row(3, ran_s=61.0) == 1  # ran long enough: a fresh count
 
 
 def _child(tmp_path, name: str, code: str) -> Child:
@@ -36,15 +37,15 @@ def test_dead_children_are_restarted_when_due_and_live_ones_left_alone(tmp_path)
         first_pid = crashing.process.pid
         now = time.monotonic()
         events = cluster.supervise(policy, now)
-        assert [(c.name, what) for c, what in events] == [("worker-1", "exited with code 3; restarting in 1.0 s")]
-        assert cluster.supervise(policy, now + 0.5) == []  # not due yet
-        events = cluster.supervise(policy, now + 1.0)
-        assert [(c.name, what) for c, what in events] == [("worker-1", "restarted (restart 1)")]
+        assert [(e.child.name, e.message) for e in events] == [("worker-1", "exited with code 3; restarting in 0.5 s")]
+        assert cluster.supervise(policy, now + 0.25) == []  # not due yet
+        events = cluster.supervise(policy, now + 0.5)
+        assert [(e.child.name, e.message) for e in events] == [("worker-1", "restarted (restart 1)")]
         assert crashing.process.pid != first_pid and crashing.restarts == 1
         crashing.process.wait(timeout=10)  # it crashes again at once: the wait doubles
         later = time.monotonic()
         (event,) = cluster.supervise(policy, later)
-        assert event[1] == "exited with code 3; restarting in 2.0 s"
+        assert event.message == "exited with code 3; restarting in 1.0 s"
         assert steady.process.poll() is None and steady.restarts == 0
         assert (tmp_path / "worker-1.log").exists()
     finally:
@@ -55,7 +56,7 @@ def test_dead_children_are_restarted_when_due_and_live_ones_left_alone(tmp_path)
 
 
 # Three crashes in a row before: after a stable run the wait starts over, after a short one it doubles on.
-@pytest.mark.parametrize("ran_s, waited", [(61.0, 0.5), (1.0, 0.5 * 2 ** 4)])
+@pytest.mark.parametrize("ran_s, waited", [(61.0, 0.5), (1.0, 0.5 * 2 ** 3)])
 def test_a_crash_after_a_stable_run_restarts_at_the_initial_backoff(tmp_path, ran_s, waited):
     child = _child(tmp_path, "coordinator", "import sys; sys.exit(1)")
     child.in_a_row = 3
@@ -63,4 +64,18 @@ def test_a_crash_after_a_stable_run_restarts_at_the_initial_backoff(tmp_path, ra
     child.started_at = time.monotonic() - ran_s
     cluster = Cluster(ClusterSpec(model="m"), "redis://x", "p:", [child], None, "", "", [], "", "")
     (event,) = cluster.supervise(RestartPolicy(initial_backoff_s=0.5, max_backoff_s=60.0), time.monotonic())
-    assert event[1] == f"exited with code 1; restarting in {waited:.1f} s"
+    assert (event.kind, event.message) == ("exited", f"exited with code 1; restarting in {waited:.1f} s")
+
+
+def test_a_child_that_cannot_be_started_is_tried_again_after_the_backoff(tmp_path):
+    child = _child(tmp_path, "scheduler", "import sys; sys.exit(1)")
+    child.process.wait(timeout=10)
+    child.cmd = [str(tmp_path / "no-such-interpreter")]
+    cluster = Cluster(ClusterSpec(model="m"), "redis://x", "p:", [child], None, "", "", [], "", "")
+    policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=60.0)
+    now = time.monotonic()
+    (exited,) = cluster.supervise(policy, now)
+    (failed,) = cluster.supervise(policy, now + 0.5)
+    assert (exited.kind, failed.kind) == ("exited", "start_failed")
+    assert failed.message.endswith("retrying in 1.0 s") and child.restarts == 0
+    assert cluster.supervise(policy, now + 1.0) == []  # the next try is due at now + 1.5

@@ -198,5 +198,18 @@ def test_autoregressive_request_never_lands_on_a_diffusion_worker():
     assert _place(LeastLoadedPolicy(), _request(), family_view, lambda: 0.0).worker_ids == ("ar-0",)
     with pytest.raises(NoWorkerAvailable):
         place_diffusion(_request(DIFFUSION), view.of_family(""))
-    with pytest.raises(NoWorkerAvailable):
-        LeastLoadedPolicy().place(_request(), view.of_family(DIFFUSION).of_family(""), 0.0)
+    # Unfiltered, the policy would have chosen the idle diffusion worker: the filter is what keeps it off.
+    assert LeastLoadedPolicy().place(_request(), view, 0.0).worker_ids == ("d-0",)
+
+
+def test_a_guided_request_that_could_never_fit_a_step_is_refused_up_front():
+    from splitserve.core.diffusion import DiffusionScheduler, DiffusionSchedulerConfig, DiffusionSequence
+
+    scheduler = DiffusionScheduler(DiffusionSchedulerConfig(max_num_batched_tokens=100, cache="none"))
+    guided = DiffusionSequence("g", 40, diffusion_params(16, block_length=4, steps=8, cfg_scale=1.0))  # 2 x 56 > 100
+    with pytest.raises(DiffusionParamError) as info:
+        scheduler.add(guided)
+    assert info.value.param == "cfg_scale" and "112 > max_num_batched_tokens (100)" in str(info.value)
+    scheduler.add(DiffusionSequence("plain", 40, diffusion_params(16, block_length=4, steps=8)))  # 56 fits
+    scheduler.add(DiffusionSequence("small", 30, diffusion_params(16, block_length=4, steps=8, cfg_scale=1.0)))
+    assert len(scheduler.schedule().entries) == 1  # 56 + 92 > 100: FCFS, the second waits its turn

@@ -44,7 +44,7 @@ class RecordingCoordinator:
         self.submitted.append(request.submit_request())
         yield GenerationDelta("A", [65], "stop", len(request.prompt_token_ids), 1)
 
-    async def ready(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+    async def ready(self, timeout_s: float = 1.0, engine_family: str = "") -> tuple[bool, str]:
         return True, ""
 
     async def close(self) -> None:

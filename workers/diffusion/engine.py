@@ -123,12 +123,15 @@ class DiffusionEngine:
     def run_profile_step(self) -> None:
         """The profiler's dummy workload: the worst step the scheduler can build (`profile_batch`),
         run through the runner with its logits decomposed by max_num_logits, then released."""
-        batch = profile_batch(self.config.max_num_batched_tokens, self.max_model_len)
+        batch = profile_batch(self.config.max_num_batched_tokens, self.max_model_len, self.config.max_num_logits)
         for work in batch.entries:
             self.runner.start(work.seq, [0] * work.seq.prompt_len, None)
+        # No cache stored: the KV a Refresh caches is the pool's (sized from what is left), not activations.
+        cache, self.runner.cache = self.runner.cache, "none"
         try:
             self.runner.execute(batch)
         finally:
+            self.runner.cache = cache
             for work in batch.entries:
                 self.runner.release(work.seq.key)
 

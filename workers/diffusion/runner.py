@@ -124,6 +124,8 @@ class DiffusionRunner:
         # Classifier-free guidance (no cache only): each guided request's unconditional pass, the
         # same sequence with its prompt masked, packed after the conditional ones.
         guided = [i for i, s in enumerate(states) if s.seq.params.cfg_scale > 0]
+        if guided and self.cache != "none":  # the engine refuses such requests; a direct caller must not reach here
+            raise ValueError("cfg_scale: classifier-free guidance needs cache none (no cached unconditional pass)")
         segments = list(zip(batch.entries, states, positions))
         for i in guided:
             unconditional = states[i].ids.clone()
@@ -214,11 +216,13 @@ class DiffusionRunner:
         chunk decoded and freed at once; then each request unmasks its step's tokens. A guided
         request's rows count twice: its unconditional logits are materialised beside them."""
         rows, owners = [], []
+        first_row_of: dict[int, int] = {}  # request index -> its first row among `owners`
         offset = 0
         for index, (state, pos) in enumerate(zip(states, positions)):
             seq = state.seq
             first = offset + (seq.block_start if pos.numel() == seq.length else 0)
             rows.append(torch.arange(first, first + seq.params.block_length, device=self.device))
+            first_row_of[index] = len(owners)
             owners.extend([index] * seq.params.block_length)
             offset += pos.numel()
         unconditional_first = {}  # request index -> the first row of its block in its unconditional pass
@@ -244,7 +248,7 @@ class DiffusionRunner:
                 part = logits[start - chunk.start: stop - chunk.start]
                 params = states[owner].seq.params
                 if params.cfg_scale > 0:  # LLaDA's guidance: uncond + (s + 1) (cond - uncond)
-                    first = unconditional_first[owner] + start - owners.index(owner)
+                    first = unconditional_first[owner] + start - first_row_of[owner]
                     uncond = F.linear(transformer.ln_f(hidden[first: first + stop - start]), head).float()
                     part = uncond + (params.cfg_scale + 1) * (part - uncond)
                     guided_rows += stop - start

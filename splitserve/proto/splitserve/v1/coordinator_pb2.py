@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.splitserve.v1 import types_pb2 as splitserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"\x0e\n\x0cReadyRequest\"H\n\rReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10\x65ligible_workers\x18\x03 \x01(\r\"H\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\":\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\"9\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"\'\n\x15\x44\x65leteSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x97\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1f\n\x03slo\x18\x04 \x01(\x0b\x32\x12.splitserve.v1.Slo\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12!\n\x14predicted_output_len\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rengine_family\x18\t \x01(\tB\x17\n\x15_predicted_output_len2\x95\x03\n\x0b\x43oordinator\x12\x43\n\x06Submit\x12\x1c.splitserve.v1.SubmitRequest\x1a\x19.splitserve.v1.TokenChunk0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.splitserve.v1.CancelRequest\x1a\x1d.splitserve.v1.CancelResponse\x12Z\n\rCreateSession\x12#.splitserve.v1.CreateSessionRequest\x1a$.splitserve.v1.CreateSessionResponse\x12Z\n\rDeleteSession\x12#.splitserve.v1.DeleteSessionRequest\x1a$.splitserve.v1.DeleteSessionResponse\x12\x42\n\x05Ready\x12\x1b.splitserve.v1.ReadyRequest\x1a\x1c.splitserve.v1.ReadyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/coordinator.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"%\n\x0cReadyRequest\x12\x15\n\rengine_family\x18\x01 \x01(\t\"H\n\rReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10\x65ligible_workers\x18\x03 \x01(\r\"H\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12\r\n\x05owner\x18\x03 \x01(\t\":\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\"9\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"\'\n\x15\x44\x65leteSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x97\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1f\n\x03slo\x18\x04 \x01(\x0b\x32\x12.splitserve.v1.Slo\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12!\n\x14predicted_output_len\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rengine_family\x18\t \x01(\tB\x17\n\x15_predicted_output_len2\x95\x03\n\x0b\x43oordinator\x12\x43\n\x06Submit\x12\x1c.splitserve.v1.SubmitRequest\x1a\x19.splitserve.v1.TokenChunk0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.splitserve.v1.CancelRequest\x1a\x1d.splitserve.v1.CancelResponse\x12Z\n\rCreateSession\x12#.splitserve.v1.CreateSessionRequest\x1a$.splitserve.v1.CreateSessionResponse\x12Z\n\rDeleteSession\x12#.splitserve.v1.DeleteSessionRequest\x1a$.splitserve.v1.DeleteSessionResponse\x12\x42\n\x05Ready\x12\x1b.splitserve.v1.ReadyRequest\x1a\x1c.splitserve.v1.ReadyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.coordinator_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_READYREQUEST']._serialized_start=77
-  _globals['_READYREQUEST']._serialized_end=91
-  _globals['_READYRESPONSE']._serialized_start=93
-  _globals['_READYRESPONSE']._serialized_end=165
-  _globals['_CREATESESSIONREQUEST']._serialized_start=167
-  _globals['_CREATESESSIONREQUEST']._serialized_end=239
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=241
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=299
-  _globals['_DELETESESSIONREQUEST']._serialized_start=301
-  _globals['_DELETESESSIONREQUEST']._serialized_end=358
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=360
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=399
-  _globals['_SUBMITREQUEST']._serialized_start=402
-  _globals['_SUBMITREQUEST']._serialized_end=681
-  _globals['_COORDINATOR']._serialized_start=684
-  _globals['_COORDINATOR']._serialized_end=1089
+  _globals['_READYREQUEST']._serialized_end=114
+  _globals['_READYRESPONSE']._serialized_start=116
+  _globals['_READYRESPONSE']._serialized_end=188
+  _globals['_CREATESESSIONREQUEST']._serialized_start=190
+  _globals['_CREATESESSIONREQUEST']._serialized_end=262
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=264
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=322
+  _globals['_DELETESESSIONREQUEST']._serialized_start=324
+  _globals['_DELETESESSIONREQUEST']._serialized_end=381
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=383
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=422
+  _globals['_SUBMITREQUEST']._serialized_start=425
+  _globals['_SUBMITREQUEST']._serialized_end=704
+  _globals['_COORDINATOR']._serialized_start=707
+  _globals['_COORDINATOR']._serialized_end=1112
 # @@protoc_insertion_point(module_scope)

@@ -8,8 +8,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReadyRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("engine_family",)
+    ENGINE_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    engine_family: str
+    def __init__(self, engine_family: _Optional[str] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("ready", "reason", "eligible_workers")
