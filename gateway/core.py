@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from gateway import metrics
 from gateway.admission import Admission
 from gateway.coordinator_client import CoordinatorClient, GenerationDelta
+from gateway.rate_limit import KeyRateLimiter
 from gateway.tokenization import Tokenization
 from gateway.validation import GenerationRequest, Limits
 from splitserve.config import GatewayConfig
@@ -31,7 +32,8 @@ def served_model_name(config: GatewayConfig) -> str:
 class GatewayCore:
     """One gateway's shared state and the admitted, measured generation path."""
 
-    def __init__(self, config: GatewayConfig, tokenization: Tokenization, coordinator: CoordinatorClient):
+    def __init__(self, config: GatewayConfig, tokenization: Tokenization, coordinator: CoordinatorClient,
+                 rate_limiter: KeyRateLimiter | None = None):
         self.config = config
         self.tokenization = tokenization
         self.coordinator = coordinator
@@ -40,6 +42,7 @@ class GatewayCore:
                              default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit,
                              engine_family=tokenization.engine_family, mask_token_id=tokenization.mask_token_id)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
+        self.rate_limiter = rate_limiter if rate_limiter is not None and rate_limiter.enabled else None
         self.created = int(time.time())
         # config.py's `opt(list, ...)` leaves the `list` type itself as the default (not an
         # empty list), so anything but a real sequence means "no keys".
@@ -75,7 +78,7 @@ class GatewayCore:
         return await self.coordinator.close_session(session_id, owner)
 
     async def generate(self, request: GenerationRequest, api: str, deadline: float | None = None,
-                       trace_parent: Context | None = None) -> AsyncIterator[GenerationDelta]:
+                       trace_parent: Context | None = None, owner: str = "") -> AsyncIterator[GenerationDelta]:
         """Admit, run and measure one request; `deadline` is on the loop clock (covers queueing).
         Traced as `gateway.request` under the caller's W3C trace context, if it sent one."""
         loop = asyncio.get_running_loop()
@@ -89,6 +92,8 @@ class GatewayCore:
             "gen_ai.request.max_tokens": request.max_tokens})
         completion_tokens = 0
         try:
+            if self.rate_limiter is not None:  # per API key, before it takes a slot
+                await self.rate_limiter.check(owner, len(request.prompt_token_ids) + request.max_tokens)
             async with self.admission.slot():
                 metrics.QUEUE_WAIT.observe(loop.time() - arrived)
                 span.add_event("admitted")

@@ -32,7 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            self.core.authenticate(_authorization(context))
+            owner = self.core.authenticate(_authorization(context))
             rid = request.request_id
             if len(rid) > MAX_ID_CHARS or not (rid.isascii() and rid.isprintable()):
                 # It travels on as gRPC metadata (x-request-id), which only takes printable ASCII.
@@ -45,7 +45,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The caller's deadline, on the loop clock, bounds queueing and the coordinator call.
             deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
             stream = self.core.generate(req, api="grpc", deadline=deadline,
-                                        trace_parent=incoming_context(context.invocation_metadata()))
+                                        trace_parent=incoming_context(context.invocation_metadata()), owner=owner)
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     response = gateway_pb2.GenerateResponse(request_id=request_id, text=delta.text,

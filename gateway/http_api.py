@@ -209,7 +209,7 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Response:
-    core.authenticate(request.headers.get("authorization"))
+    owner = core.authenticate(request.headers.get("authorization"))
     body = await _read_json(request, core.config.max_request_body_bytes)
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
@@ -221,7 +221,7 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage)
     headers = {"X-Request-Id": request_id}
-    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()))
+    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), owner=owner)
     if not req.stream:
         try:
             result = await _until_disconnected(request, _collect(stream))

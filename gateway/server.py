@@ -22,10 +22,12 @@ from gateway.coordinator_client import CoordinatorClient, EmbeddedCoordinatorCli
 from gateway.core import GatewayCore
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
+from gateway.rate_limit import KeyRateLimiter
 from gateway.tokenization import Tokenization
 from services.coordinator.server import open_coordinator
 from splitserve.config import CommonConfig, CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import gateway_pb2_grpc
+from splitserve.state import RedisRetryPolicy, StateStore
 from splitserve.service import ServiceRuntime, cancel_and_wait, insecure_channel, run
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,9 @@ class GatewayServer:
             coordinator = EmbeddedCoordinatorClient(embedded, tokenization)
         else:
             coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
-        self.core = GatewayCore(config, tokenization, coordinator)
+        limiter = KeyRateLimiter(self._rate_limit_store(), config.rate_limit_requests_per_minute,
+                                 config.rate_limit_tokens_per_minute)
+        self.core = GatewayCore(config, tokenization, coordinator, limiter)
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.core), self.runtime.server)
         await self.runtime.start()
         sock = _listen(config.host, config.http_port)
@@ -111,6 +115,14 @@ class GatewayServer:
         self._readiness_task = asyncio.create_task(self._readiness_loop())
         log.info("gateway ready: grpc port %d, http port %d, model %s, coordinator %s", self.grpc_port,
                  self.http_port, self.core.model_name, config.coordinator_address)
+
+    def _rate_limit_store(self) -> StateStore:
+        """The Redis the per-key buckets live in (connected on first use; a request is let
+        through while it does not answer, see gateway/rate_limit.py)."""
+        store = StateStore(self.config.redis_url, self.config.redis_prefix,
+                           retry_policy=RedisRetryPolicy(attempts=1))
+        self._exit_stack.push_async_callback(store.close)
+        return store
 
     async def _update_readiness(self) -> bool:
         ready, _ = await self.core.ready(timeout_s=READINESS_INTERVAL_S)

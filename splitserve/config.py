@@ -192,6 +192,10 @@ class GatewayConfig(CommonConfig):
     max_concurrent_requests: int = opt(256, "Requests in flight before new ones wait in the admission queue.")
     max_queued_requests: int = opt(1024, "Admission queue length; beyond it requests get 429 / RESOURCE_EXHAUSTED.")
     queue_timeout_s: float = opt(30.0, "Longest wait in the admission queue before 429.")
+    rate_limit_requests_per_minute: int = opt(0, "Requests per minute per API key (all gateways together, token "
+                                              "bucket in Redis); beyond it 429 with Retry-After. 0: no limit.")
+    rate_limit_tokens_per_minute: int = opt(0, "Tokens (prompt + max_tokens) per minute per API key, as above. "
+                                            "0: no limit.")
 
     SERVICE: typing.ClassVar[str] = "gateway"
 

@@ -1,0 +1,69 @@
+"""Per-API-key request and token rates, shared by every gateway replica (issue 18: overload).
+
+Two token buckets per caller in Redis (`StateStore.take_token`, one atomic script per take),
+as AIBrix and hosted APIs limit: requests per minute and tokens per minute, a request's
+tokens being its prompt plus its `max_tokens` (what it may cost, known before it runs). A
+bucket holds a minute's worth, so a quiet caller may burst up to its per-minute limit.
+Over a limit: `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED) with the seconds until the
+request would pass. A request larger than a whole minute's tokens could never pass: 400
+naming the limit. Redis unreachable: the request is let through and counted
+(`splitserve_gateway_rate_limit_unavailable_total`): a limiter outage must not stop serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter
+
+from splitserve.errors import InvalidArgument, Overloaded
+from splitserve.state import StateStore, StateUnavailableError
+
+log = logging.getLogger(__name__)
+
+LIMITED = Counter("splitserve_gateway_rate_limited_total", "Requests refused by a per-key rate limit", ["limit"])
+UNAVAILABLE = Counter("splitserve_gateway_rate_limit_unavailable_total",
+                      "Requests let through because the rate limiter's Redis did not answer")
+
+ANONYMOUS = "anonymous"  # the caller when no API keys are configured: one bucket for all
+
+
+class KeyRateLimiter:
+    """Requests and tokens per minute for each caller (the owner id `GatewayCore.authenticate`
+    returns: a digest of its API key); 0 disables a limit."""
+
+    def __init__(self, store: StateStore, requests_per_minute: int = 0, tokens_per_minute: int = 0):
+        for name, value in (("rate_limit_requests_per_minute", requests_per_minute),
+                            ("rate_limit_tokens_per_minute", tokens_per_minute)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {value}")
+        self.store = store
+        self.requests_per_minute = requests_per_minute
+        self.tokens_per_minute = tokens_per_minute
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute)
+
+    async def check(self, owner: str, tokens: int) -> None:
+        """Take one request and `tokens` tokens from `owner`'s buckets, or raise Overloaded."""
+        if self.tokens_per_minute and tokens > self.tokens_per_minute:
+            raise InvalidArgument(f"max_tokens: prompt + max_tokens = {tokens} tokens exceeds this API key's limit "
+                                  f"of {self.tokens_per_minute} tokens per minute (rate_limit_tokens_per_minute)",
+                                  param="max_tokens")
+        caller = owner or ANONYMOUS
+        try:
+            for limit, per_minute, cost in (("requests", self.requests_per_minute, 1),
+                                            ("tokens", self.tokens_per_minute, tokens)):
+                if not per_minute or cost <= 0:
+                    continue
+                allowed, retry_after_s = await self.store.take_token(f"{limit}:{caller}", per_minute / 60.0,
+                                                                    float(per_minute), cost=float(cost))
+                if not allowed:
+                    LIMITED.labels(limit).inc()
+                    raise Overloaded(f"this API key is over its limit of {per_minute} {limit} per minute "
+                                     f"(rate_limit_{limit}_per_minute); retry in {retry_after_s:.1f} s",
+                                     retry_after_s=max(retry_after_s, 0.001))
+        except StateUnavailableError as err:
+            UNAVAILABLE.inc()
+            log.warning("rate limiter unavailable (%s); letting the request through", err)
