@@ -94,8 +94,10 @@ class GatewayServer:
             coordinator = EmbeddedCoordinatorClient(embedded, tokenization)
         else:
             coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
-        limiter = KeyRateLimiter(self._rate_limit_store(), config.rate_limit_requests_per_minute,
-                                 config.rate_limit_tokens_per_minute)
+        limiter = None
+        if config.rate_limit_requests_per_minute or config.rate_limit_tokens_per_minute:
+            limiter = KeyRateLimiter(self._rate_limit_store(), config.rate_limit_requests_per_minute,
+                                     config.rate_limit_tokens_per_minute)
         self.core = GatewayCore(config, tokenization, coordinator, limiter)
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.core), self.runtime.server)
         await self.runtime.start()

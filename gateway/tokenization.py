@@ -8,16 +8,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitserve.errors import InvalidArgument
+from splitserve.model_kind import DIFFUSION_MODEL_TYPES
 from splitserve.detokenizer import IncrementalDetokenizer
 
 # Used when the tokenizer ships no chat_template. Each message becomes "<|role|>\ncontent\n"
 # and the prompt ends with "<|assistant|>\n"; the tokenizer adds its BOS (if it has one)
 # because this text, unlike a real template's, does not contain it.
 DEFAULT_CHAT_TEMPLATE_DOC = "<|{role}|>\\n{content}\\n ... <|assistant|>\\n"
-
-# config.json `model_type`s of diffusion models (dLLM-Serve): their requests are placed whole
-# on diffusion workers and take the denoising knobs.
-DIFFUSION_MODEL_TYPES = frozenset({"llada"})
 
 # config.json keys that hold the context length, in order of preference.
 _MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")

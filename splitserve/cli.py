@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from splitserve.model_kind import is_diffusion_model
+
 app = typer.Typer(help="splitserve: distributed LLM serving.", no_args_is_help=True, add_completion=False)
 console = Console()
 
@@ -381,7 +383,7 @@ def up(
                   + (" [private]" if cluster.private_redis else ""))
     console.print(table)
     try:
-        if demo_request and _is_diffusion_dir(Path(model_dir)):
+        if demo_request and is_diffusion_model(model_dir):
             _send_diffusion_demo_request(cluster.gateway_http)
         elif demo_request:
             _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"))
@@ -452,14 +454,6 @@ DIFFUSION_DEMO_PROMPT = "31415926="  # the tiny LLaDA's task: the digits reverse
 def _tiny_llada_dir() -> Path:
     """The tiny diffusion model shipped with the package (workers/diffusion/tiny_model)."""
     return Path(__file__).resolve().parent.parent / "workers" / "diffusion" / "tiny_model"
-
-
-def _is_diffusion_dir(model_dir: Path) -> bool:
-    """A diffusion model's directory (config.json model_type llada): it gets the diffusion demo request."""
-    try:
-        return json.loads((model_dir / "config.json").read_text()).get("model_type") == "llada"
-    except (OSError, ValueError):
-        return False
 
 
 def _send_diffusion_demo_request(base_url: str) -> None:

@@ -23,6 +23,7 @@ from splitserve.core.session_pins import SessionPinStats
 from splitserve.core.diffusion import (DiffusionParamError, DiffusionParams, DiffusionScheduler,
                                        DiffusionSchedulerConfig, DiffusionSequence, profile_batch)
 from splitserve.core.diffusion import diffusion_params as core_diffusion_params
+from splitserve.model_kind import is_diffusion_model  # noqa: F401 (re-exported: LLM and the worker ask here)
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.diffusion.runner import DiffusionRunner
 from workers.engine.config import EngineConfig, parse_dtype
@@ -41,17 +42,6 @@ class StepOutput:
 
     num_tokens: int = 0  # query tokens computed
     hold_until: float | None = None  # diffusion batching never holds work back
-
-def is_diffusion_model(model_dir: str | Path) -> bool:
-    """A LLaDA directory (config.json `model_type: llada`)."""
-    config = Path(model_dir) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("model_type") == "llada"
-    except (OSError, ValueError):
-        return False
-
 
 def diffusion_params(params: SamplingParams) -> DiffusionParams:
     """The request's denoising knobs from its sampling parameters (`core.diffusion.diffusion_params`
