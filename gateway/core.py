@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import time
 from pathlib import Path
 from typing import AsyncIterator
+
+from prometheus_client import Counter
 
 from gateway import metrics
 from gateway.admission import Admission
@@ -21,7 +21,18 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from splitserve.errors import DeadlineExceeded, SplitserveError, Unauthenticated
+from splitserve.keys import ANONYMOUS, MAX_KEY_CHARS, Caller, KeyVerifier, Tenant, load_keys_file
 from splitserve.telemetry import end_span, span_context, start_span
+
+# Per tenant (a label only when API keys are configured: tenants come from the keys file, so
+# the label's values are bounded by it; keys given with --api-keys are the tenant "default").
+TENANT_REQUESTS = Counter("splitserve_gateway_tenant_requests_total", "Requests by tenant and final status",
+                          ["tenant", "status"])
+TENANT_TOKENS = Counter("splitserve_gateway_tenant_tokens_total", "Prompt and completion tokens by tenant",
+                        ["tenant", "kind"])
+# Keys never seen before are hashed off the event loop, one at a time: a flood of wrong keys
+# costs one core, not the loop (each verdict is cached, see splitserve/keys.py).
+SLOW_VERIFICATIONS = 1
 
 
 def served_model_name(config: GatewayConfig) -> str:
@@ -33,8 +44,15 @@ class GatewayCore:
     """One gateway's shared state and the admitted, measured generation path."""
 
     def __init__(self, config: GatewayConfig, tokenization: Tokenization, coordinator: CoordinatorClient,
-                 rate_limiter: KeyRateLimiter | None = None):
+                 rate_limiter: KeyRateLimiter | None = None, tenants: list[Tenant] | None = None):
+        """`tenants`: the parsed --api-keys-file (read from config.api_keys_file when None)."""
         self.config = config
+        # Keys first: a bad keys file stops the start naming it, before anything else is set up.
+        if tenants is None:
+            tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else []
+        plain = [k for k in config.api_keys if k] if isinstance(config.api_keys, (list, tuple)) else []
+        self.keys = KeyVerifier(tenants, plain)
+        self._slow_checks = asyncio.Semaphore(SLOW_VERIFICATIONS)
         self.tokenization = tokenization
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
@@ -44,9 +62,6 @@ class GatewayCore:
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
         self.rate_limiter = rate_limiter if rate_limiter is not None and rate_limiter.enabled else None
         self.created = int(time.time())
-        # config.py's `opt(list, ...)` leaves the `list` type itself as the default (not an
-        # empty list), so anything but a real sequence means "no keys".
-        self._api_keys = [k.encode() for k in config.api_keys if k]
         metrics.IN_FLIGHT.set_function(lambda: self.admission.in_flight)
         metrics.QUEUED.set_function(lambda: self.admission.queued)
 
@@ -56,19 +71,46 @@ class GatewayCore:
             return False, "draining"
         return await self.coordinator.ready(timeout_s, self.tokenization.engine_family)
 
-    def authenticate(self, authorization: str | None) -> str:
-        """Check an `Authorization: Bearer <key>` value when API keys are configured; the
-        caller's owner id for per-key limits (a digest of the key; "" without keys)."""
-        if not self._api_keys:
-            return ""
+    def _presented_key(self, authorization: str | None) -> bytes | None:
+        """The key of an `Authorization: Bearer <key>` value; None when no keys are configured."""
+        if not self.keys.enabled:
+            return None
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
-        candidate = key.strip().encode()
-        # Compare against every key so timing does not reveal which one nearly matched.
-        if not sum(hmac.compare_digest(candidate, k) for k in self._api_keys):
+        if len(key) > MAX_KEY_CHARS:
             raise Unauthenticated("invalid API key")
-        return hashlib.sha256(candidate).hexdigest()[:24]  # never the key itself in Redis
+        return key.strip().encode()
+
+    def authenticate(self, authorization: str | None) -> str:
+        """Check an `Authorization: Bearer <key>` value when API keys are configured; the
+        caller's owner id for sessions and rate limits ("" without keys). Blocking: a key not
+        seen before is hashed here (see `authorize` for the event loop)."""
+        return self._caller(self._presented_key(authorization)).owner
+
+    def _caller(self, key: bytes | None) -> Caller:
+        if key is None:
+            return ANONYMOUS
+        caller = self.keys.verify(key)
+        if caller is None:
+            raise Unauthenticated("invalid API key")  # never the key in a message or a log
+        return caller
+
+    async def authorize(self, authorization: str | None) -> Caller:
+        """`authenticate` for the event loop: a known key (cached verdict) costs one HMAC; an
+        unseen one is hashed in a thread, one at a time. The caller: tenant, owner id, limits."""
+        key = self._presented_key(authorization)
+        if key is None:
+            return ANONYMOUS
+        verdict = self.keys.cached(key)
+        if verdict is None:
+            async with self._slow_checks:
+                verdict = self.keys.cached(key)  # another request may just have checked it
+                if verdict is None:
+                    verdict = await asyncio.to_thread(self.keys.verify, key) or False
+        if verdict is False:
+            raise Unauthenticated("invalid API key")
+        return verdict
 
     async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
         """Open a multi-turn session (its state lives in Redis; any gateway serves its rounds)."""
@@ -78,9 +120,13 @@ class GatewayCore:
         return await self.coordinator.close_session(session_id, owner)
 
     async def generate(self, request: GenerationRequest, api: str, deadline: float | None = None,
-                       trace_parent: Context | None = None, owner: str = "") -> AsyncIterator[GenerationDelta]:
+                       trace_parent: Context | None = None, owner: str = "",
+                       caller: Caller | None = None) -> AsyncIterator[GenerationDelta]:
         """Admit, run and measure one request; `deadline` is on the loop clock (covers queueing).
-        Traced as `gateway.request` under the caller's W3C trace context, if it sent one."""
+        Traced as `gateway.request` under the caller's W3C trace context, if it sent one.
+        `caller` (from `authorize`): its tenant labels the metrics and its limits apply;
+        without it, `owner` alone (the gateway's default limits)."""
+        caller = caller or Caller(owner=owner)
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         status = "ok"
@@ -89,11 +135,12 @@ class GatewayCore:
         span = start_span("gateway.request", trace_parent, kind=SpanKind.SERVER, attributes={
             "splitserve.request_id": request.request_id, "splitserve.api": api, "gen_ai.request.model": self.model_name,
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
-            "gen_ai.request.max_tokens": request.max_tokens})
+            "gen_ai.request.max_tokens": request.max_tokens, "splitserve.tenant": caller.tenant})
         completion_tokens = 0
         try:
             if self.rate_limiter is not None:  # per API key, before it takes a slot
-                await self.rate_limiter.check(owner, len(request.prompt_token_ids) + request.max_tokens)
+                await self.rate_limiter.check(caller.owner, len(request.prompt_token_ids) + request.max_tokens,
+                                              caller.limits, caller.tenant)
             async with self.admission.slot():
                 metrics.QUEUE_WAIT.observe(loop.time() - arrived)
                 span.add_event("admitted")
@@ -129,6 +176,10 @@ class GatewayCore:
             raise
         finally:
             metrics.REQUESTS.labels(api, status).inc()
+            if caller.tenant:
+                TENANT_REQUESTS.labels(caller.tenant, status).inc()
+                TENANT_TOKENS.labels(caller.tenant, "prompt").inc(len(request.prompt_token_ids))
+                TENANT_TOKENS.labels(caller.tenant, "completion").inc(completion_tokens)
             metrics.E2E.observe(loop.time() - arrived)
             span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
             span.set_attribute("splitserve.status", status)

@@ -32,7 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            owner = self.core.authenticate(_authorization(context))
+            caller = await self.core.authorize(_authorization(context))
             rid = request.request_id
             if len(rid) > MAX_ID_CHARS or not (rid.isascii() and rid.isprintable()):
                 # It travels on as gRPC metadata (x-request-id), which only takes printable ASCII.
@@ -45,7 +45,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The caller's deadline, on the loop clock, bounds queueing and the coordinator call.
             deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
             stream = self.core.generate(req, api="grpc", deadline=deadline,
-                                        trace_parent=incoming_context(context.invocation_metadata()), owner=owner)
+                                        trace_parent=incoming_context(context.invocation_metadata()), caller=caller)
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     response = gateway_pb2.GenerateResponse(request_id=request_id, text=delta.text,
@@ -65,9 +65,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def OpenSession(self, request: gateway_pb2.OpenSessionRequest,
                           context: grpc.aio.ServicerContext) -> gateway_pb2.OpenSessionResponse:
         try:
-            owner = self.core.authenticate(_authorization(context))
+            caller = await self.core.authorize(_authorization(context))
             self._check_model(request.model)
-            session_id, ttl = await self.core.open_session(request.session_id, request.ttl_s, owner)
+            session_id, ttl = await self.core.open_session(request.session_id, request.ttl_s, caller.owner)
             return gateway_pb2.OpenSessionResponse(session_id=session_id, ttl_s=max(1, round(ttl)))
         except SplitserveError as err:
             await abort(context, err)
@@ -75,17 +75,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def CloseSession(self, request: gateway_pb2.CloseSessionRequest,
                            context: grpc.aio.ServicerContext) -> gateway_pb2.CloseSessionResponse:
         try:
-            owner = self.core.authenticate(_authorization(context))
+            caller = await self.core.authorize(_authorization(context))
             if not request.session_id:
                 raise InvalidArgument("session_id is required", param="session_id")
-            return gateway_pb2.CloseSessionResponse(closed=await self.core.close_session(request.session_id, owner))
+            return gateway_pb2.CloseSessionResponse(closed=await self.core.close_session(request.session_id,
+                                                                                        caller.owner))
         except SplitserveError as err:
             await abort(context, err)
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         try:
-            self.core.authenticate(_authorization(context))
+            await self.core.authorize(_authorization(context))
         except SplitserveError as err:
             await abort(context, err)
         # num_workers stays 0 until the gateway reads the worker registry (Redis).

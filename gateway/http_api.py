@@ -134,23 +134,23 @@ def create_app(core: GatewayCore) -> FastAPI:
     async def open_session(request: Request) -> JSONResponse:
         """Open a multi-turn session (an extension of the OpenAI API): send its id as the
         x-session-id header (or a session_id body field) on each round."""
-        owner = core.authenticate(request.headers.get("authorization"))
+        caller = await core.authorize(request.headers.get("authorization"))
         raw = await _read_body(request, core.config.max_request_body_bytes)
         session_id, ttl_s = session_open_params(_parse_json(raw) if raw.strip() else {})
-        opened, ttl = await core.open_session(session_id, ttl_s, owner)
+        opened, ttl = await core.open_session(session_id, ttl_s, caller.owner)
         return JSONResponse({"id": opened, "object": "session", "ttl_s": max(1, round(ttl))})
 
     @app.delete("/v1/sessions/{session_id}")
     async def close_session(session_id: str, request: Request) -> JSONResponse:
-        owner = core.authenticate(request.headers.get("authorization"))
-        if not await core.close_session(session_id, owner):
+        caller = await core.authorize(request.headers.get("authorization"))
+        if not await core.close_session(session_id, caller.owner):
             raise NotFound(f"session {session_id!r} does not exist (never opened, closed, or expired)",
                            param="session_id")
         return JSONResponse({"id": session_id, "object": "session", "deleted": True})
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        core.authenticate(request.headers.get("authorization"))
+        await core.authorize(request.headers.get("authorization"))
         return JSONResponse(models_response(core.model_name, core.created, core.limits.max_model_len))
 
     @app.get("/health")
@@ -209,7 +209,7 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Response:
-    owner = core.authenticate(request.headers.get("authorization"))
+    caller = await core.authorize(request.headers.get("authorization"))
     body = await _read_json(request, core.config.max_request_body_bytes)
     request_id = uuid.uuid4().hex
     request_id_var.set(request_id)
@@ -221,7 +221,7 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage)
     headers = {"X-Request-Id": request_id}
-    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), owner=owner)
+    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), caller=caller)
     if not req.stream:
         try:
             result = await _until_disconnected(request, _collect(stream))

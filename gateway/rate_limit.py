@@ -8,6 +8,10 @@ Over a limit: `Overloaded` (HTTP 429 / RESOURCE_EXHAUSTED) with the seconds unti
 request would pass. A request larger than a whole minute's tokens could never pass: 400
 naming the limit. Redis unreachable: the request is let through and counted
 (`splitserve_gateway_rate_limit_unavailable_total`): a limiter outage must not stop serving.
+
+Tenants (`--api-keys-file`): the buckets of a tenant's keys are the tenant's (owner
+`tenant:<name>`), sized by its own `requests_per_minute` / `tokens_per_minute` when the file
+sets them, else by the gateway's defaults; 0 is no limit for that tenant.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 from prometheus_client import Counter
 
 from splitserve.errors import InvalidArgument, Overloaded
+from splitserve.keys import TenantLimits
 from splitserve.state import StateStore, StateUnavailableError
 
 log = logging.getLogger(__name__)
@@ -32,7 +37,10 @@ class KeyRateLimiter:
     """Requests and tokens per minute for each caller (the owner id `GatewayCore.authenticate`
     returns: a digest of its API key); 0 disables a limit."""
 
-    def __init__(self, store: StateStore, requests_per_minute: int = 0, tokens_per_minute: int = 0):
+    def __init__(self, store: StateStore, requests_per_minute: int = 0, tokens_per_minute: int = 0,
+                 tenant_limits: bool = False):
+        """`tenant_limits`: some tenant has limits of its own (the limiter is on even when the
+        defaults are 0)."""
         for name, value in (("rate_limit_requests_per_minute", requests_per_minute),
                             ("rate_limit_tokens_per_minute", tokens_per_minute)):
             if value < 0:
@@ -40,29 +48,41 @@ class KeyRateLimiter:
         self.store = store
         self.requests_per_minute = requests_per_minute
         self.tokens_per_minute = tokens_per_minute
+        self.tenant_limits = tenant_limits
 
     @property
     def enabled(self) -> bool:
-        return bool(self.requests_per_minute or self.tokens_per_minute)
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.tenant_limits)
 
-    async def check(self, owner: str, tokens: int) -> None:
-        """Take one request and `tokens` tokens from `owner`'s buckets, or raise Overloaded."""
-        if self.tokens_per_minute and tokens > self.tokens_per_minute:
-            raise InvalidArgument(f"max_tokens: prompt + max_tokens = {tokens} tokens exceeds this API key's limit "
-                                  f"of {self.tokens_per_minute} tokens per minute (rate_limit_tokens_per_minute)",
-                                  param="max_tokens")
+    def limits_for(self, limits: TenantLimits | None) -> tuple[int, int]:
+        """(requests, tokens) per minute for a caller with `limits` (None: the defaults)."""
+        if limits is None:
+            return self.requests_per_minute, self.tokens_per_minute
+        return limits.resolve(self.requests_per_minute, self.tokens_per_minute)
+
+    async def check(self, owner: str, tokens: int, limits: TenantLimits | None = None, tenant: str = "") -> None:
+        """Take one request and `tokens` tokens from `owner`'s buckets, or raise Overloaded.
+        `limits`: the caller's tenant's own (None: the defaults); `tenant` names it in errors."""
+        requests_per_minute, tokens_per_minute = self.limits_for(limits)
+        whose = f"tenant {tenant}'s" if limits is not None and tenant else "this API key's"
+        setting = "{} in the API keys file" if limits is not None else "rate_limit_{}"
+        if tokens_per_minute and tokens > tokens_per_minute:
+            raise InvalidArgument(f"max_tokens: prompt + max_tokens = {tokens} tokens exceeds {whose} limit "
+                                  f"of {tokens_per_minute} tokens per minute "
+                                  f"({setting.format('tokens_per_minute')})", param="max_tokens")
         caller = owner or ANONYMOUS
         try:
-            for limit, per_minute, cost in (("requests", self.requests_per_minute, 1),
-                                            ("tokens", self.tokens_per_minute, tokens)):
+            for limit, per_minute, cost in (("requests", requests_per_minute, 1),
+                                            ("tokens", tokens_per_minute, tokens)):
                 if not per_minute or cost <= 0:
                     continue
                 allowed, retry_after_s = await self.store.take_token(f"{limit}:{caller}", per_minute / 60.0,
                                                                     float(per_minute), cost=float(cost))
                 if not allowed:
                     LIMITED.labels(limit).inc()
-                    raise Overloaded(f"this API key is over its limit of {per_minute} {limit} per minute "
-                                     f"(rate_limit_{limit}_per_minute); retry in {retry_after_s:.1f} s",
+                    who = f"tenant {tenant} is" if limits is not None and tenant else "this API key is"
+                    raise Overloaded(f"{who} over its limit of {per_minute} {limit} per minute "
+                                     f"({setting.format(limit + '_per_minute')}); retry in {retry_after_s:.1f} s",
                                      retry_after_s=max(retry_after_s, 0.001))
         except StateUnavailableError as err:
             UNAVAILABLE.inc()

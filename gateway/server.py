@@ -5,6 +5,11 @@ In-process (tests): `async with running_gateway(config) as gw: gw.grpc_port, gw.
 `callback(server)` once both listeners are up. As a process: `python -m gateway.server`
 with `SPLITSERVE_GATEWAY_*` / `SPLITSERVE_*` environment variables; it logs
 "gateway ready: grpc port N, http port M" when it accepts requests.
+
+TLS: with `--tls-cert-file` / `--tls-key-file` both public listeners (gRPC and HTTP) speak
+TLS, and with `--tls-client-ca-file` they require a client certificate signed by that CA. The
+gateway's channel to the coordinator follows the services' `--mtls-*` options, as every
+internal channel does (splitserve/service.py).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import ssl
 from typing import AsyncIterator, Callable
+
+import grpc
 
 import uvicorn
 
@@ -28,7 +36,9 @@ from services.coordinator.server import open_coordinator
 from splitserve.config import CommonConfig, CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import gateway_pb2_grpc
 from splitserve.state import RedisRetryPolicy, StateStore
-from splitserve.service import ServiceRuntime, cancel_and_wait, insecure_channel, run
+from splitserve.keys import load_keys_file
+from splitserve.service import ServiceRuntime, cancel_and_wait, open_channel, run
+from splitserve.tls import TlsConfigError, read_pem, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,39 @@ def embedded_coordinator_config(config: GatewayConfig) -> CoordinatorConfig:
     return load_config(CoordinatorConfig, shared)
 
 
+PUBLIC_TLS_FIELDS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+
+
+def public_grpc_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """The public gRPC listener's TLS (None: plaintext); TlsConfigError naming the option."""
+    if not (config.tls_cert_file or config.tls_key_file):
+        if config.tls_client_ca_file:
+            raise TlsConfigError("tls_cert_file", "is required with --tls-client-ca-file (client certificates are "
+                                                  "asked for only over TLS)")
+        return None
+    return server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file,
+                              fields=PUBLIC_TLS_FIELDS)
+
+
+def public_http_ssl_options(config: GatewayConfig) -> dict[str, object]:
+    """uvicorn's ssl_* options for the HTTP listener ({} : plaintext). The files are checked
+    first so that a bad one is refused naming its option, not by an SSL error."""
+    if public_grpc_credentials(config) is None:  # validates the same options
+        return {}
+    read_pem(config.tls_cert_file, "tls_cert_file")
+    read_pem(config.tls_key_file, "tls_key_file", private_key=True)
+    options: dict[str, object] = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+    if config.tls_client_ca_file:
+        options.update(ssl_ca_certs=config.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    try:  # the same check uvicorn makes at start, where its error would name no option
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    except ssl.SSLError as err:
+        raise TlsConfigError("tls_key_file", f"does not match --tls-cert-file or cannot be loaded: "
+                                             f"{err.reason or err}") from None
+    return options
+
+
 class GatewayServer:
     """One gateway: gRPC Gateway + health on `config.port`, HTTP on `config.http_port`, one coordinator channel."""
 
@@ -67,7 +110,10 @@ class GatewayServer:
                              "tokenizer and max length")
         self.config = config
         self._tokenization = tokenization
-        self.runtime = ServiceRuntime("gateway", config, config.port)
+        # Its ports are public: the gateway's own TLS (or plaintext), not the services' mTLS.
+        # Checked before anything starts: a bad option stops the start naming it.
+        self._http_ssl = public_http_ssl_options(config)
+        self.runtime = ServiceRuntime("gateway", config, config.port, server_credentials=public_grpc_credentials(config))
         self.core: GatewayCore | None = None
         self.http_port = 0
         self._http: _UvicornWithoutSignals | None = None
@@ -93,19 +139,25 @@ class GatewayServer:
             self._embedded = embedded
             coordinator = EmbeddedCoordinatorClient(embedded, tokenization)
         else:
-            coordinator = CoordinatorClient(insecure_channel(config.coordinator_address, config), tokenization)
+            coordinator = CoordinatorClient(open_channel(config.coordinator_address, config), tokenization)
+        tenants = await asyncio.to_thread(load_keys_file, config.api_keys_file) if config.api_keys_file else []
+        tenant_limits = any(t.limits.requests_per_minute is not None or t.limits.tokens_per_minute is not None
+                            for t in tenants)
         limiter = None
-        if config.rate_limit_requests_per_minute or config.rate_limit_tokens_per_minute:
+        if config.rate_limit_requests_per_minute or config.rate_limit_tokens_per_minute or tenant_limits:
             limiter = KeyRateLimiter(self._rate_limit_store(), config.rate_limit_requests_per_minute,
-                                     config.rate_limit_tokens_per_minute)
-        self.core = GatewayCore(config, tokenization, coordinator, limiter)
+                                     config.rate_limit_tokens_per_minute, tenant_limits=tenant_limits)
+        self.core = GatewayCore(config, tokenization, coordinator, limiter, tenants=tenants)
+        if self.core.keys.enabled:
+            log.info("API keys required: %d tenant(s) from the keys file%s", len(tenants),
+                     ", plus the --api-keys keys (tenant 'default')" if self.core.keys.plain_keys else "")
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.core), self.runtime.server)
         await self.runtime.start()
         sock = _listen(config.host, config.http_port)
         self.http_port = sock.getsockname()[1]
         self._http = _UvicornWithoutSignals(uvicorn.Config(
             create_app(self.core), log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S))
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S, **self._http_ssl))
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         while not self._http.started:
             if self._http_task.done():
@@ -115,8 +167,10 @@ class GatewayServer:
         # gRPC health follows readiness (as /health does): SERVING once a request would be served.
         await self._update_readiness()
         self._readiness_task = asyncio.create_task(self._readiness_loop())
-        log.info("gateway ready: grpc port %d, http port %d, model %s, coordinator %s", self.grpc_port,
-                 self.http_port, self.core.model_name, config.coordinator_address)
+        log.info("gateway ready: grpc port %d, http port %d%s, model %s, coordinator %s", self.grpc_port,
+                 self.http_port, "" if not self._http_ssl else (
+                     " (TLS, client certificates required)" if config.tls_client_ca_file else " (TLS)"),
+                 self.core.model_name, config.coordinator_address)
 
     def _rate_limit_store(self) -> StateStore:
         """The Redis the per-key buckets live in (connected on first use; a request is let

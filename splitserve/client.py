@@ -16,6 +16,11 @@ cancels the call directly. The logic both share (options and request building, r
 decisions, error mapping, reply conversion) lives in module-level code and `_ClientBase`;
 each class keeps only its own way of waiting.
 
+TLS: `AsyncClient("gw:50051", ca_file="ca.pem")` verifies the gateway's certificate against
+`ca_file` (`tls=True` alone: the system roots); `cert_file` + `key_file` add a client
+certificate for a gateway that requires one (`--tls-client-ca-file`). Without any of them the
+channel is plaintext, as before.
+
 Deadlines: `timeout_s` (per call, else the client's) bounds the whole call, retries
 included. Retries: only UNAVAILABLE, only before the first response message arrived
 (generation is not idempotent once output has been delivered), with exponential backoff.
@@ -34,6 +39,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 
 from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
+from splitserve.tls import channel_credentials, open_aio_channel, open_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -437,8 +443,15 @@ class AsyncSession(_SessionBase):
 class _ClientBase:
     """What both clients share; each subclass adds only its own way of waiting (await or block)."""
 
-    def __init__(self, target: str, api_key: str | None, timeout_s: float | None, max_retries: int, backoff_s: float):
+    def __init__(self, target: str, api_key: str | None, timeout_s: float | None, max_retries: int, backoff_s: float,
+                 tls: bool, ca_file: str | None, cert_file: str | None, key_file: str | None,
+                 server_name: str | None):
         self.target = target
+        self.tls = bool(tls or ca_file or cert_file or key_file)
+        # ValueError naming the argument (a missing file, a certificate without its key) here, not at the first call.
+        self._credentials = channel_credentials(ca_file or "", cert_file or "", key_file or "",
+                                                fields=("ca_file", "cert_file", "key_file")) if self.tls else None
+        self._server_name = server_name or ""
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -460,9 +473,14 @@ class AsyncClient(_ClientBase):
     """Asynchronous client of the Gateway service (grpc.aio)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, timeout_s: float | None = None,
-                 max_retries: int = 3, backoff_s: float = 0.1):
-        super().__init__(target, api_key, timeout_s, max_retries, backoff_s)
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                 max_retries: int = 3, backoff_s: float = 0.1, *, tls: bool = False, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None):
+        """TLS when `tls` or any of `ca_file` (trusted CA; default the system roots), `cert_file` +
+        `key_file` (client certificate) is given; `server_name`: the name the gateway's
+        certificate is checked against instead of the target's host."""
+        super().__init__(target, api_key, timeout_s, max_retries, backoff_s, tls, ca_file, cert_file, key_file,
+                         server_name)
+        self._channel = open_aio_channel(target, self._credentials, _CHANNEL_OPTIONS, self._server_name)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
@@ -533,9 +551,12 @@ class Client(_ClientBase):
     """Blocking client of the Gateway service (gRPC's synchronous API); same methods as AsyncClient."""
 
     def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, timeout_s: float | None = None,
-                 max_retries: int = 3, backoff_s: float = 0.1):
-        super().__init__(target, api_key, timeout_s, max_retries, backoff_s)
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                 max_retries: int = 3, backoff_s: float = 0.1, *, tls: bool = False, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None):
+        """TLS options as AsyncClient's."""
+        super().__init__(target, api_key, timeout_s, max_retries, backoff_s, tls, ca_file, cert_file, key_file,
+                         server_name)
+        self._channel = open_channel(target, self._credentials, _CHANNEL_OPTIONS, self._server_name)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def generate(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,

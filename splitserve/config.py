@@ -40,6 +40,17 @@ class CommonConfig:
     host: str = opt("127.0.0.1", "Address to listen on (0.0.0.0 in containers).")
     max_message_bytes: int = opt(64 << 20, "Largest gRPC message accepted or sent.", common=True)
     drain_timeout_s: float = opt(30.0, "On SIGTERM: how long in-flight work may take to finish.", common=True)
+    mtls_ca_file: str = opt("", "Mutual TLS between services: the CA certificate (PEM) that signs every service's "
+                            "certificate. Set: every internal gRPC server requires a client certificate signed by it "
+                            "and every internal channel verifies its server against it (give --mtls-cert-file and "
+                            "--mtls-key-file too). Empty: plaintext between services (the default).", common=True)
+    mtls_cert_file: str = opt("", "Mutual TLS: this service's certificate (PEM), presented as server and as client.",
+                              common=True)
+    mtls_key_file: str = opt("", "Mutual TLS: the private key (PEM) of --mtls-cert-file.", common=True)
+    mtls_server_name: str = opt("", "Mutual TLS: the name every internal server's certificate is checked against "
+                                "instead of the host dialed (for servers reached by an address their certificate "
+                                "does not name, e.g. workers advertising a container IP). Empty: the host dialed.",
+                                common=True)
 
     SERVICE: typing.ClassVar[str] = ""
 
@@ -118,8 +129,8 @@ class WorkerConfig(CommonConfig):
                                  "the lanes two workers share (CPU: one core's copy each; GPU: one per NIC).")
     kv_transfer_timeout_s: float = opt(10.0, "Longest wait for a stage's incoming KV before recomputing it from tokens.")
     kv_reservation_ttl_s: float = opt(60.0, "Reserved KV blocks no stage claimed are freed after this.")
-    kv_fault_injection: str = opt("", "Testing only: corrupt (bytes altered in flight on gRPC; a forged digest "
-                                  "on NIXL) | truncate (the last chunk never sent) | fail (the push fails at "
+    kv_fault_injection: str = opt("", "Testing only: corrupt (bytes altered in flight after their digest was "
+                                  "taken: a flipped payload byte on gRPC, a WRITE from the wrong blocks on NIXL) | truncate (the last chunk never sent) | fail (the push fails at "
                                   "the sender, which tells the receiver) the KV this worker pushes.")
     kv_layer_push: bool = opt(True, "NIXL: push a stage's last step's KV layer by layer as each decoder layer writes "
                               "it, instead of as one chunk after the step (gRPC always pushes whole chunks).")
@@ -196,6 +207,15 @@ class GatewayConfig(CommonConfig):
                                               "bucket in Redis); beyond it 429 with Retry-After. 0: no limit.")
     rate_limit_tokens_per_minute: int = opt(0, "Tokens (prompt + max_tokens) per minute per API key, as above. "
                                             "0: no limit.")
+    api_keys_file: str = opt("", "Tenants and their hashed API keys (JSON or TOML, see docs/deployment.md#security; "
+                             "hash a key with `python -m splitserve.keys hash`), each tenant with optional "
+                             "requests_per_minute / tokens_per_minute overriding the --rate-limit-* defaults. "
+                             "Combines with --api-keys (those belong to the tenant 'default').")
+    tls_cert_file: str = opt("", "TLS certificate (PEM, with its chain) of the gateway's public gRPC and HTTP "
+                             "listeners; with --tls-key-file. Empty: plaintext (the default).")
+    tls_key_file: str = opt("", "Private key (PEM) of --tls-cert-file.")
+    tls_client_ca_file: str = opt("", "With TLS: clients of the public listeners must present a certificate "
+                                  "signed by this CA (PEM); empty: no client certificate asked for.")
 
     SERVICE: typing.ClassVar[str] = "gateway"
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.redis_server import PrivateRedis, ensure_redis
 from splitserve.redis_server import free_port as pick_free_port
+from splitserve.tls import ClientTls, TlsConfigError
 
 
 @dataclass
@@ -45,6 +46,41 @@ class ClusterSpec:
     # OTLP/gRPC endpoint every service exports its spans to ("" : none, unless the standard
     # OTEL_EXPORTER_OTLP_ENDPOINT is set in the environment the services inherit).
     otlp_endpoint: str = ""
+    # Mutual TLS between the services (scripts/make_certs.py makes the files): the CA, and the
+    # certificate + key every service presents (as server and client). Empty: plaintext.
+    mtls_ca_file: str = ""
+    mtls_cert_file: str = ""
+    mtls_key_file: str = ""
+    # TLS of the gateway's public gRPC and HTTP listeners; with tls_client_ca_file clients must
+    # present a certificate signed by it.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    # What the launcher's own health checks of the gateway trust and present: the CA that signed
+    # tls_cert_file (default: mtls_ca_file) and, when client certificates are required, a client
+    # certificate signed by tls_client_ca_file (default: the services' mtls certificate).
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+
+    def internal_tls(self) -> ClientTls | None:
+        """How a tool reaches the scheduler, coordinator and workers (None: plaintext)."""
+        if not self.mtls_ca_file:
+            return None
+        return ClientTls(self.mtls_ca_file, self.mtls_cert_file, self.mtls_key_file)
+
+    def gateway_tls(self) -> ClientTls | None:
+        """How a client reaches the gateway's gRPC and HTTP ports (None: plaintext)."""
+        if not self.tls_cert_file:
+            return None
+        ca = self.tls_ca_file or self.mtls_ca_file
+        if not ca:
+            raise TlsConfigError("tls_ca_file", "is required with tls_cert_file: the CA the launcher checks the "
+                                                "gateway's certificate against")
+        if not self.tls_client_ca_file:
+            return ClientTls(ca)
+        return ClientTls(ca, self.tls_client_cert_file or self.mtls_cert_file,
+                         self.tls_client_key_file or self.mtls_key_file)
 
 
 @dataclass(frozen=True)
@@ -82,6 +118,7 @@ class Child:
     restarts: int = 0  # since the cluster started
     in_a_row: int = 0  # restarts without a stable run between them
     restart_at: float | None = None  # when a dead child is due to start again
+    tls: ClientTls | None = None  # how the launcher's health checks reach it (None: plaintext)
 
     def respawn(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
@@ -199,11 +236,17 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     """Start Redis (if needed), scheduler, coordinator, workers and gateway; wait until all are healthy."""
     if spec.coordinator not in ("process", "embedded"):
         raise ValueError(f"coordinator must be process or embedded, got {spec.coordinator!r}")
+    internal_tls, gateway_tls = spec.internal_tls(), spec.gateway_tls()  # a bad option before anything starts
     redis_url, private = ensure_redis(spec.redis_url)
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
     common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
     if spec.otlp_endpoint:
         common["otlp_endpoint"] = spec.otlp_endpoint
+    if internal_tls is not None:  # every service: mTLS as server and as client
+        common.update(mtls_ca_file=spec.mtls_ca_file, mtls_cert_file=spec.mtls_cert_file,
+                      mtls_key_file=spec.mtls_key_file)
+    gateway_public = {name: getattr(spec, name) for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+                      if getattr(spec, name)}
     # Every port is chosen before the services bind them (a worker binds its metrics port only
     # once its model is loaded): one not yet bound would look free again, so none is handed out twice.
     handed_out = {spec.http_port, spec.grpc_port}
@@ -242,11 +285,11 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
                       **spec.worker_args}))
     plan.append(("gateway", f"{spec.host}:{spec.grpc_port}",
                  {**common, "port": spec.grpc_port, "http_port": spec.http_port, "model": spec.model,
-                  "coordinator_address": coordinator_address, **spec.gateway_args}))
+                  "coordinator_address": coordinator_address, **gateway_public, **spec.gateway_args}))
 
     children: list[Child] = []
     cluster = Cluster(spec, redis_url, prefix, children, private, f"{spec.host}:{spec.grpc_port}",
-                      f"http://{spec.host}:{spec.http_port}", worker_addresses,
+                      f"{'https' if gateway_tls else 'http'}://{spec.host}:{spec.http_port}", worker_addresses,
                       f"{spec.host}:{sched_port}", coordinator_address)
     try:
         for name, address, options in plan:
@@ -257,7 +300,8 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
             env = {**os.environ, **gateway_env} if name == "gateway" and gateway_env else None
             cmd = _serve_cmd(name.split("-")[0], options)
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-            children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0)), cmd, env))
+            children.append(Child(name, proc, address, log_path, int(options.get("metrics_port", 0)), cmd, env,
+                                  tls=gateway_tls if name == "gateway" else internal_tls))
         # Gateway last in the list above, first to stop: reverse so SIGTERM reaches it first.
         children.reverse()
         deadline = time.monotonic() + ready_timeout_s
@@ -277,7 +321,7 @@ def wait_healthy(cluster: Cluster, timeout_s: float) -> None:
         for name, child in list(pending.items()):
             if child.process.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {child.process.returncode}{_log_tail(child)}")
-            if _serving(child.grpc_address):
+            if _serving(child.grpc_address, child.tls):
                 del pending[name]
         if not pending:
             return
@@ -295,7 +339,7 @@ def wait_workers_placeable(cluster: Cluster, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     expected = len(cluster.worker_addresses)
     seen = 0
-    with grpc.insecure_channel(cluster.scheduler_address) as channel:
+    with _channel(cluster.scheduler_address, cluster.spec.internal_tls()) as channel:
         stub = scheduler_pb2_grpc.GlobalSchedulerStub(channel)
         while True:
             try:
@@ -309,10 +353,11 @@ def wait_workers_placeable(cluster: Cluster, timeout_s: float) -> None:
             time.sleep(0.02)  # polling the scheduler's view, bounded by the deadline
 
 
-def wait_port_healthy(address: str, process: subprocess.Popen, timeout_s: float) -> None:
+def wait_port_healthy(address: str, process: subprocess.Popen, timeout_s: float,
+                      tls: ClientTls | None = None) -> None:
     """Poll one service's health until SERVING; raise if its process exits first."""
     deadline = time.monotonic() + timeout_s
-    while not _serving(address):
+    while not _serving(address, tls):
         if process.poll() is not None:
             raise RuntimeError(f"service at {address} exited with code {process.returncode}")
         if time.monotonic() > deadline:
@@ -320,9 +365,13 @@ def wait_port_healthy(address: str, process: subprocess.Popen, timeout_s: float)
         time.sleep(0.1)  # polling readiness, bounded by the deadline
 
 
-def _serving(address: str) -> bool:
+def _channel(address: str, tls: ClientTls | None) -> grpc.Channel:
+    return grpc.insecure_channel(address) if tls is None else tls.channel(address)
+
+
+def _serving(address: str, tls: ClientTls | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

@@ -68,6 +68,10 @@ class ProfileOptions:
     label: str = ""
     timeout_s: float = 600.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # The cluster's mutual TLS (the services' --mtls-* files): empty ca = plaintext.
+    mtls_ca_file: str = ""
+    mtls_cert_file: str = ""
+    mtls_key_file: str = ""
 
 
 def parse_ints(text: str, name: str, allow_zero: bool = False) -> tuple[int, ...]:
@@ -204,7 +208,13 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
         raise ValueError("nothing to measure: give --prefill-lens or --decode-batch")
     # An empty list in the request means the worker's default grid: shapes of a kind not asked
     # for are measured by the worker but dropped here.
-    with grpc.insecure_channel(opts.worker, options=[("grpc.max_receive_message_length", 256 << 20)]) as channel:
+    from splitserve.tls import channel_credentials, open_channel
+
+    credentials = None
+    if opts.mtls_ca_file or opts.mtls_cert_file or opts.mtls_key_file:
+        credentials = channel_credentials(opts.mtls_ca_file, opts.mtls_cert_file, opts.mtls_key_file,
+                                          fields=("--mtls-ca-file", "--mtls-cert-file", "--mtls-key-file"))
+    with open_channel(opts.worker, credentials, [("grpc.max_receive_message_length", 256 << 20)]) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
         worker_id = opts.worker_id or load.worker_id
@@ -284,6 +294,12 @@ def profile_command(
     worker_id: str = typer.Option("", "--worker-id", help="Key to store under (default: the worker's own id)."),
     label: str = typer.Option("", "--label", help="Label of the fitted model."),
     timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds the worker may take to measure the grid."),
+    mtls_ca_file: str = typer.Option("", "--mtls-ca-file", envvar="SPLITSERVE_MTLS_CA_FILE",
+                                     help="The cluster's mutual TLS: CA of the workers' certificates (empty: plaintext)."),
+    mtls_cert_file: str = typer.Option("", "--mtls-cert-file", envvar="SPLITSERVE_MTLS_CERT_FILE",
+                                       help="Mutual TLS: the client certificate to present."),
+    mtls_key_file: str = typer.Option("", "--mtls-key-file", envvar="SPLITSERVE_MTLS_KEY_FILE",
+                                      help="Mutual TLS: the key of --mtls-cert-file."),
 ) -> None:
     """Measure a worker over a grid of shapes, fit the performance model, store it (JSON and Redis)."""
     import grpc
@@ -296,7 +312,8 @@ def profile_command(
             decode_context_lens=parse_ints(decode_ctx, "--decode-ctx"), repeats=repeats,
             transfer_tokens=parse_ints(transfer_tokens, "--transfer-tokens"), base=base, out=out,
             redis_url=redis_url, redis_prefix=redis_prefix, store_redis=store_redis, worker_id=worker_id,
-            label=label, timeout_s=timeout_s)
+            label=label, timeout_s=timeout_s, mtls_ca_file=mtls_ca_file, mtls_cert_file=mtls_cert_file,
+            mtls_key_file=mtls_key_file)
         doc = run_profile(opts)
     except ValueError as err:
         console.print(f"[red]error:[/] {err}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.config import CommonConfig
+from splitserve.tls import TlsConfigError, channel_credentials, open_aio_channel, server_credentials
 from splitserve.telemetry import setup_logging, setup_tracing, shutdown_tracing, start_metrics_server
 
 log = logging.getLogger(__name__)
@@ -20,6 +22,9 @@ log = logging.getLogger(__name__)
 # gRPC health service names: "" and the proto service's own name report readiness (this
 # replica can serve a request now); LIVENESS_SERVICE that the process answers at all.
 LIVENESS_SERVICE = "liveness"
+MTLS_FIELDS = ("mtls_ca_file", "mtls_cert_file", "mtls_key_file")
+# ServiceRuntime's `server_credentials` default: the internal mTLS of the config (or plaintext).
+INTERNAL = object()
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -46,14 +51,73 @@ def grpc_options(config: CommonConfig) -> list[tuple[str, int]]:
     ]
 
 
-def insecure_channel(address: str, config: CommonConfig) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=grpc_options(config))
+def mtls_enabled(config: CommonConfig) -> bool:
+    """Whether the services talk mutual TLS (`--mtls-ca-file` set)."""
+    return bool(config.mtls_ca_file)
+
+
+def check_mtls(config: CommonConfig) -> None:
+    """Refuse a half-configured mTLS (ValueError naming the option): a CA without this service's
+    certificate and key, or a certificate without the CA."""
+    if config.mtls_ca_file:
+        for name in ("mtls_cert_file", "mtls_key_file"):
+            if not getattr(config, name):
+                raise TlsConfigError(name, "is required with --mtls-ca-file (mutual TLS: each service presents "
+                                           "its own certificate)")
+    elif config.mtls_cert_file or config.mtls_key_file:
+        raise TlsConfigError("mtls_ca_file", "is required with --mtls-cert-file / --mtls-key-file (the CA the "
+                                             "peers' certificates are checked against)")
+
+
+@functools.lru_cache(maxsize=8)
+def _mtls_channel_credentials(ca_file: str, cert_file: str, key_file: str) -> grpc.ChannelCredentials:
+    return channel_credentials(ca_file, cert_file, key_file, fields=MTLS_FIELDS)
+
+
+def internal_channel_credentials(config: CommonConfig) -> grpc.ChannelCredentials | None:
+    """Credentials of a channel to another service: mTLS when configured, else None (plaintext)."""
+    check_mtls(config)
+    if not mtls_enabled(config):
+        return None
+    return _mtls_channel_credentials(config.mtls_ca_file, config.mtls_cert_file, config.mtls_key_file)
+
+
+def internal_server_credentials(config: CommonConfig) -> grpc.ServerCredentials | None:
+    """Credentials of a service's own gRPC server: with mTLS every client must present a
+    certificate signed by the CA; None: plaintext."""
+    check_mtls(config)
+    if not mtls_enabled(config):
+        return None
+    return server_credentials(config.mtls_cert_file, config.mtls_key_file, config.mtls_ca_file,
+                              fields=(MTLS_FIELDS[1], MTLS_FIELDS[2], MTLS_FIELDS[0]))
+
+
+def open_channel(address: str, config: CommonConfig,
+                 options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+    """The channel from one service to another: mutual TLS when `--mtls-ca-file` is set, else
+    plaintext. Every internal gRPC client (gateway -> coordinator -> scheduler, coordinator ->
+    worker, worker -> worker KV, pool control) dials through here."""
+    return open_aio_channel(address, internal_channel_credentials(config),
+                            grpc_options(config) if options is None else options, config.mtls_server_name)
+
+
+def channel_factory(config: CommonConfig,
+                    options: list[tuple[str, int]] | None = None) -> Callable[[str], grpc.aio.Channel]:
+    """`open_channel` bound to `config`: for components that dial peers found at run time."""
+    return functools.partial(open_channel, config=config, options=options)
+
+
+# The name before mTLS existed; it now means `open_channel` (secure when configured).
+insecure_channel = open_channel
 
 
 class ServiceRuntime:
     """One service process: gRPC server with health, Prometheus, tracing and graceful drain."""
 
-    def __init__(self, service: str, config: CommonConfig, port: int, grpc_service: str = ""):
+    def __init__(self, service: str, config: CommonConfig, port: int, grpc_service: str = "",
+                 server_credentials: grpc.ServerCredentials | None | object = INTERNAL):
+        """`server_credentials`: by default the services' mTLS (`--mtls-*`, plaintext when unset);
+        the gateway passes its public listener's TLS (or None: plaintext) instead."""
         self.service = service
         # The proto service name health clients ask about, e.g. "splitserve.v1.Worker".
         self.grpc_service = grpc_service or f"splitserve.v1.{service.capitalize()}"
@@ -61,6 +125,8 @@ class ServiceRuntime:
         self.port = port
         setup_logging(service, config.log_level, config.log_json)
         setup_tracing(service, config.otlp_endpoint)
+        # Before the server exists: a bad TLS option stops the start naming the option.
+        self.credentials = internal_server_credentials(config) if server_credentials is INTERNAL else server_credentials
         self.server = grpc.aio.server(options=grpc_options(config))
         self.health = health_async.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -73,13 +139,17 @@ class ServiceRuntime:
         # ("liveness") is SERVING while the server runs, starting and draining included.
         await self.set_serving(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self.bound_port = self.server.add_insecure_port(f"{self.config.host}:{self.port}")
+        address = f"{self.config.host}:{self.port}"
+        if self.credentials is None:
+            self.bound_port = self.server.add_insecure_port(address)
+        else:
+            self.bound_port = self.server.add_secure_port(address, self.credentials)
         if self.bound_port == 0:
             raise RuntimeError(f"{self.service}: cannot listen on {self.config.host}:{self.port}")
         await self.server.start()
         self.metrics_port = start_metrics_server(self.config.host, self.config.metrics_port)
-        log.info("%s listening on %s:%d (metrics on :%d)", self.service, self.config.host,
-                 self.bound_port, self.metrics_port)
+        log.info("%s listening on %s:%d%s (metrics on :%d)", self.service, self.config.host, self.bound_port,
+                 "" if self.credentials is None else " over TLS", self.metrics_port)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

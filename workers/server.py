@@ -18,7 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from splitserve.config import WorkerConfig, default_worker_id, load_config
 from splitserve.errors import Conflict, FailedPrecondition, InvalidArgument, SplitserveError, Unavailable, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.service import ServiceRuntime, run
+from splitserve.service import ServiceRuntime, open_channel, run
 from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
 from splitserve.core.session_pins import SessionHold
 from splitserve.state_records import DIFFUSION, engine_family
@@ -520,6 +520,8 @@ class WorkerServer:
                                              self.engine.perf_model)
         else:
             self.grpc_kv = GrpcTransport(self.worker_id, memory, self.store, self.kv.on_chunk)
+        # Peers are dialed as every service dials another: mutual TLS when configured.
+        self.grpc_kv.channel_factory = lambda address, options: open_channel(address, cfg, options)
         transport = self.grpc_kv
         if not emulated and cfg.kv_transport in ("auto", "nixl"):
             try:
@@ -545,10 +547,12 @@ class WorkerServer:
         if not emulated:
             self.kv.failure_notice = self.grpc_kv.signal_failure  # over gRPC whatever carries the data
             if cfg.kv_fault_injection == "corrupt":
-                # Testing: the bytes themselves are altered in flight on gRPC (a payload byte
-                # flipped after its digest was taken); NIXL's writes land unaltered and the
-                # digest it sends is forged instead (workers/kv_stages.py).
+                # Testing: the bytes themselves are altered in flight, after their digest was
+                # taken: on gRPC a payload byte flipped, on NIXL each WRITE reads the wrong
+                # source blocks (a misaddressed DMA); the receiver's check must catch both.
                 self.grpc_kv.outgoing_chunk_hook = _flip_a_payload_byte
+                self.grpc_kv.corrupt_writes = True
+                transport.corrupt_writes = True
         log.info("KV transport: %s", transport.name)
 
     async def register(self) -> None:

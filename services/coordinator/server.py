@@ -23,7 +23,7 @@ from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig, load_config
 from splitserve.errors import SplitserveError, abort
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc, types_pb2
-from splitserve.service import ServiceRuntime, insecure_channel, run
+from splitserve.service import ServiceRuntime, open_channel, run
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
 from splitserve.telemetry import incoming_context, request_id_var
 
@@ -88,7 +88,7 @@ async def open_coordinator(config: CoordinatorConfig) -> AsyncIterator[Coordinat
         await store.connect()
         stack.push_async_callback(store.close)
         if placer is None:
-            placer = SchedulerPlacer(insecure_channel(config.scheduler_address, config))
+            placer = SchedulerPlacer(open_channel(config.scheduler_address, config))
         else:
             await placer.start()
         stack.push_async_callback(placer.close)

@@ -36,7 +36,9 @@ class PoolControlLoop:
 
     def __init__(self, views: ClusterViewSource, store: StateStore, controller: PoolController, holder: str, *,
                  clock: Callable[[], float] = time.time, set_role: SetRole | None = None,
-                 rpc_timeout_s: float = 2.0):
+                 rpc_timeout_s: float = 2.0, channel_factory: Callable[[str], grpc.aio.Channel] | None = None):
+        """`channel_factory(address)` dials a worker (the service's `open_channel`: mTLS when
+        configured); default plaintext."""
         self.views = views
         self.store = store
         self.controller = controller
@@ -44,6 +46,7 @@ class PoolControlLoop:
         self.clock = clock
         self.rpc_timeout_s = rpc_timeout_s
         self._set_role = set_role or self._set_role_over_grpc
+        self._open_channel = channel_factory or grpc.aio.insecure_channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -125,7 +128,7 @@ class PoolControlLoop:
     async def _set_role_over_grpc(self, address: str, change: PoolMove, token: int) -> None:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._open_channel(address)
         await worker_pb2_grpc.WorkerStub(channel).SetRole(
             worker_pb2.SetRoleRequest(role="prefill", pool=change.to_pool, fencing_token=token),
             timeout=self.rpc_timeout_s)

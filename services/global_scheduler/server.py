@@ -35,7 +35,7 @@ from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.errors import InvalidArgument, SplitserveError, abort
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from splitserve.service import ServiceRuntime, run
+from splitserve.service import ServiceRuntime, channel_factory, run
 from splitserve.telemetry import end_span, incoming_context, start_span
 from splitserve.wire import load_to_proto
 from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
@@ -257,7 +257,8 @@ class SchedulerHandle:
         if controller is not None:
             self.views.with_signals = True  # its SLA term reads the workers' windowed TTFT
             holder = f"scheduler@{self.address}#{os.getpid()}"
-            self.pool_control = PoolControlLoop(self.views, self.store, controller, holder)
+            self.pool_control = PoolControlLoop(self.views, self.store, controller, holder,
+                                                channel_factory=channel_factory(self.config))
             self.pool_control.start()
 
 

@@ -42,21 +42,35 @@ KV_GRPC_OPTIONS = [
 ]
 
 
+ChannelFactory = Callable[[str, list[tuple[str, int]]], grpc.aio.Channel]  # (address, options)
+
+
+def _plaintext_channel(address: str, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=options)
+
+
 class GrpcTransport:
     """KvTransport over the Worker service's PushKv / PullKv streams."""
 
     name = "grpc"
 
     def __init__(self, worker_id: str, memory: KvMemory, store: StateStore, on_chunk: ChunkCallback,
-                 channel_options: list[tuple[str, int]] | None = None, max_chunk_bytes: int = MAX_CHUNK_BYTES):
+                 channel_options: list[tuple[str, int]] | None = None, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                 channel_factory: ChannelFactory | None = None):
+        """`channel_factory(address, options)` dials a peer worker (the service's mTLS when
+        configured); default plaintext."""
         self.worker_id = worker_id
         self.memory = memory
         self.store = store
         self.on_chunk = on_chunk
         self.channel_options = channel_options if channel_options is not None else KV_GRPC_OPTIONS
         self.max_chunk_bytes = max_chunk_bytes
+        self.channel_factory: ChannelFactory = channel_factory or _plaintext_channel
         # Test hook: sees (and may mutate) every outgoing chunk after its checksum is set.
         self.outgoing_chunk_hook: Callable[[worker_pb2.KvChunk], None] | None = None
+        # Set with the corrupting hook above: the bytes this transport moves are altered in
+        # flight, so nobody forges a digest on top (workers/kv_stages.py).
+        self.corrupt_writes = False
         self._addresses: dict[str, str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -287,7 +301,7 @@ class GrpcTransport:
                 raise KvTransferError(f"worker {worker_id} is not registered")
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=self.channel_options)
+            channel = self._channels[address] = self.channel_factory(address, self.channel_options)
         return worker_pb2_grpc.WorkerStub(channel)
 
     def _on_rpc_error(self, worker_id: str, exc: grpc.aio.AioRpcError) -> None:

@@ -125,6 +125,10 @@ class NixlTransport:
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._deliveries: set[asyncio.Task] = set()
         self._layers = LayerAssembler(memory.num_layers)  # per-layer slices put back together
+        # Testing (kv_fault_injection=corrupt): each WRITE reads its bytes from the wrong source
+        # blocks while its notification carries the digest of the right ones, so bytes that
+        # really differ land at the receiver (a misaddressed DMA), which must detect them.
+        self.corrupt_writes = False
 
     @property
     def lanes(self) -> int:
@@ -246,6 +250,8 @@ class NixlTransport:
                         deadline: float) -> None:
         what = f"NIXL {op} of {part.transfer_id} [{part.token_start}, {part.token_end}) with {peer.worker_id}"
         local, remote = (part.src_blocks, part.dst_blocks) if op == "WRITE" else (part.dst_blocks, part.src_blocks)
+        if op == "WRITE" and self.corrupt_writes:
+            local = misdirected_blocks(local, self.memory.num_blocks)
         remote_name, remote_dlist = peer.lanes[lane.index]
         local_dlist = None  # the lane's per-block descriptors
         if part.layer is not None:
@@ -524,3 +530,11 @@ def _destroy_agent(lane: _Lane) -> None:
 def _check_blocks(blocks: tuple[int, ...], num_blocks: int, what: str) -> None:
     if any(not 0 <= b < num_blocks for b in blocks):
         raise KvTransferError(f"{what} blocks {list(blocks)[:8]}... out of range [0, {num_blocks})")
+
+
+def misdirected_blocks(blocks: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
+    """Testing: the source blocks of a WRITE shifted so each part reads another block's bytes
+    (the next one of the transfer, or for a single block its neighbour in the pool)."""
+    if len(blocks) > 1:
+        return blocks[1:] + blocks[:1]
+    return tuple((b + 1) % num_blocks for b in blocks)

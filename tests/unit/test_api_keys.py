@@ -1,0 +1,271 @@
+"""API keys hashed at rest, tenants and their limits (splitserve/keys.py, the gateway's auth path)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+
+from gateway.core import GatewayCore
+from gateway.rate_limit import KeyRateLimiter
+from gateway.tokenization import Tokenization
+from splitserve import keys as keys_mod
+from splitserve.config import GatewayConfig
+from splitserve.errors import InvalidArgument, Overloaded, Unauthenticated
+from splitserve.keys import (
+    DEFAULT_TENANT,
+    KeysFileError,
+    KeyVerifier,
+    TenantLimits,
+    hash_key,
+    load_keys_file,
+    parse_key_hash,
+    parse_tenants,
+)
+
+FAST_SCRYPT = (1 << 10, 8, 1)  # tests: the format and the check, not the cost
+
+
+def _scrypt(key: str) -> str:
+    return hash_key(key, "scrypt", scrypt_params=FAST_SCRYPT)
+
+
+@pytest.mark.parametrize("algorithm", ["scrypt", "pbkdf2_sha256", "sha256"])
+def test_a_hashed_key_verifies_and_others_do_not(algorithm):
+    entry = hash_key("sk-right", algorithm, scrypt_params=FAST_SCRYPT, pbkdf2_iterations=10_000)
+    assert entry.startswith(algorithm + "$") and "sk-right" not in entry
+    parsed = parse_key_hash(entry, "k")
+    assert parsed.encode() == entry
+    assert parsed.matches(b"sk-right")
+    assert not parsed.matches(b"sk-right ") and not parsed.matches(b"sk-righ") and not parsed.matches(b"")
+
+
+def test_salted_hashes_of_one_key_differ():
+    assert _scrypt("same") != _scrypt("same")
+    a = hash_key("same", "pbkdf2_sha256", pbkdf2_iterations=10_000)
+    assert a != hash_key("same", "pbkdf2_sha256", pbkdf2_iterations=10_000)
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("plain-key", "not a key hash"),
+    ("scrypt", "a scrypt entry is"),
+    ("sha256$abc", "64 hex digits"),
+    ("scrypt$1000$8$1$c2FsdHNhbHQ$" + "A" * 43, "power of 2"),
+    ("scrypt$1048576$64$1$c2FsdHNhbHQ$" + "A" * 43, "128*N*r*p"),
+    ("scrypt$16384$8$1$salt", "scrypt$<N>$<r>$<p>$<salt>$<hash>"),
+    ("pbkdf2_sha256$10$c2FsdHNhbHQ$" + "A" * 43, "iterations must be in"),
+    ("pbkdf2_sha256$x$c2FsdHNhbHQ$" + "A" * 43, "positive integer"),
+    ("pbkdf2_sha256$10000$c2E$" + "A" * 43, "salt must be at least 8 bytes"),
+    ("scrypt$16384$8$1$c2FsdHNhbHQ$!!!", "hash: not URL-safe base64"),
+    (42, "expected a string"),
+])
+def test_malformed_entries_are_refused_naming_the_field(entry, fragment):
+    with pytest.raises(KeysFileError, match="^tenants\\[0\\]\\.keys\\[1\\]: ") as info:
+        parse_key_hash(entry, "tenants[0].keys[1]")
+    assert fragment in str(info.value)
+    if isinstance(entry, str) and entry == "plain-key":
+        assert "plain-key" not in str(info.value)  # a plain key pasted by mistake is never echoed
+
+
+def _doc(**tenant):
+    return {"tenants": [{"name": "acme", "keys": [_scrypt("k-acme")], **tenant}]}
+
+
+def test_tenants_parse_with_limits():
+    doc = {"tenants": [{"name": "acme", "keys": [_scrypt("a1"), hash_key("a2", "sha256")], "requests_per_minute": 60},
+                       {"name": "beta.team-2", "keys": [_scrypt("b1")], "tokens_per_minute": 0}]}
+    acme, beta = parse_tenants(doc)
+    assert (acme.name, len(acme.keys), acme.limits) == ("acme", 2, TenantLimits(60, None))
+    assert beta.limits == TenantLimits(None, 0)
+    assert acme.limits.resolve(10, 1000) == (60, 1000)  # unset: the gateway's default
+    assert beta.limits.resolve(10, 1000) == (10, 0)  # 0: no limit for this tenant
+
+
+@pytest.mark.parametrize("doc, fragment", [
+    ([], "tenants: expected a list"),
+    ({"tenants": {}}, "tenants: expected a list"),
+    ({"tenants": [], "extra": 1}, "unknown top-level fields"),
+    ({"tenants": ["acme"]}, "tenants[0]: expected a table"),
+    (_doc(name="bad name"), "tenants[0].name: 1 to 64"),
+    (_doc(name="-x"), "tenants[0].name"),
+    (_doc(name="x" * 65), "tenants[0].name"),
+    (_doc(keys=[]), "tenants[0].keys: expected a non-empty list"),
+    (_doc(keys="sha256$00"), "tenants[0].keys: expected a non-empty list"),
+    (_doc(requests_per_minute=-1), "tenants[0].requests_per_minute: expected an integer >= 0"),
+    (_doc(tokens_per_minute=1.5), "tenants[0].tokens_per_minute"),
+    (_doc(tokens_per_minute=True), "tenants[0].tokens_per_minute"),
+    (_doc(burst=3), "unknown fields ['burst']"),
+    ({"tenants": [_doc()["tenants"][0], _doc()["tenants"][0]]}, "tenants[1].name: tenant 'acme' appears twice"),
+])
+def test_bad_documents_are_refused_naming_the_field(doc, fragment):
+    with pytest.raises(KeysFileError) as info:
+        parse_tenants(doc, "f.toml")
+    assert fragment in str(info.value) and str(info.value).startswith("f.toml: ")
+
+
+def test_toml_and_json_files(tmp_path):
+    entry = _scrypt("k-toml")
+    toml_file = tmp_path / "keys.toml"
+    toml_file.write_text(f'[[tenants]]\nname = "acme"\nrequests_per_minute = 5\nkeys = ["{entry}"]\n')
+    json_file = tmp_path / "keys.json"
+    json_file.write_text(json.dumps({"tenants": [{"name": "acme", "requests_per_minute": 5, "keys": [entry]}]}))
+    assert load_keys_file(toml_file) == load_keys_file(json_file)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"tenants": [ {"name": "acme", "keys": ["sk-secret-plain"]')
+    with pytest.raises(KeysFileError, match="api_keys_file: .*broken.json is not valid JSON") as info:
+        load_keys_file(broken)
+    assert "sk-secret-plain" not in str(info.value)
+    with pytest.raises(KeysFileError, match="api_keys_file: cannot read"):
+        load_keys_file(tmp_path / "missing.toml")
+
+
+def test_verifier_caches_verdicts_and_never_holds_the_key(monkeypatch):
+    tenants = parse_tenants({"tenants": [{"name": "acme", "keys": [_scrypt("k-a")], "requests_per_minute": 7},
+                                         {"name": "beta", "keys": [_scrypt("k-b")]}]})
+    verifier = KeyVerifier(tenants, plain_keys=["k-plain"])
+    calls = []
+    original = keys_mod.KeyHash.compute
+    monkeypatch.setattr(keys_mod.KeyHash, "compute", lambda self, key: calls.append(1) or original(self, key))
+    acme = verifier.verify(b"k-a")
+    assert (acme.tenant, acme.owner, acme.limits) == ("acme", "tenant:acme", TenantLimits(7, None))
+    assert len(calls) == 2  # every entry is hashed, without stopping at the match
+    assert verifier.verify(b"k-a") == acme and len(calls) == 2  # then from the cache: no hashing
+    assert verifier.verify(b"k-wrong") is None and len(calls) == 4
+    assert verifier.verify(b"k-wrong") is None and len(calls) == 4  # a refused key is cached too
+    plain = verifier.verify(b"k-plain")
+    assert plain.tenant == DEFAULT_TENANT and plain.limits is None and len(plain.owner) == 24
+    assert verifier.cached(b"k-b") is None
+    assert verifier.verify(b"k-b").tenant == "beta"
+    held = repr(vars(verifier)).encode()
+    for key in (b"k-a", b"k-b", b"k-plain", b"k-wrong"):
+        assert key not in held
+
+
+def test_the_caches_are_bounded():
+    verifier = KeyVerifier([], plain_keys=["p"], cache_entries=3)
+    for i in range(10):
+        verifier.verify(f"wrong-{i}".encode())
+    assert len(verifier._refused) == 3
+
+
+def _core(tmp_path, api_keys=(), **config) -> GatewayCore:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[[tenants]]\nname = "acme"\ntokens_per_minute = 100\nkeys = ["{_scrypt("k-acme")}"]\n')
+
+    class TinyTokenizer:
+        chat_template = None
+
+        def __len__(self) -> int:
+            return 10
+
+    cfg = GatewayConfig(model="/models/demo", api_keys=list(api_keys), api_keys_file=str(keys_file), **config)
+    return GatewayCore(cfg, Tokenization(TinyTokenizer(), max_model_len=128), coordinator=None)
+
+
+def test_gateway_core_accepts_file_and_plain_keys(tmp_path):
+    core = _core(tmp_path, api_keys=["k-plain"])
+    assert core.authenticate("Bearer k-acme") == "tenant:acme"
+    assert len(core.authenticate("Bearer k-plain")) == 24  # per key, as before tenants
+    for header in ("Bearer k-wrong", "Bearer " + "x" * 5000):
+        with pytest.raises(Unauthenticated, match="invalid API key"):
+            core.authenticate(header)
+    with pytest.raises(Unauthenticated, match="missing API key"):
+        core.authenticate(None)
+
+    async def run():
+        caller = await core.authorize("Bearer k-acme")
+        assert (caller.tenant, caller.limits) == ("acme", TenantLimits(None, 100))
+        with pytest.raises(Unauthenticated) as info:
+            await core.authorize("Bearer k-wrong-async")
+        assert "k-wrong-async" not in str(info.value)
+        with pytest.raises(Unauthenticated):
+            await core.authorize("Bearer k-wrong-async")  # the cached refusal
+        # Concurrent first requests with one new key: one slow verification, the rest from the cache.
+        callers = await asyncio.gather(*(core.authorize("Bearer k-plain") for _ in range(5)))
+        assert {c.tenant for c in callers} == {DEFAULT_TENANT}
+    asyncio.run(run())
+
+
+def test_a_bad_keys_file_stops_the_gateway_naming_it(tmp_path):
+    with pytest.raises(KeysFileError, match="api_keys_file: cannot read"):
+        GatewayCore(GatewayConfig(model="/m/x", api_keys_file=str(tmp_path / "nope.toml")), None, None)
+
+
+class FakeBuckets:
+    """StateStore.take_token over in-memory buckets that never refill (time stands still)."""
+
+    def __init__(self):
+        self.levels: dict[str, float] = {}
+
+    async def take_token(self, key, rate, capacity, cost=1.0):
+        level = self.levels.setdefault(key, capacity)
+        if cost > level:
+            return False, (cost - level) / rate
+        self.levels[key] = level - cost
+        return True, 0.0
+
+
+def test_tenant_limits_override_the_defaults():
+    async def run():
+        store = FakeBuckets()
+        limiter = KeyRateLimiter(store, requests_per_minute=2, tokens_per_minute=0, tenant_limits=True)
+        acme, free = TenantLimits(requests_per_minute=3), TenantLimits(requests_per_minute=0)
+        for _ in range(3):
+            await limiter.check("tenant:acme", 10, acme, "acme")
+        with pytest.raises(Overloaded, match="tenant acme is over its limit of 3 requests per minute "
+                                             r"\(requests_per_minute in the API keys file\)"):
+            await limiter.check("tenant:acme", 10, acme, "acme")
+        for _ in range(50):  # 0: no limit for this tenant, whatever the default
+            await limiter.check("tenant:free", 10, free, "free")
+        await limiter.check("plain-owner", 10)
+        await limiter.check("plain-owner", 10)
+        with pytest.raises(Overloaded, match=r"this API key is over its limit of 2 requests per minute "
+                                             r"\(rate_limit_requests_per_minute\)"):
+            await limiter.check("plain-owner", 10)
+        assert set(store.levels) == {"requests:tenant:acme", "requests:plain-owner"}
+        tokens = KeyRateLimiter(store, tenant_limits=True)
+        assert tokens.enabled and not KeyRateLimiter(store).enabled
+        with pytest.raises(InvalidArgument, match="tenant acme's limit of 100 tokens per minute") as info:
+            await tokens.check("tenant:acme", 101, TenantLimits(tokens_per_minute=100), "acme")
+        assert info.value.param == "max_tokens"
+    asyncio.run(run())
+
+
+def test_hash_command_reads_the_key_from_stdin(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-from-stdin\n"))
+    assert keys_mod.main(["hash", "--algorithm", "sha256"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert parse_key_hash(out, "out").matches(b"sk-from-stdin") and "sk-from-stdin" not in out
+    monkeypatch.setattr("sys.stdin", io.StringIO(" padded\n"))
+    assert keys_mod.main(["hash"]) == 2
+    assert "key: an API key is" in capsys.readouterr().err
+    assert keys_mod.main(["generate", "--algorithm", "sha256", "--tenant", "acme"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    key, entry = lines[0].split()[1], lines[1].split()[1]
+    assert parse_key_hash(entry, "e").matches(key.encode()) and 'name = "acme"' in lines
+
+
+def test_check_command_lists_tenants(tmp_path, capsys):
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(_doc(requests_per_minute=9)))
+    assert keys_mod.main(["check", str(path)]) == 0
+    assert "acme: 1 key(s), requests_per_minute=9, tokens_per_minute=default" in capsys.readouterr().out
+    path.write_text(json.dumps(_doc(name="")))
+    assert keys_mod.main(["check", str(path)]) == 2
+    assert "tenants[0].name" in capsys.readouterr().err
+
+
+def test_hash_key_command_mounts_on_a_typer_app(monkeypatch):
+    """The command `splitserve hash-key` becomes with one line in splitserve/cli.py."""
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command("hash-key")(keys_mod.hash_key_command)
+    app.command("noop")(lambda: None)  # two commands: typer keeps the sub-command name
+    result = CliRunner().invoke(app, ["hash-key", "--algorithm", "sha256"], input="sk-typer\n")
+    assert result.exit_code == 0, result.output
+    assert parse_key_hash(result.output.strip(), "out").matches(b"sk-typer")
+    assert CliRunner().invoke(app, ["hash-key", "--algorithm", "md5"], input="sk\n").exit_code != 0
