@@ -299,6 +299,26 @@ def up(
     otlp_endpoint: str = typer.Option("", envvar="SPLITSERVE_OTLP_ENDPOINT", show_envvar=True,
                                       help="OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) every service exports its "
                                       "trace spans to; the standard OTEL_EXPORTER_OTLP_ENDPOINT works too."),
+    mtls_ca_file: str = typer.Option("", envvar="SPLITSERVE_MTLS_CA_FILE", show_envvar=True,
+                                     help="mTLS between the services: the CA every service's certificate is checked "
+                                     "against (scripts/make_certs.py makes one); '' = plaintext."),
+    mtls_cert_file: str = typer.Option("", envvar="SPLITSERVE_MTLS_CERT_FILE", show_envvar=True,
+                                       help="mTLS: the certificate every service presents (server and client)."),
+    mtls_key_file: str = typer.Option("", envvar="SPLITSERVE_MTLS_KEY_FILE", show_envvar=True,
+                                      help="mTLS: the private key of --mtls-cert-file."),
+    tls_cert_file: str = typer.Option("", envvar="SPLITSERVE_GATEWAY_TLS_CERT_FILE", show_envvar=True,
+                                      help="TLS on the gateway's public gRPC and HTTP ports: its certificate."),
+    tls_key_file: str = typer.Option("", envvar="SPLITSERVE_GATEWAY_TLS_KEY_FILE", show_envvar=True,
+                                     help="TLS on the gateway: the private key of --tls-cert-file."),
+    tls_client_ca_file: str = typer.Option("", envvar="SPLITSERVE_GATEWAY_TLS_CLIENT_CA_FILE", show_envvar=True,
+                                           help="TLS on the gateway: clients must present a certificate signed by "
+                                           "this CA; '' = any client."),
+    tls_ca_file: str = typer.Option("", envvar="SPLITSERVE_TLS_CA_FILE", show_envvar=True,
+                                    help="The CA that signed --tls-cert-file, for this command's own health checks "
+                                    "and demo request (default: --mtls-ca-file)."),
+    api_keys_file: str = typer.Option("", envvar="SPLITSERVE_GATEWAY_API_KEYS_FILE", show_envvar=True,
+                                      help="Tenants and their hashed API keys (JSON or TOML; `splitserve hash-key` "
+                                      "hashes one); '' = no authentication."),
 ) -> None:
     """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
     import signal as _signal
@@ -348,7 +368,15 @@ def up(
         scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
         gateway_args=_emulated_gateway_args(backend, model_preset),
         coordinator=coordinator, placement=placement, otlp_endpoint=otlp_endpoint,
+        mtls_ca_file=mtls_ca_file, mtls_cert_file=mtls_cert_file, mtls_key_file=mtls_key_file,
+        tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
+        tls_ca_file=tls_ca_file,
     )
+    if api_keys_file:
+        spec.gateway_args["api_keys_file"] = api_keys_file
+        if demo_request:  # it has no key to send: the keys file holds only their hashes
+            console.print("--api-keys-file: the demo request is skipped (it would need a key)")
+            demo_request = False
     what = f"emulated {tp} x {gpu} / {model_preset} workers" if backend == "emulated" else f"workers on {model_dir}"
     console.print(f"starting {workers} {what} (logs in {log_dir}/) ...")
     def _interrupt_start(*_):
@@ -386,7 +414,8 @@ def up(
         if demo_request and is_diffusion_model(model_dir):
             _send_diffusion_demo_request(cluster.gateway_http)
         elif demo_request:
-            _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"))
+            _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"),
+                               verify=tls_ca_file or mtls_ca_file or True)
         console.print("serving; Ctrl-C stops every service (one that dies is restarted)")
         _supervise(cluster, stop)
     finally:
@@ -394,32 +423,37 @@ def up(
         cluster.stop()
 
 
-def _supervise(cluster, stop: dict) -> None:
+def _supervise(cluster, stop: dict, resync_s: float = 10.0) -> None:
     """Restart services that die, with backoff, until Ctrl-C or SIGTERM; each restart is
-    counted in Redis for `splitserve status`."""
+    counted in Redis for `splitserve status`. The counts are written again every `resync_s`
+    while there are any: a Redis that restarted empty has them back within that time."""
     import asyncio
 
     from splitserve.launcher import RESTARTED, RestartPolicy
-    from splitserve.state import RedisRetryPolicy, StateStore
 
     policy = RestartPolicy()
+    sync_due = time.monotonic()
     while not stop["now"]:
         for event in cluster.supervise(policy):
-            child = event.child
-            console.print(f"[yellow]{child.name} {event.message}[/yellow]")
+            console.print(f"[yellow]{event.child.name} {event.message}[/yellow]")
             if event.kind == RESTARTED:
-                try:
-                    asyncio.run(_record_restart(StateStore(cluster.redis_url, cluster.redis_prefix,
-                                                           retry_policy=RedisRetryPolicy(attempts=2)),
-                                                child.name, child.restarts))
-                except Exception as err:  # the count is for display; supervision goes on
-                    console.print(f"could not record the restart in Redis: {err}")
+                sync_due = time.monotonic()
+        counts = {child.name: child.restarts for child in cluster.children if child.restarts}
+        if counts and time.monotonic() >= sync_due:
+            sync_due = time.monotonic() + resync_s  # after a failure too: no retry storm while Redis is down
+            try:
+                asyncio.run(_record_restarts(cluster, counts))
+            except Exception as err:  # the counts are for display; supervision goes on
+                console.print(f"could not record the restarts in Redis: {err}")
         time.sleep(0.2)  # supervising children until a signal arrives
 
 
-async def _record_restart(store, name: str, restarts: int) -> None:
-    async with store:
-        await store.record_restart(name, restarts)
+async def _record_restarts(cluster, counts: dict[str, int]) -> None:
+    from splitserve.state import RedisRetryPolicy, StateStore
+
+    async with StateStore(cluster.redis_url, cluster.redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
+        for name, restarts in counts.items():
+            await store.record_restart(name, restarts)
 
 
 def _ensure_up_real_model(preset: str) -> Path:
@@ -484,7 +518,7 @@ def _send_diffusion_demo_request(base_url: str) -> None:
     console.print(f"answered in {elapsed * 1000:.0f} ms")
 
 
-def _send_demo_request(base_url: str, chat: bool = True) -> None:
+def _send_demo_request(base_url: str, chat: bool = True, verify: str | bool = True) -> None:
     """One request through the OpenAI API: a chat question (greedy) to a real model; to a random one,
     a sampled completion whose text is noise."""
     import httpx
@@ -496,7 +530,7 @@ def _send_demo_request(base_url: str, chat: bool = True) -> None:
     else:
         path = "/v1/completions"
         body = {"model": "", "prompt": "Hello, splitserve!", "max_tokens": 24, "temperature": 0.8, "seed": 0}
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=120, verify=verify) as client:  # verify: the CA of a TLS gateway
         models = client.get(f"{base_url}/v1/models").json()
         body["model"] = models["data"][0]["id"]
         started = time.perf_counter()
@@ -583,6 +617,12 @@ def _mount_bench() -> None:
     from services.planner.plan_cli import plan_command
 
     app.command("plan")(plan_command)
+    from splitserve.keys import hash_key_command
+
+    app.command("hash-key")(hash_key_command)
+    from splitserve.chaos import chaos_command
+
+    app.command("chaos")(chaos_command)
 
 
 if sys.argv[1:2] != ["serve"]:  # a service process starts without the load generator's imports

@@ -38,8 +38,9 @@ TTFT = Histogram("splitserve_coordinator_ttft_seconds", "Submit to first token",
 MIGRATIONS = Counter("splitserve_coordinator_migrations_total", "Requests continued on another worker after a failure")
 E2E = Histogram("splitserve_coordinator_e2e_seconds", "Submit to last token", buckets=percentile_buckets(600.0))
 
-# Placement is retried when a worker dies before producing a token.
-MAX_PLACEMENT_ATTEMPTS = 3
+# A request is placed again when a worker it runs on dies (before its first token: re-placed;
+# after: migrated), at most this many attempts in all, within migration_timeout_s.
+MAX_ATTEMPTS = 8
 MAX_REQUEST_ID_CHARS = 256  # as the gateway's
 
 
@@ -161,16 +162,19 @@ class Coordinator:
         while True:
             attempt += 1
             calling.worker_id = ""
-            plan = await self._place(request, request_id, deadline, session, failed_workers, trace)
-            if emitted:  # migrating: one stage, everything recomputed from tokens
-                last = plan.stages[-1]
-                del plan.stages[:]
-                plan.stages.append(types_pb2.Stage(request_id=request_id, worker_id=last.worker_id, start=0,
-                                                   end=last.end, emit=True))
-            plan_holder.append(plan)
-            self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
-                                           emitted_token_ids=list(emitted), decision=dict(plan.decision)))
+            plan = None
             try:
+                # Inside the retry: while a dead worker is still in the scheduler's view, or
+                # none of the family is left for a moment, placing again is what may fail.
+                plan = await self._place(request, request_id, deadline, session, failed_workers, trace)
+                if emitted:  # migrating: one stage, everything recomputed from tokens
+                    last = plan.stages[-1]
+                    del plan.stages[:]
+                    plan.stages.append(types_pb2.Stage(request_id=request_id, worker_id=last.worker_id, start=0,
+                                                       end=last.end, emit=True))
+                plan_holder.append(plan)
+                self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
+                                               emitted_token_ids=list(emitted), decision=dict(plan.decision)))
                 async for chunk in self._execute(request, request_id, plan, deadline, emitted, session, calling,
                                                  trace):
                     yield chunk
@@ -178,20 +182,23 @@ class Coordinator:
             except Unavailable as err:
                 if calling.worker_id and calling.worker_id not in failed_workers:
                     failed_workers.append(calling.worker_id)
-                # Free what the failed plan reserved before placing again, so a late cancel
-                # cannot hit the next attempt on the same worker.
-                await asyncio.gather(*(self._cancel_on(st.worker_id, request_id) for st in plan.stages))
-                now = time.monotonic()
-                if not emitted and attempt >= MAX_PLACEMENT_ATTEMPTS:
-                    raise
+                if plan is not None:
+                    # Free what the failed plan reserved before placing again, so a late cancel
+                    # cannot hit the next attempt on the same worker.
+                    await asyncio.gather(*(self._cancel_on(st.worker_id, request_id) for st in plan.stages))
                 if emitted and request.engine_family == DIFFUSION:
                     # Its blocks came from a denoising run whose seed and cache lived on the
                     # failed worker: no stage can continue it from tokens.
                     raise Unavailable(f"a diffusion request cannot migrate once output was delivered: {err.message}")
+                # Before the first token the client could retry itself, but only the SDK does;
+                # after it, only a migration keeps the stream whole. Both are bounded by
+                # attempts and by time since the first failure, then fail retriably.
+                now = time.monotonic()
+                migration_deadline = migration_deadline or now + self.config.migration_timeout_s
+                if attempt >= MAX_ATTEMPTS or now > migration_deadline:
+                    what = "migrated" if emitted else "placed"
+                    raise Unavailable(f"request could not be {what} after {attempt} attempts: {err.message}") from None
                 if emitted:
-                    migration_deadline = migration_deadline or now + self.config.migration_timeout_s
-                    if now > migration_deadline:
-                        raise Unavailable(f"request could not be migrated after a worker failure: {err.message}")
                     MIGRATIONS.inc()
                 log.warning("attempt %d failed after %d tokens (%s); placing again", attempt, len(emitted), err.message)
                 self.workers.forget_soon()
