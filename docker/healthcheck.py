@@ -69,6 +69,34 @@ def listening_ports(pid: int = 1) -> list[int]:
     return sorted(set(ports))
 
 
+def _read(path: str) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def channel(service: str, address: str):
+    """The channel the service's own clients would use: mTLS (SPLITSERVE_MTLS_*) between the
+    services; TLS on a gateway with a certificate (trusting SPLITSERVE_TLS_CA_FILE, else the
+    services' CA, and presenting the services' certificate when it asks for one)."""
+    import grpc
+
+    env = os.environ
+    ca, cert, key = (env.get(f"SPLITSERVE_MTLS_{name}", "") for name in ("CA_FILE", "CERT_FILE", "KEY_FILE"))
+    server_name = env.get("SPLITSERVE_MTLS_SERVER_NAME", "")
+    if service == "gateway":
+        if not env.get("SPLITSERVE_GATEWAY_TLS_CERT_FILE"):
+            return grpc.insecure_channel(address)
+        ca, server_name = env.get("SPLITSERVE_TLS_CA_FILE") or ca, ""
+    elif not ca:
+        return grpc.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
+                                               certificate_chain=_read(cert))
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return grpc.secure_channel(address, credentials, options=options)
+
+
 def serving(service: str, port: int, health_service: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -76,11 +104,11 @@ def serving(service: str, port: int, health_service: str) -> bool:
     host = os.environ.get(f"SPLITSERVE_{service.upper()}_HOST", "0.0.0.0")
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     try:
-        with grpc.insecure_channel(f"{host}:{port}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+        with channel(service, f"{host}:{port}") as channel_:
+            reply = health_pb2_grpc.HealthStub(channel_).Check(
                 health_pb2.HealthCheckRequest(service=health_service), timeout=2.0)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
+    except (grpc.RpcError, OSError):  # OSError: a certificate file it cannot read
         return False
 
 

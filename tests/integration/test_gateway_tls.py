@@ -10,6 +10,7 @@ one without a certificate or in plaintext is not. Bad TLS options stop the start
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 
 import grpc
@@ -169,3 +170,32 @@ def test_bad_gateway_tls_options_are_refused_naming_the_option(certs, options, f
     config = GatewayConfig(model="/models/demo", log_json=False, **options)
     with pytest.raises(TlsConfigError, match=f"^{field}: "):
         GatewayServer(config, _tokenization())
+
+
+def test_the_container_healthcheck_speaks_mtls(certs):
+    """docker/healthcheck.py reads the same SPLITSERVE_MTLS_* variables as the service it checks:
+    with them it finds an mTLS scheduler SERVING, without them it reports it not serving."""
+    import sys
+
+    from tests.tls_support import REPO_ROOT
+
+    async def run():
+        config = _mtls(certs)
+        runtime = ServiceRuntime("scheduler", config, 0)
+        await runtime.start()
+        await runtime.set_serving(True)  # readiness, what the healthcheck asks
+        try:
+            base = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_MTLS_")}
+            mtls = {"SPLITSERVE_MTLS_CA_FILE": str(certs["ca"]), "SPLITSERVE_MTLS_CERT_FILE": str(certs["service"]),
+                    "SPLITSERVE_MTLS_KEY_FILE": str(certs["service_key"]), "SPLITSERVE_SCHEDULER_HOST": "127.0.0.1"}
+            codes = []
+            for env in ({**base, **mtls}, {**base, "SPLITSERVE_SCHEDULER_HOST": "127.0.0.1"}):
+                check = await asyncio.create_subprocess_exec(
+                    sys.executable, str(REPO_ROOT / "docker" / "healthcheck.py"), "scheduler",
+                    str(runtime.bound_port), env=env, stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL)
+                codes.append(await asyncio.wait_for(check.wait(), 30))
+            assert codes == [0, 1]
+        finally:
+            await runtime.server.stop(grace=None)
+    asyncio.run(run())
