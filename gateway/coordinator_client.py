@@ -1,22 +1,50 @@
-"""The gateway's one connection to the coordinator: submit, relay, detokenize, cut at stop strings."""
+"""The gateway's one connection to the coordinator: submit, relay, detokenize, cut at stop strings.
+
+A coordinator that dies (or restarts) under a request is survived here: a Submit that ends
+with UNAVAILABLE is sent again once the coordinator answers (bounded in attempts and in the
+wait), so a client never sees a coordinator restart as long as the request can be continued
+exactly. Before any output arrived the request is simply sent again; after output arrived
+a greedy request is continued from the tokens already delivered (prompt + delivered tokens,
+the rest of the budget: exactly the tokens it would have produced). A sampled request whose
+output already started cannot be continued exactly over this API (the sampler's randomness
+depends on the output position), nor can a session round or a diffusion request: those end
+with the retriable UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from gateway.validation import GenerationRequest
-from splitserve.errors import Unavailable, from_rpc_error
+from splitserve.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
+from splitserve.state_records import DIFFUSION
 from splitserve.telemetry import outgoing_metadata
+
+log = logging.getLogger(__name__)
 
 # Coordinator finish reasons that do not end the client's stream.
 _RUNNING = ("", "stage_end")
+
+RESUBMITS = Counter("splitserve_gateway_coordinator_resubmits_total",
+                    "Requests sent to the coordinator again after it failed them with UNAVAILABLE (it "
+                    "restarted, or could not place them), once per failure, by whether output had been delivered",
+                    ["after"])
+# Sending a request again after the coordinator failed it with UNAVAILABLE: while it cannot
+# be reached (a restarted coordinator takes a few seconds to start), for at most
+# COORDINATOR_WAIT_S from the first failure; after UNAVAILABLE answers of its own (e.g. no
+# worker can take the request), at most MAX_RESUBMITS times.
+MAX_RESUBMITS = 4
+COORDINATOR_WAIT_S = 30.0
 
 
 class Detokenizer(Protocol):
@@ -86,26 +114,62 @@ class CoordinatorClient:
 
     async def generate(self, request: GenerationRequest, timeout_s: float | None = None,
                        trace_context: Context | None = None) -> AsyncIterator[GenerationDelta]:
-        """Stream deltas of one request; closing the iterator early cancels it upstream."""
+        """Stream deltas of one request; closing the iterator early cancels it upstream.
+
+        A Submit that fails with UNAVAILABLE is sent again when that keeps the output exact
+        (module docstring); the client sees one uninterrupted stream."""
         assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
                                     len(request.prompt_token_ids))
-        call = self.stub.Submit(request.submit_request(), timeout=timeout_s,
-                                metadata=outgoing_metadata(request.request_id, trace_context))
-        try:
-            async for chunk in call:
-                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
-                if delta is not None:
-                    yield delta
-                if assembler.finished:
-                    return
-            raise Unavailable("the coordinator ended the stream without a finish reason")
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            # Runs on stop-string cut, client disconnect (generator closed or task
-            # cancelled) and errors: cancelling the call propagates to the coordinator.
-            if not call.done():
-                call.cancel()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delivered: list[int] = []  # output tokens the coordinator streamed so far, over every attempt
+        attempts = answered = 0
+        down_since: float | None = None  # the first failure of this request
+        while True:
+            call = self.stub.Submit(resume_request(request, delivered), timeout=_left(deadline),
+                                    metadata=outgoing_metadata(request.request_id, trace_context))
+            resumed = bool(delivered)
+            try:
+                async for chunk in call:
+                    delivered.extend(chunk.token_ids)
+                    down_since = None  # served again: a later failure gets the whole wait
+                    # A continued request's prompt includes the delivered output: keep the first count.
+                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason,
+                                           0 if resumed else chunk.num_prompt_tokens)
+                    if delta is not None:
+                        yield delta
+                    if assembler.finished:
+                        return
+                raise Unavailable("the coordinator ended the stream without a finish reason")
+            except grpc.aio.AioRpcError as err:
+                error = from_rpc_error(err)
+                if not (err.code() == grpc.StatusCode.UNAVAILABLE and resumable(request, delivered)):
+                    raise error from None
+                now = time.monotonic()
+                down_since = down_since or now
+                unreached = connection_failure(err, self.channel)
+                answered += not unreached  # the coordinator itself said UNAVAILABLE (e.g. no worker)
+                if answered > MAX_RESUBMITS:
+                    raise error from None
+                if now - down_since > COORDINATOR_WAIT_S:
+                    raise Unavailable(f"the coordinator did not serve the request within {COORDINATOR_WAIT_S:.0f} s: "
+                                      f"{error.message}") from None
+            finally:
+                # Runs on stop-string cut, client disconnect (generator closed or task
+                # cancelled) and errors: cancelling the call propagates to the coordinator.
+                if not call.done():
+                    call.cancel()
+            attempts += 1
+            if attempts == 1 or not unreached:  # not each try while the coordinator is down
+                RESUBMITS.labels("output" if delivered else "nothing").inc()
+                log.warning("coordinator failed request %s with UNAVAILABLE after %d output tokens (%s); "
+                            "sending it again", request.request_id, len(delivered), error.message,
+                            extra={"request_id": request.request_id})
+            # Backoff, not synchronisation: a coordinator that is down fails each try at once
+            # until its channel reconnects.
+            pause = min(0.05 * 2 ** (attempts - 1), 0.25)
+            if deadline is not None and time.monotonic() + pause >= deadline:
+                raise error
+            await asyncio.sleep(pause)
 
     async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
         """Open a session at the coordinator (state in Redis); its id and idle TTL."""
@@ -136,6 +200,54 @@ class CoordinatorClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+_CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
+                        "broken pipe", "goaway", "connection attempt timed out")
+
+
+def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
+    """Whether an UNAVAILABLE came from the connection (the service is down or restarting)
+    rather than from the service's own answer."""
+    details = (err.details() or "").lower()
+    if any(text in details for text in _CONNECTION_FAILURES):
+        return True
+    return channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
+
+
+def resumable(request: GenerationRequest, delivered: Sequence[int]) -> bool:
+    """Whether a request the coordinator failed with UNAVAILABLE may be sent again with
+    `delivered` tokens already streamed: always before any output; after it, only a greedy
+    request (continued from its tokens, exactly) that is neither a session round (its
+    round is marked in flight in Redis) nor a diffusion request (blocks, not tokens)."""
+    if request.session_id or request.engine_family == DIFFUSION:
+        return False
+    if not delivered:
+        return True
+    return request.temperature == 0 and len(delivered) < request.max_tokens
+
+
+def resume_request(request: GenerationRequest, delivered: Sequence[int]) -> coordinator_pb2.SubmitRequest:
+    """The Submit message continuing `request` after `delivered` output tokens: the prompt
+    extended by them and the budget reduced by as many (the same request id, hence the same
+    seed). Greedy decoding depends only on the tokens so far, so the rest is what the first
+    attempt would have produced."""
+    submit = request.submit_request()
+    if delivered:
+        submit.prompt_token_ids.extend(delivered)
+        submit.sampling.max_tokens = request.max_tokens - len(delivered)
+        if submit.HasField("predicted_output_len"):
+            submit.predicted_output_len = max(0, submit.predicted_output_len - len(delivered))
+    return submit
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed before the coordinator answered")
+    return left
 
 
 class EmbeddedCoordinatorClient:

@@ -51,7 +51,8 @@ return redis.call('HINCRBY', key, 'num_emitted', ARGV[2])
 
 # KEYS[1] lock hash, KEYS[2] fencing counter. ARGV: holder, ttl_ms.
 # Acquires a free lock with a fresh fencing token (INCR of a counter that never
-# expires, so tokens only grow), renews it for its current holder with the same token,
+# expires, so tokens only grow; started from the server clock in ms, so they grow across
+# a Redis that lost its data too), renews it for its current holder with the same token,
 # and returns nil while another holder owns it.
 ACQUIRE_LEADER = """
 local lock, fence = KEYS[1], KEYS[2]
@@ -64,7 +65,20 @@ if current then
   redis.call('PEXPIRE', lock, ttl_ms)
   return tonumber(redis.call('HGET', lock, 'token'))
 end
-local token = redis.call('INCR', fence)
+local token
+if redis.call('EXISTS', fence) == 1 then
+  token = redis.call('INCR', fence)
+else
+  -- No counter: the first lock ever, or a Redis that restarted empty. Start from the server
+  -- clock in milliseconds, above every token handed out before the data was lost (workers
+  -- refuse a token below the highest they have seen, so a counter restarting at 1 would
+  -- lock the pool controller out of every worker).
+  -- (As a string: Lua would write a number this large in exponent notation.)
+  local now = redis.call('TIME')
+  local ms = now[1] .. string.format('%03d', math.floor(tonumber(now[2]) / 1000))
+  redis.call('SET', fence, ms)
+  token = tonumber(ms)
+end
 redis.call('HSET', lock, 'holder', holder, 'token', token)
 redis.call('PEXPIRE', lock, ttl_ms)
 return token

@@ -37,6 +37,7 @@ class EngineSnapshot:
 class _Add:
     spec: StageSpec
     accepted: asyncio.Future
+    events: asyncio.Queue
 
 
 class EngineLoop:
@@ -54,6 +55,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._streams: dict[StageKey, asyncio.Queue] = {}
+        self._closed: dict[StageKey, asyncio.Event] = {}  # set when the stream of a key closes
+        self._adding = 0  # stages sent to the engine thread and not yet taken (or refused)
         # stage -> callback(num_computed_tokens, block_table), called after steps that advance it
         self._watchers: dict[StageKey, Callable[[int, list[int]], None]] = {}
         self._watched_progress: dict[StageKey, int] = {}
@@ -72,29 +75,77 @@ class EngineLoop:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + self._adding
 
     def stage_keys(self) -> list[StageKey]:
         """Stages whose streams are open."""
         return list(self._streams)
 
-    async def add(self, spec: StageSpec) -> asyncio.Queue:
-        """Queue a stage; raises the engine's ValueError for bad input. Returns its event queue."""
-        events: asyncio.Queue = asyncio.Queue()
-        accepted = self.loop.create_future()
-        self._streams[spec.key] = events
-        self._send(_Add(spec, accepted))
+    async def add(self, spec: StageSpec, superseded_wait_s: float = 3.0) -> asyncio.Queue:
+        """Queue a stage; raises the engine's ValueError for bad input. Returns its event queue.
+
+        The stream opens when the engine thread has taken the stage (`_accepted`), so no event
+        of an earlier stage under the same key can reach it. A stage whose key is still
+        taken is a retry that overtook the end of its previous attempt (a client's retry
+        after its gateway or coordinator died: the cancellation of the old attempt travels
+        through the coordinator and may arrive after the new one; or the old stage still
+        holds its KV while it is being aborted or pushed): it waits up to
+        `superseded_wait_s` for the key to be free rather than being refused as a duplicate."""
+        give_up = time.monotonic() + superseded_wait_s
+        self._adding += 1
         try:
-            await accepted
-        except BaseException:
-            self._streams.pop(spec.key, None)
-            raise
-        return events
+            while True:
+                if spec.key in self._streams:  # the previous attempt's stream is still open
+                    closed = self._closed.setdefault(spec.key, asyncio.Event())
+                    try:
+                        await asyncio.wait_for(closed.wait(), max(0.0, give_up - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise ValueError(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
+                                         "is already in the engine") from None
+                    continue
+                events: asyncio.Queue = asyncio.Queue()
+                accepted = self.loop.create_future()
+                self._send(_Add(spec, accepted, events))
+                try:
+                    await accepted
+                    return events
+                except ValueError as err:
+                    if "already in the engine" not in str(err) or time.monotonic() >= give_up:
+                        raise
+                await asyncio.sleep(0.05)  # a bounded retry of the add, not synchronisation
+        finally:
+            self._adding -= 1
+
+    def _accepted(self, command: "_Add", error: BaseException | None) -> None:
+        """On the event loop, in order with the step events: open the stage's stream."""
+        if command.accepted.done():  # the caller went away while the engine took the stage
+            if error is None:
+                self._send(("abort", command.spec.key))
+            return
+        if error is not None:
+            command.accepted.set_exception(error)
+            return
+        if command.spec.key in self._streams:  # cannot happen: one attempt per key at a time
+            self._send(("abort", command.spec.key))
+            command.accepted.set_exception(ValueError(
+                f"request_id {command.spec.key.request_id!r} (stage {command.spec.key.stage_index}) "
+                "is already in the engine"))
+            return
+        self._streams[command.spec.key] = command.events
+        command.accepted.set_result(None)
 
     def abort(self, key: StageKey) -> bool:
         """Abort at the next step boundary; the blocks are freed then."""
-        known = self._streams.pop(key, None) is not None
+        known = self._close_stream(key)
         self._send(("abort", key))
+        return known
+
+    def _close_stream(self, key: StageKey) -> bool:
+        """Forget a stage's stream; wake an attempt of the same stage waiting for it (`add`)."""
+        known = self._streams.pop(key, None) is not None
+        waiter = self._closed.pop(key, None)
+        if waiter is not None:
+            waiter.set()
         return known
 
     def watch(self, key: StageKey, callback: Callable[[int, list[int]], None]) -> None:
@@ -165,9 +216,9 @@ class EngineLoop:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_stage(command.spec)
-                    self.loop.call_soon_threadsafe(_resolve, command.accepted, None, None)
+                    self.loop.call_soon_threadsafe(self._accepted, command, None)
                 except Exception as err:  # ValueError for bad input; anything else is reported too
-                    self.loop.call_soon_threadsafe(_resolve, command.accepted, None, err)
+                    self.loop.call_soon_threadsafe(self._accepted, command, err)
             elif command[0] == "abort":
                 self.engine.abort(command[1])
                 self._watched_progress.pop(command[1], None)
@@ -206,7 +257,7 @@ class EngineLoop:
                 continue  # aborted by the caller meanwhile
             stream.put_nowait(ev)
             if ev.finished:
-                del self._streams[ev.key]
+                self._close_stream(ev.key)
 
 
 def _resolve(fut: asyncio.Future, result, error) -> None:

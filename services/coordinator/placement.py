@@ -10,12 +10,14 @@ the workers' next load snapshot (every `load_interval_s`, 100 ms by default).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Protocol
 
 import grpc
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from services.global_scheduler import metrics as scheduler_metrics
 from services.global_scheduler.policy import (NoWorkerAvailable, PlacementPolicy, configured_policy_params,
@@ -33,6 +35,9 @@ from splitserve.state import StateStore
 from splitserve.telemetry import outgoing_metadata
 
 log = logging.getLogger(__name__)
+
+SCHEDULER_WAITS = Counter("splitserve_coordinator_scheduler_waits_total",
+                          "Place calls sent again after the scheduler could not be reached (restarting)")
 
 PLACEMENTS = ("scheduler", "local")
 
@@ -53,19 +58,41 @@ class Placer(Protocol):
 
 
 class SchedulerPlacer:
-    """Plans from the GlobalScheduler service."""
+    """Plans from the GlobalScheduler service.
 
-    def __init__(self, channel: grpc.aio.Channel):
+    A scheduler that is down (killed, restarting) is waited for: a Place the channel could
+    not deliver is sent again once the scheduler accepts connections, within the request's
+    deadline and at most `wait_s` in all, so requests arriving during a scheduler restart
+    are delayed rather than failed. An UNAVAILABLE the scheduler itself answered (no
+    eligible worker) is passed on at once: the caller decides whether to retry.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, wait_s: float = 10.0):
         self.channel = channel
         self.stub = scheduler_pb2_grpc.GlobalSchedulerStub(channel)
+        self.wait_s = wait_s
 
     async def place(self, meta: types_pb2.RequestMeta, timeout_s: float,
                     trace_context: Context | None = None) -> types_pb2.Plan:
-        try:
-            return await self.stub.Place(meta, timeout=timeout_s,
-                                         metadata=outgoing_metadata(meta.request_id, trace_context))
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
+        give_up = time.monotonic() + min(timeout_s, self.wait_s)
+        end = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self.stub.Place(meta, timeout=max(0.001, end - time.monotonic()),
+                                             metadata=outgoing_metadata(meta.request_id, trace_context))
+            except grpc.aio.AioRpcError as err:
+                if not (err.code() == grpc.StatusCode.UNAVAILABLE and connection_failure(err, self.channel)):
+                    raise from_rpc_error(err) from None
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise from_rpc_error(err) from None
+                if attempt == 1:
+                    log.warning("scheduler unreachable (%s); waiting up to %.1f s for it", err.details(), left)
+                SCHEDULER_WAITS.inc()
+                # A backoff, not synchronisation: each try fails at once until the channel reconnects.
+                await asyncio.sleep(min(0.02 * 2 ** attempt, 0.25, left))
 
     async def eligible_workers(self, timeout_s: float, engine_family: str = "") -> int:
         try:
@@ -132,6 +159,19 @@ class LocalPlacer:
 
     async def close(self) -> None:
         await self.views.stop()
+
+
+_CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
+                        "broken pipe", "goaway", "connection attempt timed out")
+
+
+def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
+    """Whether an UNAVAILABLE came from the connection (the scheduler is down or restarting)
+    rather than from the scheduler's own answer (e.g. no eligible worker)."""
+    details = (err.details() or "").lower()
+    if any(text in details for text in _CONNECTION_FAILURES):
+        return True
+    return channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
 
 
 def check_placement(name: str) -> None:

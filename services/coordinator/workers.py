@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from splitserve.config import CommonConfig
 from splitserve.errors import Unavailable
@@ -18,14 +19,19 @@ class WorkerDirectory:
     """Resolves worker ids to stubs without I/O; the registry is re-read in the background.
 
     Only an id it has never seen (a worker that registered since the last refresh) makes
-    `stub` read Redis inline.
+    `stub` read Redis inline. A worker missing from the registry is still resolved for
+    `grace_s` after it was last listed: a Redis that restarted empty lists no worker until
+    each re-registers at its next heartbeat, and requests already placed on them must not
+    fail meanwhile (a worker that really died fails its calls and is avoided anyway).
     """
 
-    def __init__(self, store: StateStore, config: CommonConfig, refresh_s: float = 1.0):
+    def __init__(self, store: StateStore, config: CommonConfig, refresh_s: float = 1.0, grace_s: float = 5.0):
         self.store = store
         self.config = config
         self.refresh_s = refresh_s
+        self.grace_s = grace_s
         self._addresses: dict[str, str] = {}
+        self._listed: dict[str, float] = {}  # worker id -> when the registry last listed it (monotonic)
         self._channels: dict[str, object] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._task: asyncio.Task | None = None
@@ -57,7 +63,13 @@ class WorkerDirectory:
 
     async def refresh(self) -> None:
         workers = await self.store.list_workers()
-        self._addresses = {w.worker_id: w.address for w in workers}
+        now = time.monotonic()
+        for w in workers:
+            self._listed[w.worker_id] = now
+        kept = {worker_id: address for worker_id, address in self._addresses.items()
+                if now - self._listed.get(worker_id, 0.0) <= self.grace_s}
+        self._addresses = {**kept, **{w.worker_id: w.address for w in workers}}
+        self._listed = {worker_id: self._listed[worker_id] for worker_id in self._addresses}
 
     async def _refresh_loop(self) -> None:
         while not self._stopping:
