@@ -361,6 +361,9 @@ def main() -> int:
     ap.add_argument("--policy", default="least_loaded")
     ap.add_argument("--max-growth", type=float, default=0.10, help="goal: RSS and fd growth per service")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-record-ttl-s", type=float, default=600.0,
+                    help="the coordinator's request_record_ttl_s: Redis grows by one record per request for this "
+                    "long, then stays flat; shorter than the run minus the warm-up to see the steady state")
     ap.add_argument("--redis-url", default=None, help="an existing Redis (default: a private one, measured too)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/splitserve-soak"))
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "soak.json")
@@ -389,6 +392,7 @@ def main() -> int:
         log_dir=args.log_dir,
         worker_args={"backend": "emulated", "gpu": args.gpu, "model_preset": args.model_preset, "max_num_seqs": 64},
         gateway_args={"max_model_len": 8192, "max_tokens_limit": 4096},
+        coordinator_args={"request_record_ttl_s": args.request_record_ttl_s},
     )
     duration_s, warmup_s = args.minutes * 60, args.warmup_minutes * 60
     rng = np.random.default_rng(args.seed)

@@ -4,11 +4,10 @@ A coordinator that dies (or restarts) under a request is survived here: a Submit
 with UNAVAILABLE is sent again once the coordinator answers (bounded in attempts and in the
 wait), so a client never sees a coordinator restart as long as the request can be continued
 exactly. Before any output arrived the request is simply sent again; after output arrived
-a greedy request is continued from the tokens already delivered (prompt + delivered tokens,
-the rest of the budget: exactly the tokens it would have produced). A sampled request whose
-output already started cannot be continued exactly over this API (the sampler's randomness
-depends on the output position), nor can a session round or a diffusion request: those end
-with the retriable UNAVAILABLE.
+it is continued from the tokens already delivered (`SubmitRequest.generated_token_ids`: the
+coordinator recomputes their KV and goes on, as a migration does, so greedy and sampled
+requests alike get exactly the tokens one attempt would have produced). A session round or
+a diffusion request cannot be continued: those end with the retriable UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -127,14 +126,11 @@ class CoordinatorClient:
         while True:
             call = self.stub.Submit(resume_request(request, delivered), timeout=_left(deadline),
                                     metadata=outgoing_metadata(request.request_id, trace_context))
-            resumed = bool(delivered)
             try:
                 async for chunk in call:
                     delivered.extend(chunk.token_ids)
                     down_since = None  # served again: a later failure gets the whole wait
-                    # A continued request's prompt includes the delivered output: keep the first count.
-                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason,
-                                           0 if resumed else chunk.num_prompt_tokens)
+                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
                     if delta is not None:
                         yield delta
                     if assembler.finished:
@@ -217,27 +213,21 @@ def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> 
 
 def resumable(request: GenerationRequest, delivered: Sequence[int]) -> bool:
     """Whether a request the coordinator failed with UNAVAILABLE may be sent again with
-    `delivered` tokens already streamed: always before any output; after it, only a greedy
-    request (continued from its tokens, exactly) that is neither a session round (its
-    round is marked in flight in Redis) nor a diffusion request (blocks, not tokens)."""
+    `delivered` tokens already streamed: unless it is a session round (its round is marked
+    in flight in Redis) or a diffusion request (blocks, not tokens), or nothing is left."""
     if request.session_id or request.engine_family == DIFFUSION:
         return False
-    if not delivered:
-        return True
-    return request.temperature == 0 and len(delivered) < request.max_tokens
+    return len(delivered) < request.max_tokens
 
 
 def resume_request(request: GenerationRequest, delivered: Sequence[int]) -> coordinator_pb2.SubmitRequest:
-    """The Submit message continuing `request` after `delivered` output tokens: the prompt
-    extended by them and the budget reduced by as many (the same request id, hence the same
-    seed). Greedy decoding depends only on the tokens so far, so the rest is what the first
-    attempt would have produced."""
+    """The Submit message continuing `request` after `delivered` output tokens: the same
+    request (id, hence seed; prompt; budget) with those tokens as already generated, which
+    the coordinator continues from as a migration does: exactly the tokens the first attempt
+    would have produced, greedy or sampled (the sampler's randomness depends only on the seed
+    and the output position)."""
     submit = request.submit_request()
-    if delivered:
-        submit.prompt_token_ids.extend(delivered)
-        submit.sampling.max_tokens = request.max_tokens - len(delivered)
-        if submit.HasField("predicted_output_len"):
-            submit.predicted_output_len = max(0, submit.predicted_output_len - len(delivered))
+    submit.generated_token_ids.extend(delivered)
     return submit
 
 

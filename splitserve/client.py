@@ -22,8 +22,10 @@ certificate for a gateway that requires one (`--tls-client-ca-file`). Without an
 channel is plaintext, as before.
 
 Deadlines: `timeout_s` (per call, else the client's) bounds the whole call, retries
-included. Retries: only UNAVAILABLE, only before the first response message arrived
-(generation is not idempotent once output has been delivered), with exponential backoff.
+included. Retries: only UNAVAILABLE, with exponential backoff; a `stream` only before its
+first message arrived (what it yielded cannot be taken back), a `generate` at any point (its
+partial output never left the client; the same request id gives the same seed, hence the
+same tokens).
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def _error_from_rpc(err: grpc.RpcError) -> SplitserveClientError:
 
 
 def should_retry(code: grpc.StatusCode, *, received_first_response: bool, attempt: int, max_retries: int) -> bool:
-    """Retry only UNAVAILABLE, only before any output arrived, at most `max_retries` times."""
+    """Retry only UNAVAILABLE, at most `max_retries` times; a stream only before any output arrived."""
     return code == grpc.StatusCode.UNAVAILABLE and not received_first_response and attempt < max_retries
 
 
@@ -487,7 +489,18 @@ class AsyncClient(_ClientBase):
                        **overrides: Any) -> GenerationResult:
         """Generate to completion; `overrides` are GenerateOptions fields (max_tokens=32, temperature=0, ...)."""
         request, timeout_s = self._generate_request(prompt, options, overrides)
-        return _result([c async for c in self._stream_request(request, timeout_s)], request.request_id)
+        attempts = self._attempts(timeout_s)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
+            try:
+                return _result([_chunk(msg) async for msg in call], request.request_id)
+            except grpc.aio.AioRpcError as err:
+                # Unlike a stream's, a partial output never reached the caller: retried whole
+                # (same request id, hence the same seed and tokens), even after output began.
+                delay = attempts.retry_delay(err, False)
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
 
     def stream(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
                **overrides: Any) -> AsyncIterator[StreamChunk]:
@@ -563,7 +576,17 @@ class Client(_ClientBase):
                  **overrides: Any) -> GenerationResult:
         """Generate to completion; `overrides` are GenerateOptions fields (max_tokens=32, temperature=0, ...)."""
         request, timeout_s = self._generate_request(prompt, options, overrides)
-        return _result(self._stream_request(request, timeout_s), request.request_id)
+        attempts = self._attempts(timeout_s)
+        while True:
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata)
+            try:
+                return _result([_chunk(msg) for msg in call], request.request_id)
+            except grpc.RpcError as err:
+                # Retried whole even after output began, as AsyncClient.generate.
+                delay = attempts.retry_delay(err, False)
+            finally:
+                call.cancel()
+            time.sleep(delay)
 
     def stream(self, prompt: str | Sequence[int], options: GenerateOptions | None = None,
                **overrides: Any) -> Iterator[StreamChunk]:

@@ -48,6 +48,11 @@ def grpc_options(config: CommonConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # A restarted peer (supervised, seconds away) is dialled again within 0.2-2 s instead of
+        # gRPC's default 1 s growing by 1.6x, which added 2-3 s to every restart's recovery.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 

@@ -300,7 +300,8 @@ class KvStageManager:
         if completed and not push.plan.complete and not push.failed and self.fault_injection != "truncate":
             table, computed = await self.loop.call(lambda engine: engine.kv_blocks(key))
             rest = push.plan.rest()
-            push.queue.put_nowait((rest[0], rest[1], table))
+            if rest is not None:  # else a step report queued the last chunk while we waited
+                push.queue.put_nowait((rest[0], rest[1], table))
         push.queue.put_nowait(None)
         # Exposed time runs from the end of the stage's computation: the step report, if
         # it came (it queued the last chunk), else now.

@@ -604,6 +604,9 @@ class WorkerServer:
             try:
                 if not await self.store.heartbeat(self.worker_id):
                     await self.register()  # expired (e.g. Redis restarted): come back
+                    publish = getattr(self.kv.transport, "publish", None) if self.kv is not None else None
+                    if publish is not None:  # NIXL: peers find our agents again
+                        await publish()
             except Exception as err:
                 log.warning("heartbeat failed: %s", err)
 

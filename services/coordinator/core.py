@@ -79,7 +79,8 @@ class Coordinator:
         Traced as `coordinator.request` (placement and each stage below it) under `trace_context`."""
         request_id = request.request_id or uuid.uuid4().hex
         started = time.monotonic()
-        emitted: list[int] = []
+        # A request sent again after its coordinator died carries what was delivered already.
+        emitted: list[int] = list(request.generated_token_ids)
         outcome = "error"
         plan_holder: list[types_pb2.Plan] = []
         session: SessionRecord | None = None
@@ -93,6 +94,11 @@ class Coordinator:
                 # It travels as gRPC metadata (x-request-id) to the scheduler and the workers.
                 raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters, "
                                       f"got {request_id[:64]!r}", param="request_id")
+            max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+            if emitted and (len(emitted) >= max_tokens or request.session_id or request.engine_family == DIFFUSION):
+                raise InvalidArgument(f"generated_token_ids ({len(emitted)}) must be fewer than max_tokens "
+                                      f"({max_tokens}), and only for a request outside sessions and diffusion",
+                                      param="generated_token_ids")
             if request_id in self._calls:
                 raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
             if not request.sampling.HasField("seed"):

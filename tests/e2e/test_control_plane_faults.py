@@ -355,7 +355,7 @@ def split_cluster(tiny_model_dirs, tmp_path_factory):
     # Reserved KV no stage claimed (its request's coordinator died) is freed after this.
     spec.worker_args = {**spec.worker_args, "kv_reservation_ttl_s": 4.0}
     cluster = start_cluster(spec)
-    refs = _references(cluster.gateway_grpc, sampled=False)
+    refs = _references(cluster.gateway_grpc, sampled=True)
     yield cluster, refs
     cluster.stop()
 
@@ -389,7 +389,8 @@ def test_a_restarted_coordinator_or_scheduler_loses_no_request(split_cluster, se
     cluster, refs = split_cluster
     resubmits_before = _metric(cluster.gateway_http, "splitserve_gateway_coordinator_resubmits_total")
     continued_before = _metric(cluster.gateway_http, "splitserve_gateway_coordinator_resubmits_total", after="output")
-    traffic = Traffic(cluster.gateway_grpc, concurrency=6).start()
+    # Greedy and sampled: both continue from their delivered tokens (generated_token_ids).
+    traffic = Traffic(cluster.gateway_grpc, concurrency=6, sampled=True).start()
     _until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
     # Killed while streams are under way: what it held must continue from their tokens.
     _until(lambda: traffic.mid_stream() >= 2, 30, "requests streaming output", 0.005)
@@ -535,16 +536,19 @@ def test_leader_fencing_tokens_keep_growing_across_a_redis_restart_that_lost_the
         server.stop()
 
 
-def test_the_gateway_continues_a_greedy_request_from_the_tokens_it_delivered():
+def test_the_gateway_continues_a_request_from_the_tokens_it_delivered():
     from gateway.coordinator_client import resumable, resume_request
     from gateway.validation import GenerationRequest
 
     greedy = GenerationRequest("r1", "m", [5, 6, 7], max_tokens=10, temperature=0.0, predicted_output_len=8)
     submit = resume_request(greedy, [11, 12, 13])
-    assert list(submit.prompt_token_ids) == [5, 6, 7, 11, 12, 13] and submit.request_id == "r1"
-    assert submit.sampling.max_tokens == 7 and submit.predicted_output_len == 5 and submit.sampling.temperature == 0
-    assert list(resume_request(greedy, []).prompt_token_ids) == [5, 6, 7]
-    assert resumable(greedy, [11]) and resumable(greedy, [])
+    # The same request, with what was delivered as already generated: the coordinator goes on from it.
+    assert list(submit.prompt_token_ids) == [5, 6, 7] and submit.request_id == "r1"
+    assert list(submit.generated_token_ids) == [11, 12, 13]
+    assert submit.sampling.max_tokens == 10 and submit.predicted_output_len == 8 and submit.sampling.temperature == 0
+    assert list(resume_request(greedy, []).generated_token_ids) == []
+    assert resumable(greedy, [11]) and resumable(greedy, []) and not resumable(greedy, list(range(10)))
+    # Sampled too: the seed is the request's and the noise depends on the output position only.
     sampled = GenerationRequest("r2", "m", [5], max_tokens=10, temperature=0.8, seed=3)
-    assert resumable(sampled, []) and not resumable(sampled, [11])  # its noise depends on the output position
+    assert resumable(sampled, []) and resumable(sampled, [11])
     assert not resumable(GenerationRequest("r3", "m", [5], max_tokens=10, temperature=0.0, session_id="s"), [])

@@ -194,9 +194,29 @@ def test_async_retries_unavailable_before_the_first_token():
     assert result.text == "ok" and len(stub.calls) == 3
 
 
-def test_async_never_retries_after_the_first_token():
+def test_async_generate_retries_whole_after_partial_output():
+    # Nothing partial reached the caller: the answer is the retry's alone, not "par" + "again".
     result, stub = run_async([[response("par"), aio_error(S.UNAVAILABLE)], [response("again", "stop")]])
-    assert isinstance(result, ServiceUnavailableError) and len(stub.calls) == 1
+    assert result.text == "again" and len(stub.calls) == 2
+
+
+def test_async_stream_never_retries_after_the_first_token():
+    async def go():
+        client = sdk.AsyncClient("127.0.0.1:1", backoff_s=0.001)
+        client._stub = FakeStub(FakeAsyncCall, [[response("par"), aio_error(S.UNAVAILABLE)],
+                                                [response("again", "stop")]])
+        got = []
+        try:
+            async for chunk in client.stream("hi"):
+                got.append(chunk.text)
+        except SplitserveClientError as err:
+            return got, err, len(client._stub.calls)
+        finally:
+            await client.close()
+        return got, None, len(client._stub.calls)
+
+    got, err, calls = asyncio.run(go())
+    assert got == ["par"] and isinstance(err, ServiceUnavailableError) and calls == 1
 
 
 def test_async_gives_up_after_max_retries_and_does_not_retry_other_codes():
@@ -247,9 +267,14 @@ def test_sync_client_retries_the_same_way():
     client._stub = FakeStub(FakeSyncCall, [[FakeRpcError(S.UNAVAILABLE)], [response("o"), response("k", "stop")]])
     result = client.generate("hi")
     assert (result.text, result.finish_reason, result.usage.total_tokens) == ("ok", "stop", 2)
-    client._stub = FakeStub(FakeSyncCall, [[response("x"), FakeRpcError(S.UNAVAILABLE)]])
+    # generate: retried whole after partial output; the answer is the retry's alone.
+    client._stub = FakeStub(FakeSyncCall, [[response("x"), FakeRpcError(S.UNAVAILABLE)], [response("y", "stop")]])
+    assert client.generate("hi").text == "y" and len(client._stub.calls) == 2
+    # stream: never after its first message.
+    client._stub = FakeStub(FakeSyncCall, [[response("x"), FakeRpcError(S.UNAVAILABLE)], [response("y", "stop")]])
     with pytest.raises(ServiceUnavailableError):
-        client.generate("hi")
+        list(client.stream("hi"))
+    assert len(client._stub.calls) == 1
     client._stub = FakeStub(FakeSyncCall, [[response("a"), response("b", "stop")]])
     stream = client.stream("hi")
     next(stream)

@@ -129,6 +129,7 @@ class NixlTransport:
         # blocks while its notification carries the digest of the right ones, so bytes that
         # really differ land at the receiver (a misaddressed DMA), which must detect them.
         self.corrupt_writes = False
+        self._published: bytes | None = None  # what start() published, for publish()
 
     @property
     def lanes(self) -> int:
@@ -136,6 +137,12 @@ class NixlTransport:
 
     async def _on(self, lane: _Lane, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(lane.thread.submit(fn, *args))
+
+    async def publish(self) -> None:
+        """(Re)publish how to reach this worker's agents: at start, and again when the worker
+        re-registers (a Redis that restarted empty lost it, and peers could not load us)."""
+        if self._published is not None:
+            await self.store.put_nixl_metadata(self.worker_id, self._published)
 
     async def start(self) -> None:
         """Create the agents, register the KV cache with each and publish how to reach them."""
@@ -145,7 +152,8 @@ class NixlTransport:
             num_blocks=self.memory.num_blocks, mem_type=self._mem_type, dev_id=self._dev_id,
             incarnation=uuid.uuid4().hex, lanes=len(self._lanes), num_layers=self.memory.num_layers,
         )
-        await self.store.put_nixl_metadata(self.worker_id, pack_published_metadata(header, metadata))
+        self._published = pack_published_metadata(header, metadata)
+        await self.publish()
         self._loop = asyncio.get_running_loop()
         for lane in self._lanes:
             lane.thread.start_polling()

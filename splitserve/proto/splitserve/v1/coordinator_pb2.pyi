@@ -56,7 +56,7 @@ class DeleteSessionResponse(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "slo", "session_id", "priority", "model", "predicted_output_len", "engine_family")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "slo", "session_id", "priority", "model", "predicted_output_len", "engine_family", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SubmitRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
@@ -75,4 +76,5 @@ class SubmitRequest(_message.Message):
     model: str
     predicted_output_len: int
     engine_family: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., predicted_output_len: _Optional[int] = ..., engine_family: _Optional[str] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., slo: _Optional[_Union[_types_pb2.Slo, _Mapping]] = ..., session_id: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., predicted_output_len: _Optional[int] = ..., engine_family: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
