@@ -278,7 +278,9 @@ def main() -> int:
 
         console.print(f"capacity: closed loop of {args.max_concurrent} for {args.capacity_s:g} s ...")
         rss_before = {name: s[-1][1] for name, s in sampler.samples.items() if s}
-        capacity, cap_target = asyncio.run(capacity_phase())
+        # One event loop for both phases: gRPC's aio poller outlives a loop closed under it.
+        loop = asyncio.new_event_loop()
+        capacity, cap_target = loop.run_until_complete(capacity_phase())
         cap_bad = Counter(o.outcome for o in cap_target.outcomes if o.outcome != COMPLETED)
         if capacity <= 0:
             raise RuntimeError(f"no request completed in the capacity phase: {dict(cap_bad)}")
@@ -301,7 +303,10 @@ def main() -> int:
             return target
 
         t_overload = time.perf_counter() - sampler.t0
-        target = asyncio.run(overload_phase())
+        try:
+            target = loop.run_until_complete(overload_phase())
+        finally:
+            loop.close()
         t_end = time.perf_counter() - sampler.t0
         sampler.stop()
         alive = {c.name: c.process.poll() is None for c in cluster.children}
