@@ -24,7 +24,7 @@ from opentelemetry.context import Context
 from prometheus_client import Counter
 
 from gateway.validation import GenerationRequest
-from splitserve.errors import DeadlineExceeded, Unavailable, from_rpc_error
+from splitserve.errors import DeadlineExceeded, Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.state_records import DIFFUSION
 from splitserve.telemetry import outgoing_metadata
@@ -138,6 +138,14 @@ class CoordinatorClient:
                 raise Unavailable("the coordinator ended the stream without a finish reason")
             except grpc.aio.AioRpcError as err:
                 error = from_rpc_error(err)
+                if err.code() == grpc.StatusCode.UNAVAILABLE and len(delivered) >= request.max_tokens \
+                        and not request.session_id:
+                    # Every token arrived, only the last chunk's finish reason did not: it is
+                    # "length" (EOS or a stop would have ended the stream with that chunk).
+                    delta = assembler.feed([], "length")
+                    if delta is not None:
+                        yield delta
+                    return
                 if not (err.code() == grpc.StatusCode.UNAVAILABLE and resumable(request, delivered)):
                     raise error from None
                 now = time.monotonic()
@@ -198,17 +206,6 @@ class CoordinatorClient:
         await self.channel.close()
 
 
-_CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
-                        "broken pipe", "goaway", "connection attempt timed out")
-
-
-def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
-    """Whether an UNAVAILABLE came from the connection (the service is down or restarting)
-    rather than from the service's own answer."""
-    details = (err.details() or "").lower()
-    if any(text in details for text in _CONNECTION_FAILURES):
-        return True
-    return channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
 
 
 def resumable(request: GenerationRequest, delivered: Sequence[int]) -> bool:

@@ -20,7 +20,7 @@ from splitserve.config import GatewayConfig
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
-from splitserve.errors import DeadlineExceeded, SplitserveError, Unauthenticated
+from splitserve.errors import DeadlineExceeded, Overloaded, SplitserveError, Unauthenticated
 from splitserve.keys import ANONYMOUS, MAX_KEY_CHARS, Caller, KeyVerifier, Tenant, load_keys_file
 from splitserve.telemetry import end_span, span_context, start_span
 
@@ -33,6 +33,9 @@ TENANT_TOKENS = Counter("splitserve_gateway_tenant_tokens_total", "Prompt and co
 # Keys never seen before are hashed off the event loop, one at a time: a flood of wrong keys
 # costs one core, not the loop (each verdict is cached, see splitserve/keys.py).
 SLOW_VERIFICATIONS = 1
+# Unseen keys waiting for that check, beyond which a request is refused at once (429): a
+# flood of random keys must not queue every real, not yet cached key behind it without end.
+MAX_WAITING_KEY_CHECKS = 64
 
 
 def served_model_name(config: GatewayConfig) -> str:
@@ -53,6 +56,7 @@ class GatewayCore:
         plain = [k for k in config.api_keys if k] if isinstance(config.api_keys, (list, tuple)) else []
         self.keys = KeyVerifier(tenants, plain)
         self._slow_checks = asyncio.Semaphore(SLOW_VERIFICATIONS)
+        self._waiting_key_checks = 0
         self.tokenization = tokenization
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
@@ -104,13 +108,31 @@ class GatewayCore:
             return ANONYMOUS
         verdict = self.keys.cached(key)
         if verdict is None:
-            async with self._slow_checks:
-                verdict = self.keys.cached(key)  # another request may just have checked it
-                if verdict is None:
-                    verdict = await asyncio.to_thread(self.keys.verify, key) or False
+            verdict = await self._verify_unseen(key)
         if verdict is False:
             raise Unauthenticated("invalid API key")
         return verdict
+
+    async def _verify_unseen(self, key: bytes) -> Caller | bool:
+        """Hash an unseen key in a thread, SLOW_VERIFICATIONS at a time, at most
+        MAX_WAITING_KEY_CHECKS waiting. A caller that leaves does not free its slot before its
+        hash is done: the slot bounds the threads hashing, not the callers waiting."""
+        if self._waiting_key_checks >= MAX_WAITING_KEY_CHECKS:
+            raise Overloaded("too many new API keys are being checked; retry shortly", retry_after_s=1.0)
+        self._waiting_key_checks += 1
+        try:
+            async with self._slow_checks:
+                verdict = self.keys.cached(key)  # another request may just have checked it
+                if verdict is not None:
+                    return verdict
+                check = asyncio.ensure_future(asyncio.to_thread(self.keys.verify, key))
+                try:
+                    return await asyncio.shield(check) or False
+                except asyncio.CancelledError:
+                    await asyncio.wait([check])  # hold the slot until the thread is done
+                    raise
+        finally:
+            self._waiting_key_checks -= 1
 
     async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
         """Open a multi-turn session (its state lives in Redis; any gateway serves its rounds)."""

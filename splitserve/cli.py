@@ -411,11 +411,14 @@ def up(
                   + (" [private]" if cluster.private_redis else ""))
     console.print(table)
     try:
-        if demo_request and is_diffusion_model(model_dir):
-            _send_diffusion_demo_request(cluster.gateway_http)
-        elif demo_request:
-            _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"),
-                               verify=tls_ca_file or mtls_ca_file or True)
+        try:
+            if demo_request and is_diffusion_model(model_dir):
+                _send_diffusion_demo_request(cluster.gateway_http)
+            elif demo_request:
+                _send_demo_request(cluster.gateway_http, chat=not (model is None and preset == "random-llama"),
+                                   verify=tls_ca_file or mtls_ca_file or True)
+        except Exception as err:  # the demo is a courtesy: a cluster that started keeps serving
+            console.print(f"[red]the demo request failed:[/red] {type(err).__name__}: {err}")
         console.print("serving; Ctrl-C stops every service (one that dies is restarted)")
         _supervise(cluster, stop)
     finally:

@@ -106,6 +106,12 @@ class Cancelled(SplitserveError):
 
 RETRY_AFTER_KEY = "retry-after-ms"
 PARAM_KEY = "splitserve-param"  # trailing metadata: the request field at fault
+# Trailing metadata on every status a splitserve handler sends (`abort`): the service itself
+# answered, as opposed to a status gRPC made up because the connection failed. An answer may
+# quote a connection error from further down ("failed to connect" to a worker) and still is one.
+ANSWERED_KEY = "splitserve-answered"
+_CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
+                        "broken pipe", "goaway", "connection attempt timed out")
 MAX_DETAILS_CHARS = 512  # of a status message: sent percent-encoded in a header (soft limit 8 KiB)
 _PARAM_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*): ")
 
@@ -113,17 +119,29 @@ _PARAM_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*): ")
 async def abort(context: grpc.aio.ServicerContext, err: SplitserveError):
     """End an RPC with the error's status; overload carries a retry hint and an error naming a
     field carries its name as trailing metadata (so the field survives every hop)."""
-    trailing = []
+    trailing = [(ANSWERED_KEY, "1")]
     if isinstance(err, Overloaded):
         trailing.append((RETRY_AFTER_KEY, str(int(err.retry_after_s * 1000))))
     if err.param and err.param.isascii() and err.param.isprintable():
         trailing.append((PARAM_KEY, err.param))
-    if trailing:
-        context.set_trailing_metadata(tuple(trailing))
+    context.set_trailing_metadata(tuple(trailing))
     message = err.message if err.param is None or err.param in err.message else f"{err.param}: {err.message}"
     if len(message) > MAX_DETAILS_CHARS:  # details travel in a header: a huge echoed value would break the stream
         message = message[:MAX_DETAILS_CHARS] + "..."
     await context.abort(err.code, message)
+
+
+def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
+    """Whether an UNAVAILABLE came from the connection to the service (down or restarting)
+    rather than from the service's own answer (e.g. no eligible worker)."""
+    if any(key == ANSWERED_KEY for key, _ in err.trailing_metadata() or ()):
+        return False
+    details = (err.details() or "").lower()
+    if any(text in details for text in _CONNECTION_FAILURES):
+        return True
+    import grpc  # here: pure code imports this module without grpc (module docstring)
+
+    return channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError:

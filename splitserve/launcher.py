@@ -79,8 +79,12 @@ class ClusterSpec:
                                                 "gateway's certificate against")
         if not self.tls_client_ca_file:
             return ClientTls(ca)
-        return ClientTls(ca, self.tls_client_cert_file or self.mtls_cert_file,
-                         self.tls_client_key_file or self.mtls_key_file)
+        cert, key = self.tls_client_cert_file or self.mtls_cert_file, self.tls_client_key_file or self.mtls_key_file
+        if not (cert and key):  # else every health check would be refused until the start timed out
+            raise TlsConfigError("tls_client_cert_file", "is required with tls_client_ca_file (or --mtls-cert-file "
+                                                         "and --mtls-key-file): the launcher's own health checks "
+                                                         "must present a client certificate to the gateway")
+        return ClientTls(ca, cert, key)
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,10 @@ def check_mtls(config: CommonConfig) -> None:
             if not getattr(config, name):
                 raise TlsConfigError(name, "is required with --mtls-ca-file (mutual TLS: each service presents "
                                            "its own certificate)")
-    elif config.mtls_cert_file or config.mtls_key_file:
-        raise TlsConfigError("mtls_ca_file", "is required with --mtls-cert-file / --mtls-key-file (the CA the "
-                                             "peers' certificates are checked against)")
+    elif config.mtls_cert_file or config.mtls_key_file or config.mtls_server_name:
+        raise TlsConfigError("mtls_ca_file", "is required with --mtls-cert-file / --mtls-key-file / "
+                                             "--mtls-server-name (the CA the peers' certificates are checked "
+                                             "against; without it the services talk plaintext)")
 
 
 @functools.lru_cache(maxsize=8)

@@ -40,6 +40,11 @@ class _Add:
     events: asyncio.Queue
 
 
+class StageBusy(ValueError):
+    """An earlier attempt of this stage still holds its key after the wait: retriable (the
+    caller places it again, elsewhere), unlike the engine's other ValueErrors (bad input)."""
+
+
 class EngineLoop:
     """Owns the engine thread; every method is called from the asyncio loop."""
 
@@ -100,8 +105,8 @@ class EngineLoop:
                     try:
                         await asyncio.wait_for(closed.wait(), max(0.0, give_up - time.monotonic()))
                     except asyncio.TimeoutError:
-                        raise ValueError(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
-                                         "is already in the engine") from None
+                        raise StageBusy(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
+                                        "is already in the engine") from None
                     continue
                 events: asyncio.Queue = asyncio.Queue()
                 accepted = self.loop.create_future()
@@ -110,8 +115,10 @@ class EngineLoop:
                     await accepted
                     return events
                 except ValueError as err:
-                    if "already in the engine" not in str(err) or time.monotonic() >= give_up:
+                    if "already in the engine" not in str(err):
                         raise
+                    if time.monotonic() >= give_up:
+                        raise StageBusy(str(err)) from None
                 await asyncio.sleep(0.05)  # a bounded retry of the add, not synchronisation
         finally:
             self._adding -= 1

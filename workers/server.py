@@ -28,7 +28,7 @@ from splitserve.telemetry import (end_span, incoming_context, percentile_buckets
                                   start_span)
 from splitserve.wire import load_to_proto, sampling_from_proto
 from workers.engine import Engine, EngineConfig
-from workers.engine_loop import EngineLoop
+from workers.engine_loop import EngineLoop, StageBusy
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
@@ -236,6 +236,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except ValueError as err:
                 if kv is not None:
                     await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
+                if isinstance(err, StageBusy):  # an earlier attempt still runs here: retry elsewhere
+                    raise Unavailable(str(err)) from None
                 # The core's DiffusionParamError names its field; other messages start with it.
                 param = getattr(err, "param", None) or _first_word(str(err)) or "stage"
                 raise InvalidArgument(str(err), param=param) from None
@@ -601,6 +603,10 @@ class WorkerServer:
     async def _heartbeat_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.config.heartbeat_interval_s)  # periodic schedule, not synchronisation
+            if self.kv is not None:
+                # Reservations nobody claimed (their coordinator died) are freed at their TTL even
+                # when no new reservation arrives to trigger the reaping.
+                self.kv.reap_expired()
             try:
                 if not await self.store.heartbeat(self.worker_id):
                     await self.register()  # expired (e.g. Redis restarted): come back

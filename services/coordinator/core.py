@@ -100,7 +100,10 @@ class Coordinator:
                                       f"({max_tokens}), and only for a request outside sessions and diffusion",
                                       param="generated_token_ids")
             if request_id in self._calls:
-                raise InvalidArgument(f"request_id {request_id!r} is already in flight", param="request_id")
+                # Most often an earlier attempt of this very request whose client connection
+                # broke (gateway died, resubmit) and whose end is not noticed yet: retriable.
+                raise Unavailable(f"request_id {request_id!r} is still in flight (an earlier attempt has not "
+                                  f"ended yet); retry")
             if not request.sampling.HasField("seed"):
                 # Fixed here, once: each worker would otherwise draw its own, and a request split,
                 # disaggregated or migrated across workers would not sample the tokens one worker does.

@@ -28,7 +28,7 @@ from services.global_scheduler.server import (
     placement_to_plan,
 )
 from services.global_scheduler.view import ClusterViewSource
-from splitserve.errors import Unavailable, from_rpc_error
+from splitserve.errors import Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.state_records import engine_family as engine_family_of
 from splitserve.state import StateStore
@@ -161,17 +161,6 @@ class LocalPlacer:
         await self.views.stop()
 
 
-_CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
-                        "broken pipe", "goaway", "connection attempt timed out")
-
-
-def connection_failure(err: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> bool:
-    """Whether an UNAVAILABLE came from the connection (the scheduler is down or restarting)
-    rather than from the scheduler's own answer (e.g. no eligible worker)."""
-    details = (err.details() or "").lower()
-    if any(text in details for text in _CONNECTION_FAILURES):
-        return True
-    return channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
 
 
 def check_placement(name: str) -> None:

@@ -49,8 +49,11 @@ class RequestRecordWriter:
     def put(self, record: RequestRecord) -> None:
         """Queue a record; a later one for the same request replaces it."""
         if record.request_id not in self._pending and len(self._pending) >= self.max_pending:
-            DROPPED.inc()  # Redis has been unreachable for a long time: keep memory bounded
-            return
+            # Redis has been unreachable for a long time: keep memory bounded by dropping the
+            # least recently changed record, as a failed flush does (the newest matter most).
+            del self._pending[next(iter(self._pending))]
+            DROPPED.inc()
+        self._pending.pop(record.request_id, None)  # the least recently changed stay first in line to drop
         self._pending[record.request_id] = record
         self._wake.set()
 

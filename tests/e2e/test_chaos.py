@@ -49,8 +49,8 @@ def test_killed_workers_lose_no_request_and_corrupt_no_output(tiny_model_dirs, t
         out = tmp_path / "chaos.json"
         result = CliRunner().invoke(_chaos_app(), [
             "--target", up["grpc"], "--redis-url", os.environ["SPLITSERVE_TEST_REDIS_URL"],
-            "--redis-prefix", up["prefix"], "--seed", "7", "--duration-s", "45", "--warmup-s", "3",
-            "--settle-s", "25", "--worker-kills", "2", "--rate", "6", "--cases", "12", "--max-tokens", "64,160",
+            "--redis-prefix", up["prefix"], "--seed", "7", "--duration-s", "30", "--warmup-s", "3",
+            "--settle-s", "15", "--worker-kills", "2", "--rate", "6", "--cases", "12", "--max-tokens", "64,160",
             "--recovery-timeout-s", "180",
             "--out", str(out)], env={"COLUMNS": "200"})
         console = (up["log_dir"] / "up.out").read_text()
@@ -58,7 +58,7 @@ def test_killed_workers_lose_no_request_and_corrupt_no_output(tiny_model_dirs, t
     report = json.loads(out.read_text())
     summary = {k: report[k] for k in ("requests", "completed", "retried", "failed", "mismatches", "broken_streams",
                                       "attempt_errors", "problems")}
-    assert report["requests"] >= 200, summary  # ~6 req/s for 45 s
+    assert report["requests"] >= 130, summary  # ~6 req/s for 30 s
     assert report["mismatches"] == 0, (summary, report["failures"])
     assert report["failed"] == 0 and report["completed"] == report["requests"], (summary, report["failures"])
     faults = report["faults"]

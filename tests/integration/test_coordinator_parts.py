@@ -106,13 +106,15 @@ def test_record_writer_bounds_its_backlog(prefix):
     async def scenario():
         async with open_store(prefix) as store:
             writer = RequestRecordWriter(store, ttl_s=30.0, max_pending=2)
-            for name in "xyz":
+            for name in "xy":
                 writer.put(RequestRecord(name, "running"))
-            writer.put(RequestRecord("x", "stop"))  # an update of a pending record is kept
+            writer.put(RequestRecord("x", "stop"))  # an update of a pending record replaces it
+            writer.put(RequestRecord("z", "running"))  # full: the oldest (y) makes room
             assert writer.pending == 2
             await writer.flush()
             assert (await store.get_request("x")).state == "stop"
-            assert await store.get_request("z") is None
+            assert (await store.get_request("z")).state == "running"
+            assert await store.get_request("y") is None
     asyncio.run(scenario())
 
 

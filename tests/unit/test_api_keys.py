@@ -188,6 +188,51 @@ def test_gateway_core_accepts_file_and_plain_keys(tmp_path):
     asyncio.run(run())
 
 
+def test_a_flood_of_unseen_keys_is_bounded_and_leaving_callers_keep_their_slot(tmp_path, monkeypatch):
+    import threading
+
+    import gateway.core as core_module
+    from splitserve.errors import Overloaded
+
+    core = _core(tmp_path)
+    release = threading.Event()
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    def slow_verify(key):  # stands in for scrypt over every entry, on the thread
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+        return None
+
+    monkeypatch.setattr(core.keys, "verify", slow_verify)
+    monkeypatch.setattr(core_module, "MAX_WAITING_KEY_CHECKS", 3)
+
+    async def until(predicate):
+        for _ in range(500):  # polling, bounded: 5 s
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def run():
+        waiting = [asyncio.ensure_future(core.authorize(f"Bearer k-flood-{i}")) for i in range(3)]
+        await until(lambda: core._waiting_key_checks == 3 and running[0] == 1)
+        with pytest.raises(Overloaded):  # the bound is on callers waiting
+            await core.authorize("Bearer k-one-too-many")
+        waiting[0].cancel()  # the caller whose key is being hashed leaves
+        await asyncio.sleep(0.1)  # time for a wrongly freed slot to start a second hash
+        release.set()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert isinstance(results[0], asyncio.CancelledError)
+        assert all(isinstance(r, Unauthenticated) for r in results[1:])
+    asyncio.run(run())
+    assert peak[0] == 1
+
+
 def test_a_bad_keys_file_stops_the_gateway_naming_it(tmp_path):
     with pytest.raises(KeysFileError, match="api_keys_file: cannot read"):
         GatewayCore(GatewayConfig(model="/m/x", api_keys_file=str(tmp_path / "nope.toml")), None, None)
