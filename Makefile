@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # Layers first (the import-linter contracts in pyproject.toml), then every test.
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: setup
 	$(VENV)/bin/lint-imports

@@ -42,7 +42,7 @@ RESUBMITS = Counter("splitserve_gateway_coordinator_resubmits_total",
 # be reached (a restarted coordinator takes a few seconds to start), for at most
 # COORDINATOR_WAIT_S from the first failure; after UNAVAILABLE answers of its own (e.g. no
 # worker can take the request), at most MAX_RESUBMITS times.
-MAX_RESUBMITS = 4
+MAX_RESUBMITS = 2
 COORDINATOR_WAIT_S = 30.0
 
 

@@ -65,11 +65,13 @@ class KeyRateLimiter:
         `limits`: the caller's tenant's own (None: the defaults); `tenant` names it in errors."""
         requests_per_minute, tokens_per_minute = self.limits_for(limits)
         whose = f"tenant {tenant}'s" if limits is not None and tenant else "this API key's"
-        setting = "{} in the API keys file" if limits is not None else "rate_limit_{}"
+        def setting(name: str) -> str:  # where the limit that applies was set
+            own = limits is not None and getattr(limits, name) is not None
+            return f"{name} in the API keys file" if own else f"--rate-limit-{name.replace('_', '-')}"
         if tokens_per_minute and tokens > tokens_per_minute:
             raise InvalidArgument(f"max_tokens: prompt + max_tokens = {tokens} tokens exceeds {whose} limit "
                                   f"of {tokens_per_minute} tokens per minute "
-                                  f"({setting.format('tokens_per_minute')})", param="max_tokens")
+                                  f"({setting('tokens_per_minute')})", param="max_tokens")
         caller = owner or ANONYMOUS
         try:
             for limit, per_minute, cost in (("requests", requests_per_minute, 1),
@@ -82,7 +84,7 @@ class KeyRateLimiter:
                     LIMITED.labels(limit).inc()
                     who = f"tenant {tenant} is" if limits is not None and tenant else "this API key is"
                     raise Overloaded(f"{who} over its limit of {per_minute} {limit} per minute "
-                                     f"({setting.format(limit + '_per_minute')}); retry in {retry_after_s:.1f} s",
+                                     f"({setting(limit + '_per_minute')}); retry in {retry_after_s:.1f} s",
                                      retry_after_s=max(retry_after_s, 0.001))
         except StateUnavailableError as err:
             UNAVAILABLE.inc()

@@ -200,3 +200,14 @@ def send_chat_cases(up: dict, tokenizer, chats: list[list[dict]], samplings: lis
         http_replies = [pool.submit(over_http, case) for case in cases]
         sdk_replies = [pool.submit(over_sdk, case) for case in cases]
         return [f.result() for f in http_replies], [f.result() for f in sdk_replies]
+
+
+def until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll `predicate` until it returns a truthy value (returned); fail naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)  # polling a condition, bounded by the deadline

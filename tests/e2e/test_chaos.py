@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import typer
-from real_model_support import splitserve_up, wait_for_workers
+from real_model_support import splitserve_up, until, wait_for_workers
 from typer.testing import CliRunner
 
 from splitserve.chaos import ChaosOptions, chaos_command, parse_service_cmdline, plan_faults
@@ -32,20 +32,12 @@ def _chaos_app() -> typer.Typer:
     return app
 
 
-def _until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)  # polling a condition, bounded by the deadline
-    return value
-
-
 def test_killed_workers_lose_no_request_and_corrupt_no_output(tiny_model_dirs, tmp_path):
     with splitserve_up(tiny_model_dirs["llama"], tmp_path, "--workers", "3", "--kv-cache-memory-bytes",
                        str(16 << 20)) as up:
         wait_for_workers(up["prefix"], 3)
         # `up` supervises (restarts what dies) once every service it started is up.
-        _until(lambda: "serving;" in (up["log_dir"] / "up.out").read_text(), 120, "splitserve up to finish starting")
+        until(lambda: "serving;" in (up["log_dir"] / "up.out").read_text(), 120, "splitserve up to finish starting")
         out = tmp_path / "chaos.json"
         result = CliRunner().invoke(_chaos_app(), [
             "--target", up["grpc"], "--redis-url", os.environ["SPLITSERVE_TEST_REDIS_URL"],

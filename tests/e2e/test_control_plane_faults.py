@@ -28,6 +28,8 @@ import grpc
 import pytest
 import redis
 
+from real_model_support import until
+
 from splitserve.client import Client, SplitserveClientError
 from splitserve.launcher import ClusterSpec, start_cluster, wait_port_healthy
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
@@ -44,17 +46,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
 
 def _sampled(i: int) -> dict:
     return dict(temperature=0.8, top_k=40, seed=7000 + i, ignore_eos=True, max_tokens=MAX_TOKENS)
-
-
-def _until(predicate, timeout_s: float, what: str, interval_s: float = 0.02):
-    """Poll `predicate` until it returns a truthy value (returned); fail after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(interval_s)  # polling a condition, bounded by the deadline
 
 
 # ---- a Redis that can be killed and started again on its port ---------------------------
@@ -83,7 +74,7 @@ class RestartableRedis:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
              "--dir", str(self.workdir), "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _until(lambda: redis_reachable(self.url, 0.2) or self.process.poll() is not None, timeout_s,
+        until(lambda: redis_reachable(self.url, 0.2) or self.process.poll() is not None, timeout_s,
                "redis-server to answer")
         assert self.process.poll() is None, f"redis-server exited with {self.process.returncode}"
         return time.monotonic()
@@ -269,11 +260,11 @@ def test_redis_restart_loses_no_request_and_every_service_reconnects_within_5_s(
     try:
         refs = _references(cluster.gateway_grpc, sampled=True)
         traffic = Traffic(cluster.gateway_grpc, concurrency=6, sampled=True).start()
-        _until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
+        until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
         killed = server.kill()
         # Down for two heartbeat TTLs' worth of heartbeats: every service meets the outage
         # (failed heartbeats, record writes, rate-limit takes, view refreshes).
-        _until(lambda: time.monotonic() - killed > 2.0, 5, "the outage to last 2 s", 0.1)
+        until(lambda: time.monotonic() - killed > 2.0, 5, "the outage to last 2 s", 0.1)
         back = server.start()
 
         def workers_registered():
@@ -300,11 +291,11 @@ def test_redis_restart_loses_no_request_and_every_service_reconnects_within_5_s(
         reconnect = {}
         for name, check in (("workers (registry)", workers_registered), ("scheduler (view)", view_fresh),
                             ("coordinator (records)", records_written), ("gateway (rate limit)", rate_limit_used)):
-            _until(check, 15, name)
+            until(check, 15, name)
             reconnect[name] = time.monotonic() - back
         # Requests sent after recovery succeed too.
         recovered = time.monotonic()
-        _until(lambda: traffic.completed_since(recovered) >= 12, 30, "requests after the restart")
+        until(lambda: traffic.completed_since(recovered) >= 12, 30, "requests after the restart")
         outcomes = traffic.stop()
 
         _assert_all_exact(outcomes, refs)
@@ -391,11 +382,11 @@ def test_a_restarted_coordinator_or_scheduler_loses_no_request(split_cluster, se
     continued_before = _metric(cluster.gateway_http, "splitserve_gateway_coordinator_resubmits_total", after="output")
     # Greedy and sampled: both continue from their delivered tokens (generated_token_ids).
     traffic = Traffic(cluster.gateway_grpc, concurrency=6, sampled=True).start()
-    _until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
+    until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
     # Killed while streams are under way: what it held must continue from their tokens.
-    _until(lambda: traffic.mid_stream() >= 2, 30, "requests streaming output", 0.005)
+    until(lambda: traffic.mid_stream() >= 2, 30, "requests streaming output", 0.005)
     killed, healthy = _restart(cluster, service)
-    _until(lambda: traffic.completed_since(healthy) >= 12, 30, f"requests after the {service} restart")
+    until(lambda: traffic.completed_since(healthy) >= 12, 30, f"requests after the {service} restart")
     outcomes = traffic.stop()
 
     _assert_all_exact(outcomes, refs)
@@ -415,7 +406,7 @@ def test_a_restarted_coordinator_or_scheduler_loses_no_request(split_cluster, se
     # Nothing stays reserved for the killed requests: every worker is back to all blocks free
     # (a reservation whose request's coordinator died ends at the worker's reservation TTL).
     try:
-        _until(lambda: _all_kv_free(cluster), 15, "every worker's KV blocks to be free", 0.2)
+        until(lambda: _all_kv_free(cluster), 15, "every worker's KV blocks to be free", 0.2)
     except AssertionError:
         loads = {w: (l.free_blocks, l.total_blocks, l.running, l.waiting) for w, l in _worker_loads(cluster).items()}
         raise AssertionError(f"KV still held 15 s after the traffic stopped (free, total, running, waiting): {loads}")
@@ -441,12 +432,12 @@ def test_a_killed_gateway_replica_is_survived_by_the_sdk_on_both_addresses(split
         # (pick_first: the first answers every request, the second takes over when it dies).
         both = f"ipv4:{first.grpc_address},127.0.0.1:{grpc_port}"
         traffic = Traffic(both, concurrency=6).start()
-        _until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
-        _until(lambda: traffic.mid_stream() >= 2, 30, "requests streaming output", 0.005)
+        until(lambda: traffic.completed_since(0) >= 10, 30, "traffic to flow")
+        until(lambda: traffic.mid_stream() >= 2, 30, "requests streaming output", 0.005)
         first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         killed = time.monotonic()
-        _until(lambda: traffic.completed_since(killed) >= 15, 30, "requests after the kill")
+        until(lambda: traffic.completed_since(killed) >= 15, 30, "requests after the kill")
         outcomes = traffic.stop()
         first_after = min((o.ended for o in outcomes if o.started > killed and o.tokens), default=float("inf"))
         in_flight = [o for o in outcomes if o.started < killed < o.ended]

@@ -26,6 +26,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from real_model_support import until
+
 from splitserve.launcher import _serve_cmd, wait_port_healthy
 from splitserve.redis_server import free_port
 
@@ -123,20 +125,10 @@ def _grpc_health(address: str, service: str) -> int:
                                                          timeout=2).status
 
 
-def _until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # polling a condition, bounded by the deadline
-
-
 def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(services, receiver):
     http = services["http"]
     # The gateway process is up: live, not ready (no worker is registered anywhere).
-    _until(lambda: _live(http), 60, "the gateway's HTTP listener")
+    until(lambda: _live(http), 60, "the gateway's HTTP listener")
     reply = httpx.get(f"{http}/health", timeout=5)
     assert reply.status_code == 503 and "no eligible worker" in reply.json()["reason"]
     assert httpx.get(f"{http}/health/ready", timeout=5).status_code == 503
@@ -147,13 +139,13 @@ def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(
     from workers.diffusion.tiny_task import TINY_MODEL_DIR
 
     services["start_worker"](9, "both", str(TINY_MODEL_DIR))
-    _until(lambda: "tr-worker-9" in _scheduler_view(services["scheduler"]), 30, "the scheduler to see the worker")
+    until(lambda: "tr-worker-9" in _scheduler_view(services["scheduler"]), 30, "the scheduler to see the worker")
     reply = httpx.get(f"{http}/health", timeout=5)
     assert reply.status_code == 503 and "no eligible worker" in reply.json()["reason"]
 
     services["start_worker"](0, "prefill")
     services["start_worker"](1, "decode")
-    _until(lambda: httpx.get(f"{http}/health", timeout=5).status_code == 200, 60, "/health to answer 200")
+    until(lambda: httpx.get(f"{http}/health", timeout=5).status_code == 200, 60, "/health to answer 200")
     # The moment it does: a request succeeds (pd_disaggregated needs both roles: both are placeable).
     traceparent = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
     reply = httpx.post(f"{http}/v1/completions", json={"prompt": "Hello, traces", "max_tokens": 6,
@@ -161,14 +153,14 @@ def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(
                        headers={"traceparent": traceparent}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 6
-    _until(lambda: _grpc_health(services["grpc"], "") == health_pb2.HealthCheckResponse.SERVING, 10,
+    until(lambda: _grpc_health(services["grpc"], "") == health_pb2.HealthCheckResponse.SERVING, 10,
            "the gateway's gRPC readiness")
 
     sink, _ = receiver
     wanted = {"gateway.request", "coordinator.request", "coordinator.place", "scheduler.place", "coordinator.stage",
               "coordinator.kv_reserve", "worker.stage", "worker.queue", "worker.prefill", "worker.decode",
               "worker.kv_push", "worker.kv_receive"}
-    spans = _until(lambda: (s := sink.of_trace(TRACE_ID)) and wanted <= {span.name for _, span in s} and s, 30,
+    spans = until(lambda: (s := sink.of_trace(TRACE_ID)) and wanted <= {span.name for _, span in s} and s, 30,
                    f"spans {sorted(wanted)}")
     by_id = {span.span_id.hex(): (service, span) for service, span in spans}
     # One tree under the caller's span: one root (the gateway's: its request span, or the web

@@ -150,8 +150,8 @@ def test_a_set_role_with_a_stale_fencing_token_is_refused(up):
     worker_id, pool = next(iter(_pools(up).items()))
     with grpc.insecure_channel(_worker_address(up, worker_id)) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        # A far newer leader's token is accepted (same pool: nothing moves) ...
-        stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool=pool, fencing_token=1 << 40), timeout=5)
+        # A far newer leader's token (they start from Redis' clock in ms) is accepted (same pool: no move) ...
+        stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool=pool, fencing_token=1 << 62), timeout=5)
         # ... after which an older one is refused, naming the field.
         with pytest.raises(grpc.RpcError) as refused:
             stub.SetRole(worker_pb2.SetRoleRequest(role="prefill", pool=pool, fencing_token=1), timeout=5)

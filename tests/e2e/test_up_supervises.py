@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from real_model_support import splitserve_up, wait_for_workers
+from real_model_support import splitserve_up, until, wait_for_workers
 
 from splitserve.client import Client
 
@@ -26,32 +26,24 @@ def _worker_pid(prefix: str, worker_id: str) -> int | None:
     return mine[0] if mine else None
 
 
-def _until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)  # polling a condition, bounded by the deadline
-    return value
-
-
 def test_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(tiny_model_dirs, tmp_path):
     with splitserve_up(tiny_model_dirs["llama"], tmp_path, "--workers", "2", "--kv-cache-memory-bytes",
                        str(16 << 20)) as up:
         wait_for_workers(up["prefix"], 2)
         # /health is ready once one worker is; `up` supervises once every service it started is up.
-        _until(lambda: "serving;" in (up["log_dir"] / "up.out").read_text(), 60, "splitserve up to finish starting")
+        until(lambda: "serving;" in (up["log_dir"] / "up.out").read_text(), 60, "splitserve up to finish starting")
         with Client(up["grpc"], timeout_s=60) as sdk:
             before = sdk.generate("steady", max_tokens=6, temperature=0, ignore_eos=True).token_ids
-            victim = _until(lambda: _worker_pid(up["prefix"], "worker-1"), 10, "worker-1's pid")
+            victim = until(lambda: _worker_pid(up["prefix"], "worker-1"), 10, "worker-1's pid")
             os.kill(victim, signal.SIGKILL)
             # The other worker keeps serving while worker-1 is down (retriable errors are retried
             # by the SDK; a request on the dead worker migrates).
             for _ in range(3):
                 assert sdk.generate("steady", max_tokens=6, temperature=0, ignore_eos=True).token_ids == before
-            restarted = _until(lambda: (pid := _worker_pid(up["prefix"], "worker-1")) and pid != victim and pid,
+            restarted = until(lambda: (pid := _worker_pid(up["prefix"], "worker-1")) and pid != victim and pid,
                                30, "worker-1 to be started again")
             wait_for_workers(up["prefix"], 2, timeout_s=60)
-            status = _until(lambda: _status_row(up["prefix"], "worker-1"), 60, "the restart in splitserve status")
+            status = until(lambda: _status_row(up["prefix"], "worker-1"), 60, "the restart in splitserve status")
             assert status.replace("│", " ").split()[-1] == "1", status
             for _ in range(4):
                 assert sdk.generate("steady", max_tokens=6, temperature=0, ignore_eos=True).token_ids == before

@@ -267,9 +267,16 @@ def test_tenant_limits_override_the_defaults():
         await limiter.check("plain-owner", 10)
         await limiter.check("plain-owner", 10)
         with pytest.raises(Overloaded, match=r"this API key is over its limit of 2 requests per minute "
-                                             r"\(rate_limit_requests_per_minute\)"):
+                                             r"\(--rate-limit-requests-per-minute\)"):
             await limiter.check("plain-owner", 10)
-        assert set(store.levels) == {"requests:tenant:acme", "requests:plain-owner"}
+        # A tenant without a limit of its own gets the default, and is told where that was set.
+        default = TenantLimits(tokens_per_minute=500)
+        await limiter.check("tenant:plain", 10, default, "plain")
+        await limiter.check("tenant:plain", 10, default, "plain")
+        with pytest.raises(Overloaded, match=r"\(--rate-limit-requests-per-minute\)"):
+            await limiter.check("tenant:plain", 10, default, "plain")
+        assert set(store.levels) == {"requests:tenant:acme", "requests:plain-owner", "requests:tenant:plain",
+                                     "tokens:tenant:plain"}
         tokens = KeyRateLimiter(store, tenant_limits=True)
         assert tokens.enabled and not KeyRateLimiter(store).enabled
         with pytest.raises(InvalidArgument, match="tenant acme's limit of 100 tokens per minute") as info:

@@ -15,8 +15,24 @@ from workers.engine.emulated import EmulatedEngine, Emulation, StepPacer
 from workers.server import engine_config_from
 
 
+class VirtualTime:
+    """The emulated pass's sleep advances this clock instead of waiting: every step then
+    measures exactly its model time, whatever the machine's load (no wall clock in the test)."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def now(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += max(0.0, seconds)
+
+
 def emulated(config: EngineConfig, emulation: Emulation = Emulation("A100", "Qwen2.5-14B")) -> EmulatedEngine:
-    return EmulatedEngine(config, emulation, pacer=StepPacer(sleep=lambda s: None))
+    time_ = VirtualTime()
+    pacer = StepPacer(clock=time_.now, sleep=time_.sleep, cpu_clock=time_.now)
+    return EmulatedEngine(config, emulation, clock=time_.now, pacer=pacer)
 
 
 def test_flags_and_env_vars_reach_the_engine_config(tmp_path):
