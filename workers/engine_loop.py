@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitserve.core import StageKey, StageSpec, TokenEvent
+from splitserve.core import KvInBlocks, StageKey, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.engine import Engine
@@ -95,9 +95,14 @@ class EngineLoop:
         after its gateway or coordinator died: the cancellation of the old attempt travels
         through the coordinator and may arrive after the new one; or the old stage still
         holds its KV while it is being aborted or pushed): it waits up to
-        `superseded_wait_s` for the key to be free rather than being refused as a duplicate."""
+        `superseded_wait_s` for the key to be free rather than being refused as a duplicate.
+
+        KV the stage brings in reserved blocks (`KvInBlocks`) is the engine's once the stage
+        is taken; whenever it is not (refused, busy, or the caller cancelled while waiting),
+        those blocks are released here: no path leaves them reserved for nobody."""
         give_up = time.monotonic() + superseded_wait_s
         self._adding += 1
+        in_engine_hands = False  # an _Add sent whose answer has not come back: _accepted decides
         try:
             while True:
                 if spec.key in self._streams:  # the previous attempt's stream is still open
@@ -111,23 +116,36 @@ class EngineLoop:
                 events: asyncio.Queue = asyncio.Queue()
                 accepted = self.loop.create_future()
                 self._send(_Add(spec, accepted, events))
+                in_engine_hands = True
                 try:
                     await accepted
                     return events
                 except ValueError as err:
+                    in_engine_hands = False  # refused: the blocks are still only reserved
                     if "already in the engine" not in str(err):
                         raise
                     if time.monotonic() >= give_up:
                         raise StageBusy(str(err)) from None
                 await asyncio.sleep(0.05)  # a bounded retry of the add, not synchronisation
+        except BaseException:
+            if not in_engine_hands:
+                self._release_reserved_kv(spec)
+            raise
         finally:
             self._adding -= 1
+
+    def _release_reserved_kv(self, spec: StageSpec) -> None:
+        if isinstance(spec.kv, KvInBlocks) and spec.kv.block_ids:
+            blocks = list(spec.kv.block_ids)
+            self.call(lambda engine: engine.release_reserved(blocks))  # sent now, whoever awaits
 
     def _accepted(self, command: "_Add", error: BaseException | None) -> None:
         """On the event loop, in order with the step events: open the stage's stream."""
         if command.accepted.done():  # the caller went away while the engine took the stage
             if error is None:
-                self._send(("abort", command.spec.key))
+                self._send(("abort", command.spec.key))  # the stage frees its blocks
+            else:
+                self._release_reserved_kv(command.spec)  # refused: they are still only reserved
             return
         if error is not None:
             command.accepted.set_exception(error)
@@ -174,10 +192,15 @@ class EngineLoop:
         watchers[key] = (stop_at, callback)  # one dict store: safe beside the engine thread's reads
         return True
 
-    def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
-        """Run `fn(engine)` on the engine thread between steps; resolves with its result."""
+    def call(self, fn: Callable[[Engine], Any],
+             undo: Callable[[Engine, Any], Any] | None = None) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between steps; resolves with its result.
+
+        `undo(engine, result)` runs on the engine thread when nobody is left to take the
+        result (its awaiting caller was cancelled, e.g. its gRPC call ended with the
+        coordinator that made it): a reservation or a lease `fn` took would otherwise leak."""
         fut = self.loop.create_future()
-        self._send(("call", fn, fut))
+        self._send(("call", fn, fut, undo))
         return fut
 
     # ---- engine thread ------------------------------------------------------------
@@ -230,12 +253,23 @@ class EngineLoop:
                 self.engine.abort(command[1])
                 self._watched_progress.pop(command[1], None)
             elif command[0] == "call":
-                _, fn, fut = command
+                _, fn, fut, undo = command
                 try:
                     result, error = fn(self.engine), None
                 except Exception as err:
                     result, error = None, err
-                self.loop.call_soon_threadsafe(_resolve, fut, result, error)
+                self.loop.call_soon_threadsafe(self._resolve, fut, result, error, undo)
+
+    def _resolve(self, fut: asyncio.Future, result, error, undo) -> None:
+        """On the event loop: hand a call's result to its caller, or undo it if the caller left."""
+        if fut.done():  # cancelled: nobody will own what fn took
+            if error is None and undo is not None:
+                self.call(lambda engine: undo(engine, result))
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
     def _idle_wait(self, hold_until: float | None) -> float:
         """How long to sleep when a step ran nothing: until the policy's hold ends, at most idle_wait_s."""
@@ -265,12 +299,3 @@ class EngineLoop:
             stream.put_nowait(ev)
             if ev.finished:
                 self._close_stream(ev.key)
-
-
-def _resolve(fut: asyncio.Future, result, error) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)

@@ -127,7 +127,7 @@ class KvStageManager:
         if not 0 <= start < num_tokens or (start and start % self.memory.block_size):
             raise ValueError(f"start must be a multiple of the block size {self.memory.block_size} "
                              f"below num_tokens={num_tokens}, got {start}")
-        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - start))
+        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - start), undo=_release_reserved)
         self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic(), start)
         self.tracker.expect(transfer_id, request_id, num_tokens - start, blocks, token_start=start)
         if self.transport is not None:
@@ -176,7 +176,8 @@ class KvStageManager:
             return None
         local = 0
         if token_ids is not None and num_tokens % bs == 0:
-            held = await self.loop.call(lambda engine: engine.hold_cached_prefix(token_ids, num_tokens))
+            held = await self.loop.call(lambda engine: engine.hold_cached_prefix(token_ids, num_tokens),
+                                        undo=_release_lease)
             if held:
                 self._leases.append(_Lease(request_id, held, time.monotonic()))
                 local = len(held) * bs
@@ -185,7 +186,7 @@ class KvStageManager:
                 KV_OUTCOMES.labels("cached").inc()
                 return None
         try:
-            blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - local))
+            blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - local), undo=_release_reserved)
         except KvCapacityError:
             KV_OUTCOMES.labels("recomputed").inc()
             return None
@@ -198,6 +199,9 @@ class KvStageManager:
             KV_OUTCOMES.labels("recomputed").inc()
             await self.loop.call(lambda engine: engine.release_reserved(blocks))
             return None
+        except BaseException:  # cancelled mid-pull (the stage's caller left): nobody owns them
+            self.loop.call(lambda engine: engine.release_reserved(blocks))
+            raise
         KV_OUTCOMES.labels("pulled").inc()
         KV_INCOMING_TOKENS.labels("pulled").inc(num_tokens - local)
         return KvInBlocks(tuple(blocks), num_tokens, local)
@@ -207,7 +211,8 @@ class KvStageManager:
         """Hold a pinned session history's whole blocks (up to max_tokens) for `request_id`'s lazy
         pull; (block ids, tokens they hold), ([], 0) when nothing is pinned here."""
         self.reap_expired()
-        blocks = await self.loop.call(lambda engine: engine.lease_session_kv(session_id, max_tokens))
+        blocks = await self.loop.call(lambda engine: engine.lease_session_kv(session_id, max_tokens),
+                                      undo=_release_lease)
         if blocks:
             self._leases.append(_Lease(request_id, blocks, time.monotonic()))
             HISTORY_LEASES.inc()
@@ -364,3 +369,13 @@ class KvStageManager:
 
 
 __all__ = ["KvStageManager", "KvCapacityError"]
+
+
+# What a cancelled caller's engine call took, given back (EngineLoop.call's `undo`).
+def _release_reserved(engine, blocks: list[int]) -> None:
+    engine.release_reserved(blocks)
+
+
+def _release_lease(engine, blocks: list[int]) -> None:
+    if blocks:
+        engine.release_lease(blocks)

@@ -228,14 +228,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 record_interval("worker.kv_receive", span, waited, time.time_ns(), {
                     "splitserve.source_worker": source.worker_id, "splitserve.lazy_pull": source.lazy,
                     "splitserve.kv_tokens": kv.num_tokens if kv is not None else 0})
-            spec = stage_spec_from_proto(stage, key, kv)
+            try:
+                spec = stage_spec_from_proto(stage, key, kv)
+            except BaseException:
+                if kv is not None:  # from here on `add` owns the received blocks; before it, we do
+                    srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
+                raise
             arrived = time.monotonic()
             arrived_ns = time.time_ns()
             try:
+                # Takes the received KV blocks, or releases them if the stage does not start
+                # (refused, busy, or this call cancelled while it waited).
                 events = await srv.loop.add(spec)
             except ValueError as err:
-                if kv is not None:
-                    await srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
                 if isinstance(err, StageBusy):  # an earlier attempt still runs here: retry elsewhere
                     raise Unavailable(str(err)) from None
                 # The core's DiffusionParamError names its field; other messages start with it.

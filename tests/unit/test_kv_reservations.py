@@ -30,7 +30,7 @@ class _Loop:
     def __init__(self, engine: Scheduler):
         self.engine = engine
 
-    async def call(self, fn):
+    async def call(self, fn, undo=None):  # a cancelled caller's fn never runs here: nothing to undo
         await asyncio.sleep(0)
         return fn(self.engine)
 

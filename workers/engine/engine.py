@@ -187,10 +187,10 @@ class Engine:
         self.last_output = out
         if not out.entries:
             return []
-        started = time.perf_counter()
+        started = self.clock()  # the injected clock: an emulated pass on virtual time measures its model time
         on_layer_kv = self._layer_hook(out) if self.layer_watchers else None
         sampled = self.runner.execute(out) if on_layer_kv is None else self.runner.execute(out, on_layer_kv)
-        return self.scheduler.update_from_output(out, sampled, time.perf_counter() - started)
+        return self.scheduler.update_from_output(out, sampled, self.clock() - started)
 
     @property
     def last_step_tokens(self) -> int:
