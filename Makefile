@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# keeps pip from also pulling the CUDA-12 variant. Without it, KV moves over gRPC.
 	$(PY) -c "import nixl" 2>/dev/null || ($(PIP) install -q "nixl-cu13>=1.5" && $(PIP) install -q --no-deps "nixl>=1.5") \
 		|| echo "nixl not installed: KV transfer falls back to gRPC"
+	# The CPU decode-attention kernel, compiled once for this machine now rather than by the
+	# first worker (without a C++ compiler the engine keeps its torch path).
+	$(PY) -m workers.engine.kernels || echo "CPU kernels not built: decode attention runs in torch"
 	touch $(STAMP)
 
 # Layers first (the import-linter contracts in pyproject.toml), then every test.

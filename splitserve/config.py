@@ -85,6 +85,11 @@ class WorkerConfig(CommonConfig):
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
+    attention_backend: str = opt("auto", "Attention kernels: auto (flash-attn on CUDA where it fits; on the CPU the "
+                                 "paged decode kernel compiled for this machine, else torch SDPA) | sdpa | flash | "
+                                 "cpu_kernel.")
+    cpu_linear: str = opt("auto", "CPU linear layers: auto/onednn (oneDNN over weights reordered once; 1.3-1.9x "
+                          "torch's default here) | torch (F.linear).")
     captured_shapes: bool = opt(False, "LAPS captured shapes: pad each step of short prefills to a (tokens, batch) "
                                 "bucket, as a CUDA graph replay needs (exact; on the CPU it only costs the pads).")
     shape_tokens: str = opt("8,16,32,64,128,256", "Captured prompt-length buckets (with --captured-shapes).")

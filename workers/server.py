@@ -136,6 +136,7 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
         batch_policy=config.batch_policy, batch_policy_options=batch_policy_options_from(config),
         perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
+        attention_backend=config.attention_backend, cpu_linear=config.cpu_linear,
         captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
         captured_shapes_executor=config.captured_shapes_executor, max_captured_buckets=config.max_captured_buckets,
         dllm_cache=config.dllm_cache, max_num_logits=config.max_num_logits, sparse_kv=config.sparse_kv,

@@ -65,7 +65,18 @@ def test_single_requests(arch, tiny_model_dirs, reference):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_sixteen_mixed_requests_together(arch, tiny_model_dirs, reference):
-    got, _ = _engine_greedy(tiny_model_dirs[arch], MIXED)
+    got, engine = _engine_greedy(tiny_model_dirs[arch], MIXED)
+    assert got == reference(arch, MIXED)
+    from workers.engine import kernels
+
+    # On the CPU the compiled decode kernel serves wherever it builds (make setup builds it).
+    assert (engine.runner.decode_kernel is not None) == (kernels.load() is not None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: the sliding window
+def test_the_torch_decode_path_gives_the_same_tokens(arch, tiny_model_dirs, reference):
+    got, engine = _engine_greedy(tiny_model_dirs[arch], MIXED, attention_backend="sdpa")
+    assert engine.runner.decode_kernel is None
     assert got == reference(arch, MIXED)
 
 

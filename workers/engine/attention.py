@@ -8,6 +8,7 @@ without flash-attn). The flattened batch puts decode tokens first, then prefill 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,8 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_context_len: int = 0
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, batch order
+    # The compiled CPU decode kernel (workers/engine/kernels), or None: torch SDPA over gathered KV.
+    decode_kernel: Callable | None = None
 
 
 @dataclass
@@ -106,7 +109,10 @@ def paged_attention(
         )
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.decode_kernel is not None:  # in place from the paged cache: no KV copy
+        out[:nd] = meta.decode_kernel(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                      scale, sliding_window or 0)
+    elif nd:
         out[:nd] = _sdpa_decode(q[:nd], k_cache, v_cache, meta, sliding_window, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)

@@ -53,7 +53,13 @@ class EngineConfig:
     # A fitted performance model's JSON (`splitserve profile --out`), given to a batch policy
     # that predicts step latency (slo_aware); the emulated engine gives its own model without one.
     perf_model: str = ""
-    attention_backend: str = "auto"  # auto | sdpa | flash
+    # auto: flash-attn on CUDA where it fits, else on the CPU the compiled paged decode kernel
+    # (workers/engine/kernels) where it builds, else torch SDPA; sdpa: torch only;
+    # cpu_kernel: the CPU kernel or an error; flash: flash-attn or an error.
+    attention_backend: str = "auto"
+    # CPU linear layers: auto/onednn run them on oneDNN over weights reordered once
+    # (workers/engine/cpu_linear.py, 1.3-1.9x faster than torch's default here); torch keeps F.linear.
+    cpu_linear: str = "auto"
     # LAPS captured shapes: steps of short prefills padded to a (tokens, batch) bucket of
     # these sizes (`workers/engine/captured_shapes.py`); off: every step runs unpadded.
     captured_shapes: bool = False
@@ -90,8 +96,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "sdpa", "flash"):
-            raise ValueError(f"attention_backend must be auto, sdpa or flash, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flash", "cpu_kernel"):
+            raise ValueError("attention_backend must be auto, sdpa, flash or cpu_kernel, "
+                             f"got {self.attention_backend!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto":

@@ -18,6 +18,7 @@ from workers.engine.attention import (
 from splitserve.core.shapes import ShapeGrid
 from workers.engine.captured_shapes import BucketRunner, build_bucket_step
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
+from workers.engine.cpu_linear import onednn_available, pack_linears
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
 from splitserve.core import ScheduledEntry, SchedulerOutput, StageKey
@@ -51,7 +52,9 @@ class ModelRunner:
             self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
         self.use_flash = self._choose_flash()
+        self.decode_kernel = self._choose_decode_kernel()
         self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
+        self.onednn_linears = self._pack_linears()
         self.num_blocks = self._kv_capacity_blocks(max_model_len)
         # LAPS captured shapes: padded steps write their pad tokens' KV to one scratch block
         # past the ones the block manager owns (`num_blocks`).
@@ -137,6 +140,34 @@ class ModelRunner:
                 f"block_size a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}"
             )
         return ok and backend != "sdpa"
+
+    def _pack_linears(self) -> int:
+        """oneDNN linears on the CPU (cpu_linear auto/onednn); how many layers were packed."""
+        choice = self.config.cpu_linear
+        if choice == "torch":
+            return 0
+        available = onednn_available(self.device, self.dtype)
+        # A torch.compile'd bucket (captured shapes, executor compile) traces the model: keep
+        # plain weights there rather than opaque oneDNN tensors.
+        compiled = self.config.captured_shapes and self.config.captured_shapes_executor == "compile"
+        if choice == "onednn" and (not available or compiled):
+            raise ValueError("cpu_linear=onednn needs a CPU device, float32 or bfloat16, torch with oneDNN, "
+                             "and no compiled captured shapes")
+        return pack_linears(self.model) if available and not compiled else 0
+
+    def _choose_decode_kernel(self):
+        """The compiled paged decode-attention kernel on the CPU (auto, cpu_kernel), else None."""
+        backend = self.config.attention_backend
+        if self.device.type != "cpu" or backend not in ("auto", "cpu_kernel"):
+            if backend == "cpu_kernel":
+                raise ValueError("attention_backend=cpu_kernel runs on the CPU only")
+            return None
+        from workers.engine import kernels
+
+        module = kernels.load()
+        if module is None and backend == "cpu_kernel":
+            raise ValueError("attention_backend=cpu_kernel: the CPU kernel could not be built (see the log)")
+        return None if module is None else module.paged_decode_attention
 
     # ---- one step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -227,6 +258,7 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev) if decode_lens else None,
             prefills=prefills,
             block_size=bs,
+            decode_kernel=self.decode_kernel,
         )
         if self.use_flash:
             _add_flash_fields(meta, ordered, dev, bs)

@@ -54,10 +54,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [tokens, 1, head_dim]: looked up once per step
+        and shared by every layer (per layer, the lookups were 4 of its ~50 small ops)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, hidden, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -91,7 +96,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.use_flash, self.sliding_window
         )
@@ -120,8 +125,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions, hidden, rotary, kv_cache, meta, kv_written=None):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, meta)
+    def forward(self, hidden, rope, kv_cache, meta, kv_written=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
         if kv_written is not None:
             kv_written()  # this layer's KV of the step is in the cache (and final): the MLP still runs
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -170,9 +175,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         attention, before its MLP): a per-layer KV push starts there.
         """
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.tables(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             written = None if on_layer_kv is None else functools.partial(on_layer_kv, index)
-            hidden = layer(positions, hidden, self.model.rotary, kv_cache, meta, written)
+            hidden = layer(hidden, rope, kv_cache, meta, written)
         hidden = self.model.norm(hidden[logits_indices])
         return self.lm_head(hidden).float()
 

@@ -1,0 +1,105 @@
+"""CPU kernels compiled on this machine at first use (torch's C++ extension builder).
+
+`paged_decode_attention` reads decode keys and values in place from the paged KV cache
+(see paged_decode_attention.cpp for why). It is built once per machine and source into
+torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, under
+splitserve/), keyed
+by a hash of the source and of this CPU's instruction-set flags, since it is compiled for
+the CPU it runs on (-march=native). `make setup` builds it ahead (`python -m
+workers.engine.kernels`), so that no worker pays the compile (~30 s) when it starts.
+
+Where it cannot be built (no C++ compiler, no ninja, a non-x86/ARM CPU, or
+SPLITSERVE_CPU_KERNELS=0), `load()` returns None once, with one warning, and the engine
+keeps the pure-torch path: same results, only slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+ENV_SWITCH = "SPLITSERVE_CPU_KERNELS"  # "0": never build nor use the kernels
+BUILD_WAIT_S = 300.0  # how long to wait for another process's build before serving without
+
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    return f"splitserve_paged_decode_{digest}"
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled kernels, building them if needed; None where they cannot be had."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            log.info("CPU kernels off (%s=0): decode attention gathers KV in torch", ENV_SWITCH)
+        else:
+            try:
+                module = _build(verbose)
+            except Exception as err:  # no compiler, no ninja, an unknown CPU: the torch path serves
+                log.warning("CPU decode-attention kernel unavailable (%s); using the torch path",
+                            str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+        _state["module"] = module
+        return module
+
+
+def build_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    return Path(root) / "splitserve"
+
+
+def _build(verbose: bool) -> ModuleType:
+    """Compile (or load the cached build) under an OS file lock with a bounded wait.
+
+    torch's own build lock is a plain file: a process killed mid-compile (a supervisor's
+    restart, the OOM killer) leaves it behind and every later load waits for it forever.
+    An flock dies with its holder; holding it, a leftover torch lock file is stale and goes.
+    """
+    import fcntl
+
+    from torch.utils.cpp_extension import load as torch_load
+
+    name = build_name()
+    directory = build_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{name}.flock", "w") as lock:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {name} for over {BUILD_WAIT_S:.0f} s")
+                time.sleep(0.5)  # polling another process's build, with a deadline
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # a dead builder's; every builder holds our flock
+            return torch_load(name=name, sources=[str(SOURCE)], build_directory=str(directory), verbose=verbose,
+                              extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
