@@ -129,21 +129,12 @@ def drive_decode(model: str, prompts: list[list[int]], output_len: int, threads:
                 times.append(time.perf_counter() - t)
         return {"ms_per_token": statistics.median(times) * 1e3}
     import torch
-    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from engine_throughput import hf_decode_ms  # the same HF measurement as the engine-throughput benchmark
 
     torch.set_num_threads(threads)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
-        t = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-        one = time.perf_counter() - t
-        t = time.perf_counter()
-        hf.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
-        many = time.perf_counter() - t
-    return {"ms_per_token": (many - one) / (output_len - 1) * 1e3}
+    return {"ms_per_token": hf_decode_ms(Path(model), "float32", len(prompt), output_len)}
 
 
 DRIVERS = {"splitserve": drive_splitserve, "vllm": drive_vllm, "hf": drive_hf}

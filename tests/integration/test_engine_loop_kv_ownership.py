@@ -53,24 +53,24 @@ def _run(tiny_model_dirs, scenario) -> None:
     asyncio.run(main())
 
 
-def _hold_engine(loop: EngineLoop) -> threading.Event:
-    """Keep the engine thread busy until the returned gate opens (bounded: 10 s)."""
+async def _cancel_while_the_engine_works_on_it(loop: EngineLoop, coroutine) -> None:
+    """Start `coroutine` while the engine thread is held (bounded: 10 s), cancel it once its
+    engine call is on its way, then let the engine answer a caller that has left."""
     gate = threading.Event()
     loop.call(lambda engine: gate.wait(10))
-    return gate
+    task = asyncio.create_task(coroutine)
+    await asyncio.sleep(0)  # its call is queued behind the held one
+    task.cancel()
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def test_a_reservation_whose_caller_was_cancelled_is_released(tiny_model_dirs):
     async def scenario(loop: EngineLoop) -> None:
         kv = KvStageManager("w", loop, memory=None, tracker=TransferTracker(), transfer_timeout_s=1.0,
                             reservation_ttl_s=600)  # far beyond the test: only the undo can free them
-        gate = _hold_engine(loop)
-        prepare = asyncio.create_task(kv.prepare("req", "req:0", 40))
-        await asyncio.sleep(0)  # the reservation is on its way to the engine thread
-        prepare.cancel()
-        gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await prepare
+        await _cancel_while_the_engine_works_on_it(loop, kv.prepare("req", "req:0", 40))
         await _until_all_free(loop)
         assert await kv.release_for_request("req") == 0  # never recorded: nothing to free twice
 
@@ -116,14 +116,8 @@ def test_a_stage_whose_caller_left_while_the_engine_took_it_frees_its_blocks(tin
         key = StageKey("req", 1)
         for prompt in (tuple(range(5, 17)), (10**9,) * 12):  # taken (then aborted), and refused
             blocks = await loop.call(lambda engine: engine.reserve_kv(8))
-            gate = _hold_engine(loop)
-            add = asyncio.create_task(loop.add(StageSpec(key, prompt, SamplingParams(max_tokens=2),
-                                                         kv=KvInBlocks(tuple(blocks), 8))))
-            await asyncio.sleep(0)  # the stage is on its way to the engine thread
-            add.cancel()
-            gate.set()
-            with pytest.raises(asyncio.CancelledError):
-                await add
+            await _cancel_while_the_engine_works_on_it(loop, loop.add(
+                StageSpec(key, prompt, SamplingParams(max_tokens=2), kv=KvInBlocks(tuple(blocks), 8))))
             await _until_all_free(loop)
 
     _run(tiny_model_dirs, scenario)
