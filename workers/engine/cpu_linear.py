@@ -2,8 +2,8 @@
 
 torch's `F.linear` on the CPU calls MKL's sgemm, which on some CPUs (AMD EPYC here) takes
 a generic path: measured on this machine, one SmolLM2-135M pass over its 30 layers' and
-LM head's weights, each read from memory (benchmarks/cpu_kernels.py), takes 52 ms at
-1 row, 108 ms at 32 and 446 ms at 256 with `F.linear`, and 30 / 54 / 345 ms with oneDNN
+LM head's weights, each read from memory (benchmarks/cpu_kernels.py), takes 51 ms at
+1 row, 96 ms at 32 and 488 ms at 256 with `F.linear`, and 26 / 52 / 350 ms with oneDNN
 over weights reordered to its blocked layout — what vLLM's CPU backend does with its own oneDNN
 bindings. torch ships the same oneDNN: `torch.ops.mkldnn._reorder_linear_weight` and
 `_linear_pointwise`.

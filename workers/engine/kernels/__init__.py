@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 ENV_SWITCH = "SPLITSERVE_CPU_KERNELS"  # "0": never build nor use the kernels
+# -ffast-math lets the compiler vectorise the softmax's exp and reassociate the dot products
+# (8% faster, benchmarks/cpu_kernels.py; still within 1e-5 of SDPA); infinities stay defined:
+# the online softmax starts from -inf.
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
 BUILD_WAIT_S = 300.0  # how long to wait for another process's build before serving without
 
 _lock = threading.Lock()
@@ -45,7 +49,7 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     return f"splitserve_paged_decode_{digest}"
 
 
@@ -100,6 +104,6 @@ def _build(verbose: bool) -> ModuleType:
         try:
             (directory / "lock").unlink(missing_ok=True)  # a dead builder's; every builder holds our flock
             return torch_load(name=name, sources=[str(SOURCE)], build_directory=str(directory), verbose=verbose,
-                              extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"])
+                              extra_cflags=CFLAGS)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
