@@ -134,10 +134,14 @@ class EngineLoop:
         finally:
             self._adding -= 1
 
+    def release_reserved(self, block_ids) -> None:
+        """Give reserved KV blocks back; sent to the engine thread now, nobody need await it."""
+        blocks = list(block_ids)
+        self.call(lambda engine: engine.release_reserved(blocks))
+
     def _release_reserved_kv(self, spec: StageSpec) -> None:
         if isinstance(spec.kv, KvInBlocks) and spec.kv.block_ids:
-            blocks = list(spec.kv.block_ids)
-            self.call(lambda engine: engine.release_reserved(blocks))  # sent now, whoever awaits
+            self.release_reserved(spec.kv.block_ids)
 
     def _accepted(self, command: "_Add", error: BaseException | None) -> None:
         """On the event loop, in order with the step events: open the stage's stream."""

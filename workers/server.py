@@ -233,7 +233,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 spec = stage_spec_from_proto(stage, key, kv)
             except BaseException:
                 if kv is not None:  # from here on `add` owns the received blocks; before it, we do
-                    srv.loop.call(lambda engine: engine.release_reserved(list(kv.block_ids)))
+                    srv.loop.release_reserved(kv.block_ids)
                 raise
             arrived = time.monotonic()
             arrived_ns = time.time_ns()

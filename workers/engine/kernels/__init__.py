@@ -15,11 +15,11 @@ keeps the pure-torch path: same results, only slower.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
-import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -33,10 +33,6 @@ ENV_SWITCH = "SPLITSERVE_CPU_KERNELS"  # "0": never build nor use the kernels
 # the online softmax starts from -inf.
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
 BUILD_WAIT_S = 300.0  # how long to wait for another process's build before serving without
-
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
-
 
 def _cpu_flags() -> str:
     try:
@@ -53,22 +49,18 @@ def build_name() -> str:
     return f"splitserve_paged_decode_{digest}"
 
 
+@functools.cache  # one answer per process: an extension, once loaded, stays loaded
 def load(verbose: bool = False) -> ModuleType | None:
     """The compiled kernels, building them if needed; None where they cannot be had."""
-    with _lock:
-        if "module" in _state:
-            return _state["module"]
-        module = None
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            log.info("CPU kernels off (%s=0): decode attention gathers KV in torch", ENV_SWITCH)
-        else:
-            try:
-                module = _build(verbose)
-            except Exception as err:  # no compiler, no ninja, an unknown CPU: the torch path serves
-                log.warning("CPU decode-attention kernel unavailable (%s); using the torch path",
-                            str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
-        _state["module"] = module
-        return module
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("CPU kernels off (%s=0): decode attention gathers KV in torch", ENV_SWITCH)
+        return None
+    try:
+        return _build(verbose)
+    except Exception as err:  # no compiler, no ninja, an unknown CPU: the torch path serves
+        log.warning("CPU decode-attention kernel unavailable (%s); using the torch path",
+                    str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+        return None
 
 
 def build_root() -> Path:
