@@ -144,7 +144,11 @@ async def _kill_schedule(cluster, streams: list[Stream], kills: list[Kill]) -> N
                 victim = await _serving_worker(store, candidates[0]) if candidates else None
                 moment = "mid-decode"
             elif len(kills) == 2:
-                near = [s for s in streams if not s.done and s.max_tokens - 12 <= len(s.tokens) < s.max_tokens - 2]
+                # The last quarter (at least 12 tokens) of a stream, the one with the most left first:
+                # with the CPU kernels a stream can cross a 10-token window between two polls.
+                near = sorted((s for s in streams if not s.done
+                               and s.max_tokens - max(12, s.max_tokens // 4) <= len(s.tokens) < s.max_tokens - 2),
+                              key=lambda s: len(s.tokens) - s.max_tokens)
                 victim = await _serving_worker(store, near[0]) if near else None
                 moment = "near-end"
             if victim is not None and victim in loads and loads[victim].running + loads[victim].waiting > 0:
