@@ -219,7 +219,7 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     req = validate(body, core.tokenization, core.limits, request_id, ", ".join(hints) if hints else None)
     req = with_session_header(req, request.headers.getlist(SESSION_ID_HEADER))
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
-                            include_usage=req.include_usage)
+                            include_usage=req.include_usage, continuous_usage=req.continuous_usage)
     headers = {"X-Request-Id": request_id}
     stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), caller=caller)
     if not req.stream:
@@ -254,7 +254,8 @@ async def _sse_events(first: GenerationDelta, stream: AsyncIterator[GenerationDe
     delta: GenerationDelta | None = first
     try:
         while delta is not None:
-            for chunk in shaper.chunks(delta.text, delta.finish_reason or None):
+            for chunk in shaper.chunks(delta.text, delta.finish_reason or None, delta.prompt_tokens,
+                                       delta.completion_tokens, len(delta.token_ids)):
                 yield sse_event(chunk)
             if delta.finish_reason:
                 if shaper.include_usage:

@@ -42,12 +42,18 @@ def models_response(model: str, created: int, max_model_len: int) -> dict[str, A
 class ResponseShaper:
     """Builds one request's OpenAI response or stream chunks; `chat` picks the chat.completion shapes."""
 
-    def __init__(self, *, chat: bool, request_id: str, model: str, created: int, include_usage: bool = False):
+    def __init__(self, *, chat: bool, request_id: str, model: str, created: int, include_usage: bool = False,
+                 continuous_usage: bool = False):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far, and a delta of
+        # tokens without text yet (an incomplete UTF-8 character) is a chunk of its own, so the
+        # client sees each token when it arrives.
+        self.continuous_usage = include_usage and continuous_usage
+        self._usage: dict[str, int] | None = None
         self._role_sent = False
 
     def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -61,8 +67,14 @@ class ResponseShaper:
         body["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return body
 
-    def chunks(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
-        """Stream chunks for one delta (chat opens with a role-only chunk, as OpenAI does)."""
+    def chunks(self, text: str, finish_reason: str | None, prompt_tokens: int = 0, completion_tokens: int = 0,
+               new_tokens: int = 0) -> list[dict[str, Any]]:
+        """Stream chunks for one delta (chat opens with a role-only chunk, as OpenAI does); with
+        continuous usage each carries the usage after this delta's `new_tokens`."""
+        if self.continuous_usage:
+            self._usage = usage_dict(prompt_tokens, completion_tokens)
+        # Tokens without text yet: no chunk, unless the client counts tokens by continuous usage.
+        counted_only = self.continuous_usage and new_tokens > 0 and not text and not finish_reason
         out = []
         if self.chat:
             if not self._role_sent:
@@ -72,9 +84,9 @@ class ResponseShaper:
                 # OpenAI sends the last content and the finish reason in separate chunks.
                 out.append(self._chunk({"content": text}, None))
                 out.append(self._chunk({}, finish_reason))
-            elif text or finish_reason:
-                out.append(self._chunk({"content": text} if text else {}, finish_reason))
-        elif text or finish_reason:
+            elif text or finish_reason or counted_only:
+                out.append(self._chunk({"content": text} if text or counted_only else {}, finish_reason))
+        elif text or finish_reason or counted_only:
             out.append(self._chunk(text, finish_reason))
         return out
 
@@ -91,7 +103,8 @@ class ResponseShaper:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
         body = self._envelope(self._chunk_object(), [choice])
         if self.include_usage:
-            body["usage"] = None  # OpenAI sends null usage on every chunk but the last
+            # OpenAI sends null usage on every chunk but the last; vLLM's continuous usage, the sum so far.
+            body["usage"] = self._usage
         return body
 
     def _chunk_object(self) -> str:

@@ -75,6 +75,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    # vLLM's stream_options.continuous_usage_stats: cumulative usage on every chunk, so a client
+    # counts exactly the tokens each chunk brings (also those whose text is not complete yet).
+    continuous_usage: bool = False
     echo_token_ids: bool = False
     session_id: str = ""
     priority: int = 0
@@ -123,6 +126,7 @@ class GenerationRequest:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM extension: usage on every chunk
 
 
 class _OpenAIBody(BaseModel):
@@ -353,6 +357,8 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         stop=_stop_strings(b.stop), stop_token_ids=encoder.check_token_ids(b.stop_token_ids or [], "stop_token_ids"),
         ignore_eos=bool(b.ignore_eos), stream=bool(b.stream),
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
+        continuous_usage=bool(b.stream_options and b.stream_options.include_usage
+                              and b.stream_options.continuous_usage_stats),
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens))

@@ -286,16 +286,22 @@ def up(
     log_dir: Path = typer.Option(Path(".splitserve/logs"), help="Where each service's log goes."),
     demo_request: bool = typer.Option(False, help="Send a demo request through the OpenAI API once healthy."),
     max_num_seqs: int = typer.Option(64, help="Per-worker concurrent requests."),
+    worker_threads: int = typer.Option(
+        0, envvar="SPLITSERVE_UP_WORKER_THREADS", show_envvar=True,
+        help="torch CPU threads per worker; 0: this machine's cores shared among the workers (all of them for "
+             "one worker: measured faster than keeping a core for the event loops, benchmarks/serve_vs_vllm.py)."),
     kv_cache_memory_bytes: Optional[int] = typer.Option(
         None, help="Per-worker KV cache size (default: 256 MiB on CPU; emulated: the preset GPU's free memory)."),
     backend: str = typer.Option("real", help="real | emulated: perf-model-timed workers without weights (--gpu, --model-preset, --tp)."),
     gpu: str = typer.Option("H100", help="emulated: GPU preset (A100 | H100 | H200 | L40S | RTX4090)."),
     model_preset: str = typer.Option("llama-3-8b", help="emulated: model preset (Llama-3-8B | Qwen2.5-14B | ...)."),
     tp: int = typer.Option(1, help="emulated: tensor-parallel degree of the preset."),
-    coordinator: str = typer.Option("process", help="process: its own service | embedded: inside the gateway "
-                                    "process (one gRPC hop less per request and token)."),
-    placement: str = typer.Option("scheduler", help="scheduler: plans from the GlobalScheduler service | local: the "
-                                  "same policy run inside the coordinator (one RPC less per request)."),
+    coordinator: str = typer.Option("embedded", help="embedded: inside the gateway process (one gRPC hop and one "
+                                    "Python relay less per request and token; the one-machine default) | process: "
+                                    "its own service, as deployed when the services run on their own hosts."),
+    placement: str = typer.Option("auto", help="local: the policy runs inside the coordinator (one RPC less per "
+                                  "request) | scheduler: plans from the GlobalScheduler service | auto: local, but "
+                                  "scheduler for laps (its pool controller lives in the scheduler service)."),
     otlp_endpoint: str = typer.Option("", envvar="SPLITSERVE_OTLP_ENDPOINT", show_envvar=True,
                                       help="OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) every service exports its "
                                       "trace spans to; the standard OTEL_EXPORTER_OTLP_ENDPOINT works too."),
@@ -323,7 +329,7 @@ def up(
     """Run the whole cluster (Redis if needed, scheduler, coordinator, workers, gateway) in the foreground."""
     import signal as _signal
 
-    from splitserve.launcher import ClusterSpec, start_cluster
+    from splitserve.launcher import ClusterSpec, default_placement, start_cluster, threads_per_worker
 
     _quiet_hf()
     if model_cache is not None:  # the workers and the gateway read the cache location from the environment
@@ -345,8 +351,12 @@ def up(
         if model.suffix.lower() == ".gguf" and backend != "emulated":
             _dequantize_before_start(model)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if worker_threads < 0:
+        raise typer.BadParameter(f"must be >= 0, got {worker_threads}", param_hint="--worker-threads")
     worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend,
                    "batch_policy": batch_policy}
+    if backend == "real":
+        worker_args["num_threads"] = worker_threads or threads_per_worker(len(os.sched_getaffinity(0)), workers)
     if itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
         worker_args["itl_slo_ms"] = itl_slo_ms
     if backend == "emulated":
@@ -360,6 +370,8 @@ def up(
                       "model's shape, not this machine's; `splitserve profile` fits one (--policy-param perf_model=...)")
     if kv_cache_memory_bytes is not None or backend != "emulated":
         worker_args["kv_cache_memory_bytes"] = 256 << 20 if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+    if placement == "auto":
+        placement = default_placement(policy)
     spec = ClusterSpec(
         model=str(model_dir), workers=workers, policy=policy, http_port=http_port, grpc_port=grpc_port,
         redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,

@@ -212,6 +212,23 @@ class SupervisionEvent:
     message: str
 
 
+def default_placement(policy: str) -> str:
+    """Where `splitserve up` runs placement by default: in the coordinator ("local", one RPC less
+    per request), except for LAPS, whose pool controller (Alg. 2) runs in the scheduler service
+    and moves workers between the pools its placement reads."""
+    return "scheduler" if policy == "laps" else "local"
+
+
+def threads_per_worker(cores: int, workers: int) -> int:
+    """torch threads of each of `workers` local workers on `cores` cores: an equal share, at least one.
+
+    No core is kept back for the services' event loops: on 2 cores one worker with both
+    serves 1.4x the tokens/s at saturation of one with a single thread, with the gateway in
+    the same two cores (benchmarks/serve_vs_vllm.py); the event loops take their CPU between
+    steps. Workers sharing cores would oversubscribe them (OpenMP threads spin)."""
+    return max(1, cores // max(1, workers))
+
+
 def _serve_cmd(service: str, options: dict[str, object]) -> list[str]:
     # faulthandler: a crash in native code (UCX, torch) leaves a Python stack in the log.
     cmd = [sys.executable, "-X", "faulthandler", "-m", "splitserve.cli", "serve", service]

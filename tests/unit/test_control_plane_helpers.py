@@ -71,3 +71,20 @@ def test_a_worker_bound_to_every_address_advertises_one_peers_can_dial():
     own = dialable_host("0.0.0.0")
     assert own not in ("0.0.0.0", "") and socket.inet_aton(own)  # an IPv4 address of this host
     assert dialable_host("::") == own
+
+
+def test_up_shares_the_cores_among_its_workers_and_keeps_none_back():
+    from splitserve.launcher import threads_per_worker
+
+    assert threads_per_worker(2, 1) == 2
+    assert threads_per_worker(8, 3) == 2
+    assert threads_per_worker(2, 4) == 1  # never zero threads
+    assert threads_per_worker(1, 0) == 1
+
+
+def test_up_places_in_the_coordinator_except_for_laps():
+    from splitserve.launcher import default_placement
+
+    assert default_placement("least_loaded") == "local"
+    assert default_placement("dynaserve") == "local"
+    assert default_placement("laps") == "scheduler"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from gateway.coordinator_client import GenerationDelta, OutputAssembler
 from gateway.http_api import _sse_events, error_response
 from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
@@ -68,8 +70,9 @@ def test_partial_utf8_waits_for_the_next_token_and_stage_end_does_not_finish():
 
 # --- response shapes
 
-def shaper(chat: bool, include_usage: bool = False) -> ResponseShaper:
-    return ResponseShaper(chat=chat, request_id="abc", model="demo", created=123, include_usage=include_usage)
+def shaper(chat: bool, include_usage: bool = False, continuous_usage: bool = False) -> ResponseShaper:
+    return ResponseShaper(chat=chat, request_id="abc", model="demo", created=123, include_usage=include_usage,
+                          continuous_usage=continuous_usage)
 
 
 def test_completion_response_shape():
@@ -105,6 +108,28 @@ def test_completion_chunks_and_usage_chunk():
     assert chunk["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}]
     usage = s.usage_chunk(3, 1)
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_puts_the_usage_so_far_on_every_chunk_and_counts_tokens_without_text(chat):
+    s = shaper(chat, include_usage=True, continuous_usage=True)
+    first = s.chunks("He", None, 3, 1, 1)
+    assert all(c["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4} for c in first)
+    # A token whose text is not complete yet (half a UTF-8 character) is still a chunk: the client
+    # counts it when it arrives.
+    (pending,) = s.chunks("", None, 3, 2, 1)
+    assert pending["usage"]["completion_tokens"] == 2
+    assert (pending["choices"][0]["delta"] if chat else pending["choices"][0]["text"]) in ({"content": ""}, "")
+    assert s.chunks("", None, 3, 2, 0) == []  # nothing new: nothing sent
+    last = s.chunks("€", "length", 3, 3, 1)
+    assert [c["usage"]["completion_tokens"] for c in last] == [3] * len(last)
+    assert s.usage_chunk(3, 3)["usage"]["completion_tokens"] == 3
+
+
+def test_continuous_usage_needs_include_usage():
+    s = shaper(False, include_usage=False, continuous_usage=True)
+    assert s.chunks("", None, 3, 1, 1) == []
+    assert "usage" not in s.chunks("a", None, 3, 2, 1)[0]
 
 
 def test_sse_framing():

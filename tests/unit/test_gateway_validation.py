@@ -132,6 +132,11 @@ def test_completion_defaults_and_conversions():
                      stream_options={"include_usage": True}, temperature=0, user="u", unknown_field=1)
     assert req.prompt_token_ids == [5, 6]
     assert (req.top_k, req.stop, req.seed, req.include_usage, req.temperature) == (0, ["END"], 7, True, 0)
+    assert not req.continuous_usage
+    req = completion(prompt="hi", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert req.continuous_usage
+    # vLLM sends continuous usage only with include_usage
+    assert not completion(prompt="hi", stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
 
 
 def test_default_max_tokens_shrinks_to_fit_a_long_prompt():
