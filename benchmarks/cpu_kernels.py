@@ -8,6 +8,9 @@
 2. Decode attention of a 32-sequence batch (contexts uniform in 8..232 tokens) in every one
    of 30 layers of a block-major paged cache: SDPA over gathered KV (the torch path) vs the
    compiled kernel reading in place (workers/engine/kernels).
+3. The per-layer elementwise work for 32, 256 and 2048 rows, 30 layers' worth: RMSNorm with
+   the residual add before it, twice per layer, and rotary on q and k (9 + 3 heads of 64),
+   as torch ops (the model's fallback) and as the compiled fused kernels.
 
 Best of --repeats, milliseconds per model pass, and the bytes each moved per second.
 
@@ -108,6 +111,39 @@ def attention_pass(repeats: int, seed: int = 0) -> list[dict]:
     return results
 
 
+def elementwise_pass(rows_list: list[int], repeats: int) -> list[dict]:
+    """Two (residual add + RMSNorm) and one rotary of q and k per layer, torch vs fused."""
+    from workers.engine.models.llama import RMSNorm, apply_rotary
+
+    module = kernels.load()
+    norm = RMSNorm(576, 1e-5)
+    results = []
+    for rows in rows_list:
+        gen = torch.Generator().manual_seed(rows)
+        x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+        qkv = torch.randn(rows, 15 * 64, generator=gen)
+        q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+        cos, sin = torch.randn(rows, 1, 64, generator=gen), torch.randn(rows, 1, 64, generator=gen)
+
+        def torch_ops():
+            for _ in range(LAYERS):
+                norm(x, residual)
+                apply_rotary(q, k, (cos, sin))
+                norm(x, residual)
+
+        def fused_ops():
+            for _ in range(LAYERS):
+                module.rms_norm(x, norm.weight, 1e-5, residual)
+                module.rotary_inplace(q, k, cos, sin)
+                module.rms_norm(x, norm.weight, 1e-5, residual)
+
+        with torch.inference_mode():
+            variants = [("torch ops", torch_ops)] + ([("fused kernels", fused_ops)] if module is not None else [])
+            for name, fn in variants:
+                results.append({"rows": rows, "variant": name, "ms": best_of(fn, repeats) * 1e3})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,9 +167,16 @@ def main() -> None:
     for r in attention:
         table.add_row(r["variant"], f"{r['ms']:.1f}", f"{r['gb_s']:.1f}")
     console.print(table)
+    elementwise = elementwise_pass([32, 256, 2048], args.repeats)
+    table = Table(title=f"RMSNorm + residual (x2) and rotary, {LAYERS} layers")
+    for col in ("rows", "variant", "ms"):
+        table.add_column(col, justify="right")
+    for r in elementwise:
+        table.add_row(str(r["rows"]), r["variant"], f"{r['ms']:.2f}")
+    console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(sys.argv), "threads": args.threads, "linear": linears,
-                                    "attention": attention}, indent=2))
+                                    "attention": attention, "elementwise": elementwise}, indent=2))
     console.print(f"wrote {args.out}")
 
 

@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention-backend", default="auto", help="auto | sdpa | cpu_kernel (the engine's option)")
     ap.add_argument("--cpu-linear", default="auto", help="auto | onednn | torch (the engine's option)")
+    ap.add_argument("--elementwise", default="auto", choices=["auto", "torch"],
+                    help="auto: the compiled fused RMSNorm/rotary/SiLU·mul where they built | torch: torch ops")
     ap.add_argument("--torch-profile", action="store_true", help="also profile one decode step's operators")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results/engine_step_profile.json")
     args = ap.parse_args()
@@ -97,6 +99,9 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, dtype="float32", num_threads=args.threads,
                                  max_num_seqs=args.requests, max_num_batched_tokens=2048, detokenize=False,
                                  attention_backend=args.attention_backend, cpu_linear=args.cpu_linear))
+    if args.elementwise == "torch":
+        engine.runner.model.use_fused_ops(None)
+        engine.runner.fused_ops = False
     vocab = engine.spec.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]

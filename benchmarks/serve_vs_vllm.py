@@ -52,6 +52,9 @@ TOPOLOGIES = {
     "processes": ["--coordinator", "process", "--placement", "scheduler"],
     # The default topology with the worker's old thread rule: one core kept for the event loops.
     "default-1thread": ["--worker-threads", "1"],
+    # The default with OpenMP threads that sleep at once between parallel regions instead of
+    # spinning (OMP_WAIT_POLICY=PASSIVE, inherited by the worker): CPU left to the event loops.
+    "default-passive": ["env:OMP_WAIT_POLICY=PASSIVE"],
 }
 
 
@@ -177,8 +180,9 @@ def splitserve_server(topology: str, model: str, port: int, log_dir: Path, max_n
     cmd = [str(REPO / ".venv/bin/splitserve"), "up", "--workers", "1", "--model", model,
            "--http-port", str(port), "--grpc-port", str(free_port()), "--max-num-seqs", str(max_num_seqs),
            "--redis-prefix", f"ssbench:{os.getpid()}:{port}:", "--log-dir", str(log_dir / topology),
-           *TOPOLOGIES[topology]]
-    env = {**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+           *(a for a in TOPOLOGIES[topology] if not a.startswith("env:"))]
+    env = {**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           **dict(a[4:].split("=", 1) for a in TOPOLOGIES[topology] if a.startswith("env:"))}
     return Server(f"splitserve-{topology}", cmd, env, port, log_dir / f"splitserve-{topology}.log")
 
 

@@ -76,7 +76,8 @@ class WorkerConfig(CommonConfig):
     tp: int = opt(1, "emulated: tensor-parallel degree of the preset (1 | 2 | 4 | 8).")
     dtype: str = opt("auto", "auto | float32 | bfloat16 | float16")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
-    block_size: int = opt(16, "Tokens per KV block.")
+    block_size: int = opt(0, "Tokens per KV block; 0: 256 on CUDA with flash-attn (its paged kernels need a "
+                          "multiple of 256), else 16.")
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step (prefill + decode).")
     max_num_seqs: int = opt(64, "Most requests running at once.")
     max_model_len: int = opt(0, "Longest prompt + output; 0: the model's max_position_embeddings (emulated: "

@@ -28,6 +28,7 @@ from splitserve.telemetry import (end_span, incoming_context, percentile_buckets
                                   start_span)
 from splitserve.wire import load_to_proto, sampling_from_proto
 from workers.engine import Engine, EngineConfig
+from workers.engine.config import resolve_block_size
 from workers.engine_loop import EngineLoop, StageBusy
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory, KvTransferError
@@ -130,7 +131,9 @@ def batch_policy_options_from(config: WorkerConfig) -> dict:
 
 def engine_config_from(config: WorkerConfig) -> EngineConfig:
     return EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device, block_size=config.block_size,
+        model=config.model, dtype=config.dtype, device=config.device,
+        block_size=resolve_block_size(config.block_size, config.device, config.attention_backend,
+                                      real_engine=config.backend == "real"),
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len or None, kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
@@ -517,7 +520,7 @@ class WorkerServer:
         if emulated:
             from workers.kv_transfer.emulated_transport import EmulatedKvMemory, EmulatedTransport
 
-            memory = EmulatedKvMemory(self.engine.num_kv_blocks, cfg.block_size)
+            memory = EmulatedKvMemory(self.engine.num_kv_blocks, self.engine.config.block_size)  # resolved
         else:
             memory = KvMemory(self.engine.kv_cache)
         self.kv = KvStageManager(self.worker_id, self.loop, memory, TransferTracker(), cfg.kv_transfer_timeout_s,

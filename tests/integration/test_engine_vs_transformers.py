@@ -71,6 +71,7 @@ def test_sixteen_mixed_requests_together(arch, tiny_model_dirs, reference):
 
     # On the CPU the compiled decode kernel serves wherever it builds (make setup builds it).
     assert (engine.runner.decode_kernel is not None) == (kernels.load() is not None)
+    assert engine.runner.fused_ops == (kernels.load() is not None)  # RMSNorm, rotary, SiLU·mul fused
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: the sliding window

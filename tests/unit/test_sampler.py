@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.engine.sampler import mix_seed, sample
+from workers.engine.sampler import counter_uniform, mix_seed, sample
 from splitserve.core import SamplingParams
 
 
@@ -228,3 +228,60 @@ def test_low_temperature_concentrates_on_the_argmax():
     logits = torch.tensor([1.0, 1.2, 0.9, 1.1])
     draws = draw_many(logits, SamplingParams(temperature=0.01), seed=1, indices=range(300))
     assert set(draws) == {1}
+
+
+# ---- the counter-based noise (computed on the logits' device) ---------------------------
+
+
+def _lowbias32_reference(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _uniform_reference(key: int, token: int) -> float:
+    low, high = key & 0xFFFFFFFF, key >> 32
+    h = _lowbias32_reference(token ^ low)
+    h = _lowbias32_reference(h ^ high)
+    h = _lowbias32_reference((h + low) & 0xFFFFFFFF)
+    return ((h >> 9) + 0.5) / (1 << 23)
+
+
+def test_counter_uniform_is_exact_integer_arithmetic_without_overflow():
+    """The int64 tensor ops equal unbounded Python integers (no signed overflow anywhere):
+    the same numbers on any device that does int64 arithmetic."""
+    keys = [0, 1, 2**31 - 1, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1, mix_seed(7, 3)]
+    got = counter_uniform(torch.tensor(keys, dtype=torch.int64), 300)
+    for r, key in enumerate(keys):
+        for token in (0, 1, 2, 77, 255, 299):
+            assert got[r, token].item() == _uniform_reference(key, token), (key, token)
+
+
+def test_counter_uniform_depends_only_on_key_and_token():
+    keys = torch.tensor([mix_seed(s, i) for s in range(6) for i in range(3)], dtype=torch.int64)
+    full = counter_uniform(keys, 500)
+    assert torch.equal(counter_uniform(keys[5:6], 500), full[5:6])
+    assert torch.equal(counter_uniform(keys[[3, 0]], 500), full[[3, 0]])
+    assert torch.equal(counter_uniform(keys, 200), full[:, :200])  # a token's noise ignores the vocabulary size
+    assert ((full > 0) & (full < 1)).all()
+
+
+def test_counter_uniform_is_uniform_and_uncorrelated():
+    from scipy.stats import kstest
+
+    keys = torch.tensor([mix_seed(11, i) for i in range(64)], dtype=torch.int64)
+    u = counter_uniform(keys, 4096)
+    assert kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
+    # neighbouring tokens and neighbouring output indices are not correlated
+    assert abs(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]) < 0.02
+    assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1]) < 0.02
+
+
+def test_a_plain_row_samples_the_same_token_whether_or_not_filtered_rows_share_its_step():
+    logits = rand_logits(4, 3000, seed=12)
+    plain = [SamplingParams(temperature=1.0)] * 2
+    alone = sample(logits[:2], plain, [5, 6], [1, 2])
+    mixed = sample(logits, plain + [SamplingParams(top_k=40), SamplingParams(top_p=0.5)], [5, 6, 7, 8], [1, 2, 3, 4])
+    assert mixed[:2] == alone

@@ -223,3 +223,31 @@ def _eos_token_ids(path: Path, cfg) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+DEFAULT_BLOCK_SIZE = 16
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged-KV kernels take only page sizes that are multiples of 256
+
+
+def resolve_block_size(block_size: int, device: str, attention_backend: str, *, real_engine: bool,
+                       have_flash: bool | None = None, cuda_available: bool | None = None) -> int:
+    """Tokens per KV block; 0 (auto): 256 where flash-attn will run (a real engine on CUDA with
+    flash-attn installed and the backend auto or flash) — with 16 its paged kernels cannot
+    run and every step would gather the KV into dense tensors; else 16. A given size is kept
+    (the engine reports a mismatch with flash when it starts). torch and flash-attn are
+    looked up only for a real engine that may be on CUDA."""
+    if block_size < 0:
+        raise ValueError(f"block_size must be >= 0 (0: auto), got {block_size}")
+    if block_size:
+        return block_size
+    if not real_engine or device == "cpu" or attention_backend not in ("auto", "flash"):
+        return DEFAULT_BLOCK_SIZE
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not (device.startswith("cuda") or (device == "auto" and cuda_available)):
+        return DEFAULT_BLOCK_SIZE
+    if have_flash is None:
+        from workers.engine.attention import HAVE_FLASH_ATTN as have_flash
+    return FLASH_BLOCK_SIZE if have_flash else DEFAULT_BLOCK_SIZE

@@ -63,11 +63,13 @@ class Engine:
         # Set and cleared from another thread (the worker's event loop); read once per step.
         self.layer_watchers: dict[StageKey, tuple[int, Callable[[int, list[int]], None]]] = {}
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s, linears=%s",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), attention=%s, linears=%s, "
+            "elementwise=%s",
             self.spec.architecture, runner.device, runner.dtype, runner.num_blocks, config.block_size,
             runner.num_blocks * runner.bytes_per_block / 2**20,
             "flash" if runner.use_flash else "cpu_kernel" if getattr(runner, "decode_kernel", None) else "sdpa",
             "onednn" if getattr(runner, "onednn_linears", 0) else "torch",
+            "fused" if getattr(runner, "fused_ops", False) else "torch",
         )
 
     def policy_perf_model(self):

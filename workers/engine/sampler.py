@@ -1,8 +1,12 @@
 """Token sampling whose randomness depends only on (request seed, output index).
 
-Each random row draws its noise from a generator seeded by a counter-based mix of the
-request's seed and the output position, so a request produces the same tokens however
-it is batched, chunked, preempted, split across workers or migrated (principle 3).
+Every random row's noise is a pure function of (mix_seed(seed, output index), token id),
+computed by integer tensor ops on the device holding the logits: a counter-based generator,
+so a request produces the same tokens however it is batched, chunked, preempted, split
+across workers or migrated (principle 3), with no generator object, no host round trip per
+row and one device-to-host copy per step (the sampled ids). All random rows are sampled in
+one vectorised pass (temperature, top-k, top-p per row); greedy rows take the argmax and
+draw no noise.
 """
 
 from __future__ import annotations
@@ -11,8 +15,23 @@ import torch
 
 from splitserve.core import SamplingParams
 from splitserve.core.sampling import mix_seed
+from workers.tensor_hash import M32, hash32
 
-__all__ = ["mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
+__all__ = ["counter_uniform", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
+
+
+def counter_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), float32 [rows, vocab]: entry (r, j) depends only on keys[r]
+    (a 63-bit int64, `mix_seed(seed, output index)`) and the token id j, computed on keys'
+    device by exact integer ops (the same numbers on every device)."""
+    token = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
+    key_low = (keys & M32).unsqueeze(1)
+    key_high = (keys >> 32).unsqueeze(1)
+    h = hash32(token ^ key_low)
+    h = hash32(h ^ key_high)
+    h = hash32((h + key_low) & M32)
+    # 23 random bits and a half: 24 significant bits, exact in float32, never 0 or 1.
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def sample(
@@ -22,34 +41,60 @@ def sample(
     output_indices: list[int],
 ) -> list[int]:
     """One token per row of `logits` [rows, vocab] (float32)."""
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    tokens = [0] * len(params)
-    if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
-        for row, tok in zip(greedy_rows, picked):
-            tokens[row] = tok
-    for row, p in enumerate(params):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, mix_seed(seeds[row], output_indices[row]))
-    return tokens
+    rows = len(params)
+    vocab = logits.shape[-1]
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        index = _index(greedy, rows, logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
+    # Rows that filter (top-k, top-p) and rows that do not are sampled apart: a row's numbers
+    # must not depend on which other rows share its step (a sorted softmax sums in another order).
+    filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p, vocab)]
+    plain = [i for i, p in enumerate(params) if not p.greedy and not _filters(p, vocab)]
+    for drawn, filtering in ((plain, False), (filtered, True)):
+        if drawn:
+            index = _index(drawn, rows, logits.device)
+            keys = torch.tensor([mix_seed(seeds[i], output_indices[i]) for i in drawn], dtype=torch.int64)
+            tokens[index] = _sample_rows(logits[index], [params[i] for i in drawn], keys.to(logits.device),
+                                         filtering)
+    return tokens.tolist()
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, seed: int) -> int:
-    scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.shape[-1]:
-        keep = torch.zeros_like(scaled, dtype=torch.bool)
-        keep[torch.topk(scaled, p.top_k).indices] = True  # exactly k, even with tied logits
-        scaled = scaled.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # The noise always comes from a CPU generator: CUDA generators produce other streams,
-    # and a request must sample the same tokens on whichever worker runs it.
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    # Exponential race (argmax p_i / E_i, E_i ~ Exp(1)) samples from p exactly.
-    noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=gen).to(probs.device)
-    return int((probs / noise).argmax())
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
+    if len(rows) == total:
+        return slice(None)  # every row: no gather
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
+                 filtering: bool) -> torch.Tensor:
+    """Temperature, top-k, top-p per row, then the exponential race over the kept tokens."""
+    rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+    scaled = logits / temperature
+    if not filtering:
+        probs = torch.softmax(scaled, dim=-1)
+    else:
+        # Sorted once per row (stable: among tied logits the lower id ranks first, so top-k
+        # keeps exactly k). The kept set is the first k ranks, then the smallest prefix of
+        # those whose renormalised mass reaches top_p (the top token always stays).
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        beyond_k = rank >= torch.tensor(top_k, device=device).unsqueeze(1)
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(beyond_k, float("-inf")), dim=-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        limit = torch.tensor(top_p, dtype=sorted_probs.dtype, device=device).unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill((mass_before >= limit) & (limit < 1.0), 0.0)
+        probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples from p exactly; E_i is keyed
+    # by the token id, so the draw does not depend on how the row was sorted or batched.
+    exponential = -torch.log(counter_uniform(keys, vocab))
+    return (probs / exponential).argmax(dim=-1)

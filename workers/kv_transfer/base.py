@@ -37,6 +37,36 @@ def kv_digest(buffers: Iterable) -> int:
 
 EMPTY_DIGEST = kv_digest(())  # the digest of no bytes
 
+_M64 = (1 << 64) - 1
+DEVICE_DIGEST_CHUNK_WORDS = 1 << 24  # 4-byte words hashed at once: bounds the int64 temporaries (128 MiB)
+
+
+def device_digest(data: "torch.Tensor", chunk_words: int = DEVICE_DIGEST_CHUNK_WORDS) -> int:
+    """A 64-bit digest of a uint8 tensor's bytes computed where the tensor is (a CUDA KV cache
+    is never copied to the host for it): each 4-byte word is hashed with its position
+    (a bijection, so any changed word changes its term) and the terms are summed in two
+    independent lanes; the length is mixed in (a truncated transfer differs). Not xxh3: the
+    two ends of a transfer must use the same digest, which `KvMemory` picks by its device.
+    Exact integer ops, so the same bytes give the same digest on every device."""
+    import torch
+
+    from workers.tensor_hash import M32, hash32
+
+    flat = data.reshape(-1)
+    if flat.numel() % 4:
+        raise ValueError(f"device_digest: {flat.numel()} bytes is not a whole number of 4-byte words")
+    words = flat.view(torch.int32)
+    lane_a = lane_b = 0
+    for start in range(0, words.numel(), chunk_words):
+        chunk = words[start:start + chunk_words].to(torch.int64) & M32
+        position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) & M32
+        term = hash32(chunk ^ hash32(position))
+        # Each sum of < 2^24 terms below 2^32 stays below 2^56: no overflow on any device.
+        lane_a += int(term.sum())
+        lane_b += int(hash32((term + position) & M32).sum())
+    length = flat.numel()
+    return (((lane_a & M32) << 32) | (lane_b & M32)) ^ ((length * 0x9E3779B97F4A7C15) & _M64)
+
 
 class KvTransferError(RuntimeError):
     """A transfer failed, timed out or arrived incomplete; the receiver recomputes."""
@@ -45,7 +75,7 @@ class KvTransferError(RuntimeError):
 class KvMemory:
     """A worker's KV cache viewed as numbered fixed-size blocks of bytes."""
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, digest_on_device: bool | None = None):
         import torch
 
         if not kv_cache.is_contiguous():
@@ -66,6 +96,10 @@ class KvMemory:
         self._bytes = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
         # CPU caches are copied through a numpy view of the same memory.
         self._host = self._bytes.numpy() if kv_cache.device.type == "cpu" else None
+        # Checksums of a device cache (CUDA) are computed on the device (`device_digest`), not
+        # over a host copy of every block; a CPU cache hashes its memory in place with xxh3.
+        # Both ends of a transfer are caches of the same kind, hence use the same digest.
+        self.digest_on_device = self._host is None if digest_on_device is None else digest_on_device
 
     def block_addr(self, block_id: int) -> int:
         return self.base_ptr + block_id * self.block_bytes
@@ -111,16 +145,21 @@ class KvMemory:
             if not 0 <= layer < self.num_layers:
                 raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
             lo, hi = layer_byte_range(layer, self.layer_bytes)
-            if self._host is None:
-                import torch
-
-                idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
-                return kv_digest((self._bytes[:, lo:hi].index_select(0, idx).cpu().numpy().tobytes(),))
+            if self.digest_on_device:
+                return device_digest(self._gather(block_ids, lo, hi))
             return kv_digest(self._host[b, lo:hi] for b in block_ids)
-        if self._host is None:
-            return kv_digest((self.read(block_ids),))
+        if self.digest_on_device:
+            return device_digest(self._gather(block_ids))
         # straight from the cache, no copy
         return kv_digest(self._host[a:b].reshape(-1) for a, b in block_runs(block_ids))
+
+
+    def _gather(self, block_ids: list[int], lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Bytes [lo, hi) of each block [blocks, hi - lo], gathered on the cache's device."""
+        import torch
+
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._bytes.device)
+        return self._bytes[:, lo:hi].index_select(0, idx)
 
 
 def layer_byte_range(layer: int, layer_bytes: int) -> tuple[int, int]:

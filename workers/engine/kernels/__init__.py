@@ -26,7 +26,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+# The module is defined in the first; the fused elementwise ops (RMSNorm with the residual
+# add, rotary) come with it.
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp")]
 ENV_SWITCH = "SPLITSERVE_CPU_KERNELS"  # "0": never build nor use the kernels
 # -ffast-math lets the compiler vectorise the softmax's exp and reassociate the dot products
 # (8% faster, benchmarks/cpu_kernels.py; still within 1e-5 of SDPA); infinities stay defined:
@@ -45,7 +47,8 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     return f"splitserve_paged_decode_{digest}"
 
 
@@ -95,7 +98,7 @@ def _build(verbose: bool) -> ModuleType:
                 time.sleep(0.5)  # polling another process's build, with a deadline
         try:
             (directory / "lock").unlink(missing_ok=True)  # a dead builder's; every builder holds our flock
-            return torch_load(name=name, sources=[str(SOURCE)], build_directory=str(directory), verbose=verbose,
+            return torch_load(name=name, sources=[str(source) for source in SOURCES], build_directory=str(directory), verbose=verbose,
                               extra_cflags=CFLAGS)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -168,6 +168,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// fused_elementwise.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual);
+void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally of residual += x (CPU)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place (CPU)");
 }

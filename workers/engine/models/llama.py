@@ -17,14 +17,25 @@ from workers.engine.config import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, as the reference implementation does."""
+    """RMS norm computed in float32, as the reference implementation does.
+
+    With `residual`, `residual += x` first (in place) and the sum is normalised: the "add,
+    then norm" between two sub-layers. `fused` (the compiled CPU kernels, set by the model
+    runner) does either in one pass; without it, the same in torch ops."""
+
+    fused = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:
+            return self.fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual.add_(x)
+            x = residual
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,8 +71,11 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused=None):
     cos, sin = rope
+    if fused is not None:  # in place in the qkv projection's output: q and k are views of it
+        fused.rotary_inplace(q, k, cos, sin)
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -71,6 +85,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    fused = None  # the compiled CPU kernels (rotary), set by the model runner
+
     def __init__(self, spec: ModelSpec, layer_idx: int, use_flash: bool):
         super().__init__()
         self.num_heads = spec.num_heads
@@ -96,7 +112,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        q, k = apply_rotary(q, k, rope, self.fused)
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.use_flash, self.sliding_window
         )
@@ -111,9 +127,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = ACT2FN[spec.hidden_act]
+        self.silu = spec.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.silu:  # the projection's output is this step's own: SiLU and the product in place, no new tensors
+            return self.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
         return self.down_proj(self.act(gate) * up)
 
 
@@ -125,11 +144,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, hidden, rope, kv_cache, meta, kv_written=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
+    def forward(self, hidden, residual, rope, kv_cache, meta, kv_written=None):
+        """One layer on (hidden, residual): the residual stream is `residual + hidden` (the
+        first layer gets hidden alone, residual None), so that each residual add is fused
+        into the norm after it. Returns the layer's (output, residual)."""
+        if residual is None:  # the embeddings, a tensor of this step's own: the residual buffer
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(normed, rope, kv_cache, meta)
         if kv_written is not None:
             kv_written()  # this layer's KV of the step is in the cache (and final): the MLP still runs
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -176,11 +204,23 @@ class LlamaFamilyForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
+        residual = None
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             written = None if on_layer_kv is None else functools.partial(on_layer_kv, index)
-            hidden = layer(hidden, rope, kv_cache, meta, written)
-        hidden = self.model.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, written)
+        # Only the rows that sample: the last residual add and the final norm on those alone.
+        hidden = self.model.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
+
+    def use_fused_ops(self, fused) -> int:
+        """Run RMSNorm (with its residual add) and rotary by `fused` (the compiled CPU kernels;
+        None: torch ops again). Returns how many modules took them."""
+        taken = 0
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = fused
+                taken += 1
+        return taken
 
     def shard_sizes(self, fused_name: str) -> list[int]:
         s = self.spec
