@@ -71,15 +71,17 @@ class ResponseShaper:
                new_tokens: int = 0) -> list[dict[str, Any]]:
         """Stream chunks for one delta (chat opens with a role-only chunk, as OpenAI does); with
         continuous usage each carries the usage after this delta's `new_tokens`."""
-        if self.continuous_usage:
-            self._usage = usage_dict(prompt_tokens, completion_tokens)
         # Tokens without text yet: no chunk, unless the client counts tokens by continuous usage.
         counted_only = self.continuous_usage and new_tokens > 0 and not text and not finish_reason
         out = []
+        if self.chat and not self._role_sent:
+            self._role_sent = True
+            if self.continuous_usage:  # the role chunk comes before this delta's tokens
+                self._usage = usage_dict(prompt_tokens, completion_tokens - new_tokens)
+            out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        if self.continuous_usage:
+            self._usage = usage_dict(prompt_tokens, completion_tokens)
         if self.chat:
-            if not self._role_sent:
-                self._role_sent = True
-                out.append(self._chunk({"role": "assistant", "content": ""}, None))
             if text and finish_reason:
                 # OpenAI sends the last content and the finish reason in separate chunks.
                 out.append(self._chunk({"content": text}, None))

@@ -97,3 +97,11 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(arch, t
     assert llm.engine.runner.model.use_fused_ops(None) > 0
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert fused == plain
+
+
+def test_an_empty_step_and_overlapping_residual_rows():
+    empty = torch.zeros(0, 4, 8)
+    MODULE.rotary_inplace(empty, torch.zeros(0, 2, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8))  # no error
+    broadcast = torch.zeros(1, 8).expand(3, 8)  # stride 0: three rows in one place
+    with pytest.raises(RuntimeError, match="not overlapping"):
+        MODULE.rms_norm(torch.zeros(3, 8), torch.ones(8), 1e-5, broadcast)

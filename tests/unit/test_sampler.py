@@ -285,3 +285,14 @@ def test_a_plain_row_samples_the_same_token_whether_or_not_filtered_rows_share_i
     alone = sample(logits[:2], plain, [5, 6], [1, 2])
     mixed = sample(logits, plain + [SamplingParams(top_k=40), SamplingParams(top_p=0.5)], [5, 6, 7, 8], [1, 2, 3, 4])
     assert mixed[:2] == alone
+
+
+def test_a_batch_larger_than_one_noise_chunk_samples_each_row_as_alone():
+    from workers.engine.sampler import NOISE_ROWS
+
+    rows = 2 * NOISE_ROWS + 3
+    logits = rand_logits(rows, 500, seed=13)
+    params = [SamplingParams(temperature=0.8, top_k=50 if i % 3 == 0 else 0) for i in range(rows)]
+    seeds, idx = list(range(rows)), [i % 4 for i in range(rows)]
+    full = sample(logits, params, seeds, idx)
+    assert full == [sample(logits[i:i + 1], [params[i]], [seeds[i]], [idx[i]])[0] for i in range(rows)]

@@ -3,7 +3,8 @@
 // A decode step of a small model is many tiny ops per layer (RMSNorm alone is six torch
 // ops, rotary twelve, the residual adds two), each a dispatch, an allocation and, with
 // several threads, a barrier. These do each group in one pass over the rows, in float32
-// whatever the tensor dtype, rows spread over threads only when there are enough.
+// whatever the tensor dtype. (at::parallel_for splits rows over threads only in a build with
+// OpenMP enabled; this extension is compiled without -fopenmp, so today one thread runs them.)
 // (SiLU·mul stays in torch, in place: a scalar exp here was slower than torch's vectorised
 // one on 256 rows and more, benchmarks/engine_step_profile.py.)
 #include <torch/extension.h>
@@ -54,14 +55,17 @@ void rms_norm_rows(const scalar_t* x, int64_t x_stride, scalar_t* residual, int6
 // "add, then norm" of two consecutive decoder sub-layers in one pass. Returns a new tensor.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x [rows, dim] with dim contiguous");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && (!residual.has_value() || residual->device().is_cpu()),
+              "CPU tensors only");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight [dim]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "one dtype");
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   if (residual.has_value()) {
+    // Rows written in place must not overlap (a stride-0 or broadcast residual would race).
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
-                residual->scalar_type() == x.scalar_type(), "residual like x");
+                (residual->size(0) <= 1 || residual->stride(0) >= residual->size(1)) &&
+                residual->scalar_type() == x.scalar_type(), "residual like x, rows not overlapping");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0),
@@ -78,6 +82,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, c10::o
 void rotary_inplace(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k [T, heads, D], D contiguous");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0, "q and k disagree");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "CPU tensors only");
+  if (q.size(0) == 0) return;  // an empty step: nothing to rotate
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
               sin.scalar_type() == q.scalar_type(), "one dtype");
   cos = cos.reshape({cos.size(0), -1}).contiguous();

@@ -131,7 +131,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if self.silu:  # the projection's output is this step's own: SiLU and the product in place, no new tensors
+        # The projection's output is this step's own: SiLU and the product in place, no new
+        # tensors (the engine runs under inference_mode; autograd would refuse the in-place view op).
+        if self.silu:
             return self.down_proj(torch.nn.functional.silu(gate, inplace=True).mul_(up))
         return self.down_proj(self.act(gate) * up)
 
