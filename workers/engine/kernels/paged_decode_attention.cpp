@@ -50,8 +50,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& k_cach
 
   // Sequences dealt round-robin to the threads: contexts differ, and contiguous halves of
   // the batch (parallel_for's static split) left one thread idle for part of each layer.
-  // (at::parallel_for uses threads only where the extension is built with OpenMP; it is
-  // compiled without -fopenmp today, so one thread runs every lane: a measured next step.)
+  // (at::parallel_for uses threads only in code built with OpenMP: the extension is, -fopenmp.)
   const int64_t lanes = std::min<int64_t>(at::get_num_threads(), batch);
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), buffer(head_dim);
