@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results/engine_vs_vllm.json")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # the drivers run elsewhere: their job files sit next to it
     if args.driver:
         _driver_main(args)
         return
