@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_vs_vllm import bench, free_port, machine, process_tree, splitserve_server, _role  # noqa: E402
+from serve_vs_vllm import bench, free_port, machine, process_tree, splitserve_server, role_of  # noqa: E402
 
 # Frames whose inclusive share is reported: (label, substring of a frame "function (file)").
 FRAMES = [
@@ -102,7 +102,7 @@ def main() -> None:
     result: dict = {"command": " ".join(sys.argv), "machine": machine(), "args": vars(args)}
     try:
         bench(server, args.prompt_len, args.output_len, 8, 4, seed=1000)  # warm-up
-        pids = {_role(pid): pid for pid in process_tree(server.process.pid)}
+        pids = {role_of(pid): pid for pid in process_tree(server.process.pid)}
         services = {role: pid for role, pid in pids.items() if role in ("gateway", "coordinator", "worker")}
         load_done = threading.Event()
         load: dict = {}

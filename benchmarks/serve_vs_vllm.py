@@ -42,19 +42,27 @@ sys.path.insert(0, str(REPO))
 from loadgen.bench_config import BenchOptions  # noqa: E402
 from loadgen.cli import run_bench  # noqa: E402
 
-# Each splitserve topology: the `splitserve up` flags that select it.
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A way to run `splitserve up`: its flags, and environment variables its services inherit."""
+
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
 TOPOLOGIES = {
     # The default of `splitserve up` (what a user who types it gets): the coordinator inside the
     # gateway's process, placing requests itself; the worker's torch threads on every core.
-    "default": [],
+    "default": Topology(),
     # Every service its own process, as deployed on separate hosts: gateway -> coordinator
     # (-> scheduler per request) -> worker.
-    "processes": ["--coordinator", "process", "--placement", "scheduler"],
+    "processes": Topology(("--coordinator", "process", "--placement", "scheduler")),
     # The default topology with the worker's old thread rule: one core kept for the event loops.
-    "default-1thread": ["--worker-threads", "1"],
+    "default-1thread": Topology(("--worker-threads", "1")),
     # The default with OpenMP threads that sleep at once between parallel regions instead of
-    # spinning (OMP_WAIT_POLICY=PASSIVE, inherited by the worker): CPU left to the event loops.
-    "default-passive": ["env:OMP_WAIT_POLICY=PASSIVE"],
+    # spinning (inherited by the worker): CPU left to the event loops.
+    "default-passive": Topology(env=(("OMP_WAIT_POLICY", "PASSIVE"),)),
 }
 
 
@@ -84,7 +92,7 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def _role(pid: int) -> str:
+def role_of(pid: int) -> str:
     """A short name for what the process is: splitserve's service, or vLLM's front end / engine core."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -115,7 +123,7 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
         except OSError:
             continue
         seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        role = _role(pid)
+        role = role_of(pid)
         total[role] = total.get(role, 0.0) + seconds
     return total
 
@@ -180,9 +188,8 @@ def splitserve_server(topology: str, model: str, port: int, log_dir: Path, max_n
     cmd = [str(REPO / ".venv/bin/splitserve"), "up", "--workers", "1", "--model", model,
            "--http-port", str(port), "--grpc-port", str(free_port()), "--max-num-seqs", str(max_num_seqs),
            "--redis-prefix", f"ssbench:{os.getpid()}:{port}:", "--log-dir", str(log_dir / topology),
-           *(a for a in TOPOLOGIES[topology] if not a.startswith("env:"))]
-    env = {**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           **dict(a[4:].split("=", 1) for a in TOPOLOGIES[topology] if a.startswith("env:"))}
+           *TOPOLOGIES[topology].flags]
+    env = {**os.environ, "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **dict(TOPOLOGIES[topology].env)}
     return Server(f"splitserve-{topology}", cmd, env, port, log_dir / f"splitserve-{topology}.log")
 
 
