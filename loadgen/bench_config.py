@@ -32,6 +32,12 @@ class BenchOptions:
 
     target: str = "127.0.0.1:50051"
     api_key: str | None = None
+    # TLS to the target: on for an https:// URL, for gRPC with `tls` or any file below.
+    tls: bool = False
+    tls_ca_file: str = ""  # the CA that signed the server's certificate (empty: the system roots)
+    tls_cert_file: str = ""  # a client certificate, for a gateway run with --tls-client-ca-file
+    tls_key_file: str = ""
+    tls_server_name: str = ""  # the name the server's certificate is checked against (gRPC)
     model: str | None = None
     trace: Path | None = None
     length_scale: float = 1.0

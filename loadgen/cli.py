@@ -30,7 +30,8 @@ from loadgen.metrics import RequestResult
 from loadgen.options import build_slo, check_rate_options, report_run, run_command, run_rates, with_shared_options
 from loadgen.report import LiveProgress, compare, write_json
 from loadgen.runner import run_benchmark
-from loadgen.targets import check_reachable, make_target, parse_target, vocab_size_of_model
+from loadgen.targets import check_reachable, make_target, parse_target, target_tls, vocab_size_of_model
+from splitserve.tls import ClientTls
 
 __all__ = ["bench_app", "run_bench"]
 
@@ -43,7 +44,11 @@ def _new_target(opts: BenchOptions, model: str | None = None) -> Any:
     send = opts.send_slo
     return make_target(opts.target, api_key=opts.api_key, model=opts.model or model,
                        slo_ttft_ms=round(opts.slo_ttft_ms) if send else None,
-                       slo_itl_ms=round(opts.slo_itl_ms) if send else None)
+                       slo_itl_ms=round(opts.slo_itl_ms) if send else None, tls=_tls(opts))
+
+
+def _tls(opts: BenchOptions) -> ClientTls | None:
+    return target_tls(opts.tls, opts.tls_ca_file, opts.tls_cert_file, opts.tls_key_file, opts.tls_server_name)
 
 
 async def _target_info(opts: BenchOptions) -> dict[str, Any]:
@@ -80,6 +85,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     check_rate_options(opts)
     slo = build_slo(opts)
     target = parse_target(opts.target)
+    make_target(opts.target, tls=_tls(opts))  # TLS options and files checked before anything is sent
     workload = build_workload(opts)
     arrival = resolve_arrival(opts, workload)
     check_reachable(target)  # seconds, not a whole run of failed requests, when nothing is there
@@ -108,6 +114,19 @@ def bench(
                                "or an http(s) URL ending in /v1 for any OpenAI-compatible server. Checked before "
                                "the run: nothing answering there in 2 s is an error."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPLITSERVE_API_KEY", help="Bearer API key."),
+    tls: bool = typer.Option(False, "--tls/--no-tls", envvar="SPLITSERVE_TLS", show_envvar=True,
+                             help="TLS to a gRPC target, trusting the system roots unless --tls-ca-file (an https:// "
+                             "URL is always TLS). Implied by any --tls-* option."),
+    tls_ca_file: str = typer.Option("", "--tls-ca-file", envvar="SPLITSERVE_TLS_CA_FILE", show_envvar=True,
+                                    help="The CA (PEM) that signed the server's certificate."),
+    tls_cert_file: str = typer.Option("", "--tls-cert-file", envvar="SPLITSERVE_TLS_CLIENT_CERT_FILE",
+                                      show_envvar=True, help="A client certificate (PEM), for a gateway run with "
+                                      "--tls-client-ca-file; with --tls-key-file."),
+    tls_key_file: str = typer.Option("", "--tls-key-file", envvar="SPLITSERVE_TLS_CLIENT_KEY_FILE",
+                                     show_envvar=True, help="The private key (PEM) of --tls-cert-file."),
+    tls_server_name: str = typer.Option("", "--tls-server-name", envvar="SPLITSERVE_TLS_SERVER_NAME",
+                                        show_envvar=True, help="gRPC: check the server's certificate against this "
+                                        "name instead of the target's host."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id (default: the first the server lists)."),
     opts: BenchOptions,  # the options shared with `splitserve simulate` (loadgen.options) stand here
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Synthetic token ids in [0, V) (default: "
@@ -118,7 +137,8 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     opts = dataclasses.replace(opts, target=target, api_key=api_key, model=model, vocab_size=vocab_size,
-                               progress=progress)
+                               progress=progress, tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                               tls_key_file=tls_key_file, tls_server_name=tls_server_name)
     run_command(lambda: run_bench(opts))
 
 

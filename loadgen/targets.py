@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadgen.plan import BenchRequest, StreamedResult
+from splitserve.tls import ClientTls, channel_credentials
 
 __all__ = ["GrpcTarget", "OpenAITarget", "TargetAddress", "TargetUnreachable", "ACCEPTED_TARGETS", "parse_target",
-           "check_reachable", "make_target", "synthetic_text", "vocab_size_of_model"]
+           "check_reachable", "make_target", "target_tls", "synthetic_text", "vocab_size_of_model"]
 
 DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 600.0
@@ -105,9 +107,10 @@ class GrpcTarget:
 
     def __init__(self, address: str = DEFAULT_GRPC_TARGET, api_key: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, slo_ttft_ms: int | None = None,
-                 slo_itl_ms: int | None = None):
+                 slo_itl_ms: int | None = None, tls: ClientTls | None = None):
         self.address = address
         self.api_key = api_key
+        self.tls = tls  # None: plaintext
         self.timeout_s = timeout_s
         self.slo_ttft_ms = slo_ttft_ms
         self.slo_itl_ms = slo_itl_ms
@@ -125,7 +128,9 @@ class GrpcTarget:
             from splitserve.client import AsyncClient
 
             # No retries: a benchmark reports failures rather than hiding them in TTFT.
-            self._client = AsyncClient(self.address, api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
+            tls = self.tls.sdk_options() if self.tls is not None else {}
+            self._client = AsyncClient(self.address, api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0,
+                                       **tls)
         return self._client
 
     async def info(self) -> dict[str, Any]:
@@ -181,9 +186,13 @@ class OpenAITarget:
     kind = "openai"
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
+                 tls: ClientTls | None = None):
         self.base_url = normalise_base_url(base_url)
         self.transport = transport  # tests inject httpx.MockTransport
+        # https:// verifies the server against tls.ca_file (None: the system roots) and presents
+        # tls's client certificate; built here so that a bad file fails before the run.
+        self.verify: ssl.SSLContext | bool = tls.ssl_context() if tls is not None else True
         self.model = model
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -201,7 +210,7 @@ class OpenAITarget:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             # No connection cap: an open-loop run must not queue requests inside the client.
             self._http = httpx.AsyncClient(
-                base_url=self.base_url, headers=headers, transport=self.transport,
+                base_url=self.base_url, headers=headers, transport=self.transport, verify=self.verify,
                 timeout=httpx.Timeout(self.timeout_s, connect=10.0),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         return self._http
@@ -410,13 +419,28 @@ def check_reachable(target: TargetAddress, timeout_s: float = CONNECT_TIMEOUT_S)
                                 f"({reason}); is the server running there?") from None
 
 
+def target_tls(tls: bool = False, ca_file: str = "", cert_file: str = "", key_file: str = "",
+               server_name: str = "") -> ClientTls | None:
+    """The TLS a target is dialed with, from the ``--tls*`` options: None (plaintext gRPC; an
+    ``https://`` URL still verifies against the system roots) unless one of them is given. A
+    missing or non-PEM file, or a certificate without its key, raises ValueError naming the option."""
+    if not (tls or ca_file or cert_file or key_file or server_name):
+        return None
+    fields = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+    channel_credentials(ca_file, cert_file, key_file, fields=fields)  # checks the files now, not mid-run
+    return ClientTls(ca_file, cert_file, key_file, server_name)
+
+
 def make_target(address: str, api_key: str | None = None, model: str | None = None,
-                slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None) -> GrpcTarget | OpenAITarget:
+                slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
+                tls: ClientTls | None = None) -> GrpcTarget | OpenAITarget:
     """An OpenAI target for an ``http(s)://`` URL, else a gRPC target (see :func:`parse_target`)."""
     parsed = parse_target(address)
     if parsed.kind == "http":
-        return OpenAITarget(parsed.address, model=model, api_key=api_key)
-    return GrpcTarget(parsed.address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
+        if tls is not None and not parsed.address.lower().startswith("https://"):
+            raise ValueError(f"--target {address!r}: TLS options need an https:// URL")
+        return OpenAITarget(parsed.address, model=model, api_key=api_key, tls=tls)
+    return GrpcTarget(parsed.address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms, tls=tls)
 
 
 def vocab_size_of_model(model: str | None) -> int | None:

@@ -51,7 +51,8 @@ import typer
 from loadgen.arrivals import PoissonArrivals
 from loadgen.plan import BenchRequest, StreamedResult
 from loadgen.runner import RunProgress, run_benchmark
-from loadgen.targets import synthetic_text
+from loadgen.targets import synthetic_text, target_tls
+from splitserve.tls import ClientTls, channel_credentials, plain_or_tls_channel
 
 __all__ = ["ChaosError", "ChaosOptions", "ChaosCase", "ChaosReport", "FaultRecord", "RequestOutcome",
            "ServiceProcess", "find_service_processes", "plan_faults", "run_chaos", "render_report",
@@ -98,6 +99,8 @@ class ChaosOptions:
     min_live_workers: int = 1  # a worker is killed only while more than this many others are up
     drain_timeout_s: float = 120.0  # after the traffic, the longest wait for requests still running
     api_key: str | None = None
+    gateway_tls: ClientTls | None = None  # TLS to the gateway (None: plaintext)
+    internal_tls: ClientTls | None = None  # mTLS to the internal services' health checks (None: plaintext)
 
     def __post_init__(self) -> None:
         _require_loopback("target", f"//{self.target}" if "://" not in self.target else self.target)
@@ -223,14 +226,14 @@ def _kill_service(victim: ServiceProcess, prefix: str) -> None:
     os.kill(victim.pid, signal.SIGKILL)
 
 
-def _grpc_serving(port: int | None) -> bool:
+def _grpc_serving(port: int | None, tls: ClientTls | None = None) -> bool:
     if port is None:
         return True
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with plain_or_tls_channel(f"127.0.0.1:{port}", tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -406,7 +409,8 @@ class ChaosTarget:
             from splitserve.client import AsyncClient
 
             # Retries are this target's, counted; the SDK's own are off.
-            self._client = AsyncClient(self.options.target, api_key=self.options.api_key, max_retries=0)
+            tls = self.options.gateway_tls.sdk_options() if self.options.gateway_tls else {}
+            self._client = AsyncClient(self.options.target, api_key=self.options.api_key, max_retries=0, **tls)
         return self._client
 
     async def aclose(self) -> None:
@@ -629,7 +633,7 @@ class _Faults:
         while time.monotonic() < deadline:
             again = [s for s in find_service_processes(self.options.redis_prefix)
                      if s.name == victim.name and s.pid != victim.pid]
-            if again and _grpc_serving(again[0].port) and (
+            if again and _grpc_serving(again[0].port, self.options.internal_tls) and (
                     victim.service != WORKER or self._registered(victim.name)):
                 record.recovered, record.new_pid = True, again[0].pid
                 record.recovered_after_s = round(time.monotonic() - started, 2)
@@ -899,6 +903,18 @@ def _write_json(report: ChaosReport, out: Path | None) -> None:
 # ---- the command (registered by splitserve/cli.py) ------------------------------------------
 
 
+def _internal_tls(ca_file: str, cert_file: str, key_file: str, server_name: str) -> ClientTls | None:
+    """The services' mTLS (the same three files as the cluster's); ValueError naming an option."""
+    if not (ca_file or cert_file or key_file):
+        return None
+    if not (ca_file and cert_file and key_file):
+        missing = next(name for name, value in (("mtls_ca_file", ca_file), ("mtls_cert_file", cert_file),
+                                                ("mtls_key_file", key_file)) if not value)
+        raise ValueError(f"{missing}: mTLS needs --mtls-ca-file, --mtls-cert-file and --mtls-key-file together")
+    channel_credentials(ca_file, cert_file, key_file, fields=("mtls_ca_file", "mtls_cert_file", "mtls_key_file"))
+    return ClientTls(ca_file, cert_file, key_file, server_name)
+
+
 def _pair(text: str, name: str) -> tuple[int, int]:
     lo, sep, hi = text.partition(",")
     try:
@@ -936,6 +952,25 @@ def chaos_command(
                                            help="After the traffic, the longest wait for requests still running."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPLITSERVE_API_KEY",
                                            help="API key for the gateway."),
+    tls: bool = typer.Option(False, "--tls/--no-tls", envvar="SPLITSERVE_TLS", show_envvar=True,
+                             help="TLS to the gateway (implied by any --tls-* option)."),
+    tls_ca_file: str = typer.Option("", "--tls-ca-file", envvar="SPLITSERVE_TLS_CA_FILE", show_envvar=True,
+                                    help="The CA (PEM) that signed the gateway's certificate."),
+    tls_cert_file: str = typer.Option("", "--tls-cert-file", envvar="SPLITSERVE_TLS_CLIENT_CERT_FILE",
+                                      show_envvar=True, help="A client certificate (PEM) for the gateway."),
+    tls_key_file: str = typer.Option("", "--tls-key-file", envvar="SPLITSERVE_TLS_CLIENT_KEY_FILE",
+                                     show_envvar=True, help="The private key (PEM) of --tls-cert-file."),
+    tls_server_name: str = typer.Option("", "--tls-server-name", envvar="SPLITSERVE_TLS_SERVER_NAME",
+                                        show_envvar=True, help="Check the gateway's certificate against this name."),
+    mtls_ca_file: str = typer.Option("", "--mtls-ca-file", envvar="SPLITSERVE_MTLS_CA_FILE", show_envvar=True,
+                                     help="The cluster's mTLS CA: health checks of restarted services dial with it."),
+    mtls_cert_file: str = typer.Option("", "--mtls-cert-file", envvar="SPLITSERVE_MTLS_CERT_FILE",
+                                       show_envvar=True, help="mTLS: the certificate presented to the services."),
+    mtls_key_file: str = typer.Option("", "--mtls-key-file", envvar="SPLITSERVE_MTLS_KEY_FILE", show_envvar=True,
+                                      help="mTLS: the private key of --mtls-cert-file."),
+    mtls_server_name: str = typer.Option("", "--mtls-server-name", envvar="SPLITSERVE_MTLS_SERVER_NAME",
+                                         show_envvar=True, help="mTLS: the name services' certificates are "
+                                         "checked against."),
     out: Path = typer.Option(Path(".splitserve/chaos-report.json"), "--out", help="JSON report ('-': stdout)."),
 ) -> None:
     """Kill workers (and optionally the coordinator and Redis) of a running `splitserve up` cluster on a
@@ -952,7 +987,9 @@ def chaos_command(
             cases=cases, max_tokens=_pair(max_tokens, "--max-tokens"),
             prompt_words=_pair(prompt_words, "--prompt-words"), max_attempts=max_attempts,
             attempt_timeout_s=attempt_timeout_s, recovery_timeout_s=recovery_timeout_s,
-            min_live_workers=min_live_workers, drain_timeout_s=drain_timeout_s, api_key=api_key)
+            min_live_workers=min_live_workers, drain_timeout_s=drain_timeout_s, api_key=api_key,
+            gateway_tls=target_tls(tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name),
+            internal_tls=_internal_tls(mtls_ca_file, mtls_cert_file, mtls_key_file, mtls_server_name))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:

@@ -453,7 +453,7 @@ def _supervise(cluster, stop: dict, resync_s: float = 10.0) -> None:
             console.print(f"[yellow]{event.child.name} {event.message}[/yellow]")
             if event.kind == RESTARTED:
                 sync_due = time.monotonic()
-        counts = {child.name: child.restarts for child in cluster.children if child.restarts}
+        counts = {child.name: child.restarts for child in cluster.supervised() if child.restarts}
         if counts and time.monotonic() >= sync_due:
             sync_due = time.monotonic() + resync_s  # after a failure too: no retry storm while Redis is down
             try:

@@ -151,6 +151,10 @@ class Cluster:
     worker_addresses: list[str]
     scheduler_address: str
     coordinator_address: str
+    # The private Redis as a supervised child (None: the cluster uses a Redis it did not start,
+    # which whoever runs it restarts). Restarted on its own port, empty: the services reconnect
+    # and rebuild their records (docs/reliability.md).
+    redis_child: Child | None = None
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every child (gateway first, so no new work arrives), then Redis."""
@@ -173,13 +177,18 @@ class Cluster:
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.process.poll() is not None]
 
+    def supervised(self) -> list[Child]:
+        """Every process `supervise` restarts: the private Redis first (the services need it), then
+        the services."""
+        return ([self.redis_child] if self.redis_child is not None else []) + self.children
+
     def supervise(self, policy: RestartPolicy, now: float | None = None) -> list[SupervisionEvent]:
         """One supervision pass: note each newly dead child's restart time by `policy`, start the
         ones that are due (one that cannot be started is tried again after the next backoff).
         Called periodically by `splitserve up` until it is told to stop."""
         now = time.monotonic() if now is None else now
         happened = []
-        for child in self.children:
+        for child in self.supervised():
             if child.process.poll() is None:
                 continue
             if child.restart_at is None:
@@ -196,6 +205,8 @@ class Cluster:
                     happened.append(SupervisionEvent(child, START_FAILED, f"could not be started ({err}); "
                                                                           f"retrying in {child.restart_at - now:.1f} s"))
                     continue
+                if child is self.redis_child and self.private_redis is not None:
+                    self.private_redis.process = child.process  # what `stop` terminates
                 happened.append(SupervisionEvent(child, RESTARTED, f"restarted (restart {child.restarts})"))
         return happened
 
@@ -312,6 +323,8 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     cluster = Cluster(spec, redis_url, prefix, children, private, f"{spec.host}:{spec.grpc_port}",
                       f"{'https' if gateway_tls else 'http'}://{spec.host}:{spec.http_port}", worker_addresses,
                       f"{spec.host}:{sched_port}", coordinator_address)
+    if private is not None:
+        cluster.redis_child = Child("redis", private.process, redis_url, None, cmd=private.argv)
     try:
         for name, address, options in plan:
             log_path = spec.log_dir / f"{name}.log" if spec.log_dir else None

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 
@@ -50,11 +50,13 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
 
 @dataclass
 class PrivateRedis:
-    """A redis-server child process that keeps nothing on disk."""
+    """A redis-server child process that keeps nothing on disk; `argv` starts it again on the
+    same port (a supervisor replaces `process` when it does)."""
 
     url: str
     process: subprocess.Popen
     workdir: str
+    argv: list[str] = field(default_factory=list)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -77,11 +79,9 @@ def start_private_redis(timeout_s: float = 10.0) -> PrivateRedis:
         )
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="splitserve-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -89,7 +89,7 @@ def start_private_redis(timeout_s: float = 10.0) -> PrivateRedis:
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
             raise RuntimeError(f"redis-server exited with code {proc.returncode}: {err.strip()}")
         if redis_reachable(url):
-            return PrivateRedis(url, proc, workdir)
+            return PrivateRedis(url, proc, workdir, argv)
         time.sleep(0.05)  # polling for readiness, bounded by the deadline
     proc.kill()
     raise RuntimeError(f"redis-server on port {port} did not answer within {timeout_s} s")

@@ -121,6 +121,11 @@ class ClientTls:
     def channel(self, address: str, options: ChannelOptions = ()) -> grpc.Channel:
         return open_channel(address, self.credentials(), options, self.server_name)
 
+    def sdk_options(self) -> dict[str, object]:
+        """The keywords of `splitserve.client.Client` / `AsyncClient` for this TLS."""
+        return {"tls": True, "ca_file": self.ca_file or None, "cert_file": self.cert_file or None,
+                "key_file": self.key_file or None, "server_name": self.server_name or None}
+
     def ssl_context(self) -> ssl.SSLContext:
         """An `ssl` client context (httpx `verify=`): trusts `ca_file`, presents the client cert."""
         context = ssl.create_default_context(cafile=self.ca_file or None)

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 _MASK64 = (1 << 64) - 1
 
+# Temperatures below this sample greedily: dividing float32 logits by a smaller one overflows
+# to inf and the softmax to NaN (vLLM's CPU and GPU samplers use the same 1e-5 threshold).
+GREEDY_TEMPERATURE = 1e-5
+
 
 def mix_seed(seed: int, index: int) -> int:
     """splitmix64 of (seed, index): a well-spread 63-bit number (the sampler's per-token
@@ -48,7 +52,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature 0, or one so small that it is argmax in effect."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the offending field and its limit."""

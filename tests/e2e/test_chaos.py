@@ -91,3 +91,13 @@ def test_the_schedule_is_seeded_and_bounded():
     assert plans[0] == plans[1]
     assert sorted(f.kind for f in plans[0]) == ["coordinator", "redis", "worker", "worker", "worker"]
     assert all(5 <= f.at_s <= 30 for f in plans[0]) and [f.at_s for f in plans[0]] == sorted(f.at_s for f in plans[0])
+
+
+def test_half_configured_mtls_is_refused_naming_the_missing_option(tmp_path):
+    from splitserve.chaos import _internal_tls
+
+    assert _internal_tls("", "", "", "") is None
+    with pytest.raises(ValueError, match="^mtls_key_file: "):
+        _internal_tls(str(tmp_path / "ca.pem"), str(tmp_path / "service.pem"), "", "")
+    with pytest.raises(ValueError, match="^mtls_ca_file: cannot read"):
+        _internal_tls(str(tmp_path / "ca.pem"), str(tmp_path / "service.pem"), str(tmp_path / "service.key"), "")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 
 import pytest
 
 from splitserve.launcher import Child, Cluster, ClusterSpec, RestartPolicy
+from splitserve.redis_server import redis_reachable, start_private_redis
 
 
 def test_backoff_doubles_in_a_crash_loop_and_resets_after_a_stable_run():
@@ -79,3 +81,30 @@ def test_a_child_that_cannot_be_started_is_tried_again_after_the_backoff(tmp_pat
     assert (exited.kind, failed.kind) == ("exited", "start_failed")
     assert failed.message.endswith("retrying in 1.0 s") and child.restarts == 0
     assert cluster.supervise(policy, now + 1.0) == []  # the next try is due at now + 1.5
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_private_redis_that_dies_is_restarted_on_its_port_and_stopped_with_the_cluster(tmp_path):
+    private = start_private_redis()
+    cluster = Cluster(ClusterSpec(model="m"), private.url, "p:", [], private, "", "", [], "", "")
+    cluster.redis_child = Child("redis", private.process, private.url, None, cmd=private.argv)
+    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=1.0)
+    try:
+        assert [c.name for c in cluster.supervised()] == ["redis"]
+        first = private.process
+        first.kill()
+        first.wait(timeout=10)
+        assert not redis_reachable(private.url)
+        now = time.monotonic()
+        (exited,) = cluster.supervise(policy, now)
+        (restarted,) = cluster.supervise(policy, now + 0.1)
+        assert (exited.kind, restarted.kind) == ("exited", "restarted")
+        assert private.process is cluster.redis_child.process and private.process.pid != first.pid
+        deadline = time.monotonic() + 10
+        while not redis_reachable(private.url):  # the same URL answers again
+            assert time.monotonic() < deadline, "the restarted redis-server never answered"
+            time.sleep(0.05)  # polling for the restarted server, bounded by the deadline
+        assert cluster.redis_child.restarts == 1
+    finally:
+        cluster.stop()
+    assert private.process.poll() is not None  # the restarted server is the one stopped

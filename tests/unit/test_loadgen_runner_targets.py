@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from loadgen.plan import BenchRequest
-from loadgen.targets import OpenAITarget, make_target, normalise_base_url, synthetic_text
+from loadgen.targets import OpenAITarget, make_target, normalise_base_url, synthetic_text, target_tls
 
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 512}]}
 
@@ -183,3 +183,40 @@ def test_check_reachable_on_a_closed_and_an_open_port():
         check_reachable(parse_target(f"grpc://127.0.0.1:{port}"))  # something answers: no error
     with pytest.raises(TargetUnreachable, match=rf"--target 127.0.0.1:{port}: nothing answers"):
         check_reachable(parse_target(f"127.0.0.1:{port}"))  # the listener is closed
+
+
+# ---- TLS options -----------------------------------------------------------------------------
+
+
+def test_no_tls_option_means_plaintext_grpc_and_system_roots_for_https():
+    assert target_tls() is None
+    assert make_target("127.0.0.1:50051").tls is None
+    assert make_target("https://127.0.0.1:8000/v1").verify is True
+
+
+def test_tls_options_reach_both_kinds_of_target(tmp_path):
+    from tests.tls_support import make_test_certs
+
+    certs = make_test_certs(tmp_path)
+    tls = target_tls(ca_file=str(certs["ca"]), cert_file=str(certs["client"]), key_file=str(certs["client_key"]),
+                     server_name="gateway")
+    grpc_target = make_target("127.0.0.1:50051", tls=tls)
+    assert grpc_target.tls == tls and tls.sdk_options()["server_name"] == "gateway"
+    https_target = make_target("https://127.0.0.1:8000/v1", tls=tls)
+    assert https_target.verify.verify_mode.name == "CERT_REQUIRED"
+    assert target_tls(tls=True) is not None  # --tls alone: the system roots
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(ca_file="/no/such/ca.pem"), "tls_ca_file"),
+    (dict(cert_file=__file__, key_file=__file__), "tls_cert_file"),  # not a PEM certificate
+    (dict(key_file="/no/such/client.key"), "tls_cert_file"),  # a key without its certificate
+])
+def test_bad_tls_options_are_refused_naming_the_option(options, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        target_tls(**options)
+
+
+def test_tls_options_with_a_plain_http_url_are_refused():
+    with pytest.raises(ValueError, match="https://"):
+        make_target("http://127.0.0.1:8000/v1", tls=target_tls(tls=True))

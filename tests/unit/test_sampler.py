@@ -80,6 +80,23 @@ def test_greedy_ignores_seed_index_top_k_and_top_p():
     assert a == b == logits.argmax(dim=-1).tolist()
 
 
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-12, 9.9e-6])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    # logits / 1e-30 overflows float32 to inf and the softmax to NaN: such rows take the argmax.
+    logits = rand_logits(4, 40, seed=5) * 50
+    params = [SamplingParams(temperature=temperature, top_p=p) for p in (1.0, 0.9, 1.0, 0.5)]
+    assert all(p.greedy for p in params)
+    assert sample(logits, params, [1, 2, 3, 4], [0, 1, 2, 3]) == logits.argmax(dim=-1).tolist()
+
+
+def test_small_temperature_above_the_threshold_samples_near_argmax():
+    logits = rand_logits(8, 40, seed=6) * 50
+    params = [SamplingParams(temperature=1e-4)] * 8
+    assert not params[0].greedy
+    got = sample(logits, params, list(range(8)), [0] * 8)
+    assert got == logits.argmax(dim=-1).tolist()  # logit gaps / 1e-4: the argmax's mass is ~1
+
 # ---- batch invariance -----------------------------------------------------------------
 
 
