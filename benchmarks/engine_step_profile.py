@@ -100,8 +100,7 @@ def main() -> None:
                                  max_num_seqs=args.requests, max_num_batched_tokens=2048, detokenize=False,
                                  attention_backend=args.attention_backend, cpu_linear=args.cpu_linear))
     if args.elementwise == "torch":
-        engine.runner.model.use_fused_ops(None)
-        engine.runner.fused_ops = False
+        engine.runner.set_fused_ops(False)
     vocab = engine.spec.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]

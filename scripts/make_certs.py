@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/make_certs.py --out .splitserve/certs
     .venv/bin/python scripts/make_certs.py --out certs --san gw.example.internal --days 30
+    .venv/bin/python scripts/make_certs.py --out .splitserve/certs --key-owner 10001   # for compose.tls.yml
 
 Writes into --out (keys mode 0600, certificates 0644; ECDSA P-256, SHA-256):
 
@@ -106,8 +107,20 @@ def make_leaf(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, com
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def make_certs(out: Path, extra_names: list[str] = (), days: int = 825, force: bool = False) -> dict[str, Path]:
-    """Write the CA (or reuse the one in `out`) and the leaf certificates; their paths by name."""
+def parse_owner(text: str) -> tuple[int, int]:
+    """`UID` or `UID:GID` (numbers; GID defaults to UID) -> (uid, gid)."""
+    uid, sep, gid = text.partition(":")
+    try:
+        return int(uid), int(gid) if sep else int(uid)
+    except ValueError:
+        raise ValueError(f"--key-owner: expected UID or UID:GID (numbers), got {text!r}") from None
+
+
+def make_certs(out: Path, extra_names: list[str] = (), days: int = 825, force: bool = False,
+               key_owner: tuple[int, int] | None = None) -> dict[str, Path]:
+    """Write the CA (or reuse the one in `out`) and the leaf certificates; their paths by name.
+    `key_owner` (uid, gid): the leaf keys are given to that user (e.g. 10001, the container
+    image's user, which cannot read a key mode 0600 of another owner); the CA key never is."""
     out.mkdir(parents=True, exist_ok=True)
     ca_pem, ca_key_pem = out / "ca.pem", out / "ca.key"
     if ca_pem.exists() and ca_key_pem.exists() and not force:
@@ -124,6 +137,8 @@ def make_certs(out: Path, extra_names: list[str] = (), days: int = 825, force: b
     for stem, common_name, names, server, client in leaves:
         key, cert = make_leaf(ca_key, ca_cert, common_name, names, server, client, days)
         _write(out / f"{stem}.key", _key_pem(key), 0o600)
+        if key_owner is not None:
+            os.chown(out / f"{stem}.key", *key_owner)
         _write(out / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM), 0o644)
         paths[stem], paths[f"{stem}_key"] = out / f"{stem}.pem", out / f"{stem}.key"
     return paths
@@ -136,10 +151,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="another DNS name or IP address of the servers (repeatable)")
     parser.add_argument("--days", type=int, default=825, help="validity in days (default 825)")
     parser.add_argument("--force", action="store_true", help="make a new CA even when --out holds one")
+    parser.add_argument("--key-owner", metavar="UID[:GID]",
+                        help="give the service, gateway and client keys to this user (10001: the container "
+                             "image's user, for docker/compose.tls.yml); needs root or that user")
     args = parser.parse_args(argv)
     if args.days < 1:
         parser.error("--days must be at least 1")
-    paths = make_certs(args.out, args.san, args.days, args.force)
+    try:
+        owner = parse_owner(args.key_owner) if args.key_owner else None
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        paths = make_certs(args.out, args.san, args.days, args.force, owner)
+    except PermissionError as err:
+        parser.error(f"--key-owner {args.key_owner}: cannot give the keys away ({err.strerror}); run as root, "
+                     f"or as that user")
     for name, path in paths.items():
         print(f"{name:12s} {path}")
     return 0

@@ -114,11 +114,12 @@ class Compose:
     """One compose project on the host network, from the merged config with published ports removed
     (Compose v1 refuses port bindings with network_mode host; v2 would only warn)."""
 
-    def __init__(self, cmd: list[str], tmp: Path, env: dict[str, str]):
+    def __init__(self, cmd: list[str], tmp: Path, env: dict[str, str], overrides: tuple[str, ...] = ()):
         self.cmd, self.env = cmd, {**os.environ, **env}
         self.project = f"sse2e{uuid.uuid4().hex[:8]}"
-        merged = _run([*cmd, "-p", self.project, "-f", "docker-compose.yml", "-f", "docker/compose.hostnet.yml",
-                       "config"], env=self.env, timeout=60).stdout
+        files = ["docker-compose.yml", "docker/compose.hostnet.yml", *overrides]
+        merged = _run([*cmd, "-p", self.project, *(arg for f in files for arg in ("-f", f)), "config"],
+                      env=self.env, timeout=60).stdout
         config = yaml.safe_load(merged)
         for service in config["services"].values():
             service.pop("ports", None)
@@ -162,9 +163,24 @@ def deployment(tmp_path_factory):
     built_s = time.monotonic() - started
 
     ports = {name: free_port() for name in ("redis", "scheduler", "coordinator", "grpc", "http")}
-    env = {
+    env = _host_env(ports, model_dir, redis_image, workers=2)
+    compose = Compose(cmd, tmp_path_factory.mktemp("compose"), env)
+    try:
+        compose("up", "-d", "--no-build", timeout=READY_TIMEOUT_S)
+        http, grpc_address = f"http://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
+        _wait_ready(compose, http, f"127.0.0.1:{ports['scheduler']}", workers=2)
+        yield {"compose": compose, "http": http, "grpc": grpc_address, "scheduler": f"127.0.0.1:{ports['scheduler']}",
+               "model_dir": model_dir, "ready_s": time.monotonic() - started, "built_s": built_s, "cmd": cmd,
+               "redis_image": redis_image}
+    finally:
+        if not compose.down_done:
+            compose("down", "-v", "--remove-orphans", "-t", "20", check=False)
+
+
+def _host_env(ports: dict[str, int], model_dir: Path, redis_image: str, workers: int) -> dict[str, str]:
+    return {
         "SPLITSERVE_IMAGE": IMAGE, "SPLITSERVE_REDIS_IMAGE": redis_image, "SPLITSERVE_MODEL_DIR": str(model_dir),
-        "SPLITSERVE_WORKERS": "2", "SPLITSERVE_WORKER_NUM_THREADS": "1",
+        "SPLITSERVE_WORKERS": str(workers), "SPLITSERVE_WORKER_NUM_THREADS": "1",
         "SPLITSERVE_REDIS_PORT": str(ports["redis"]),
         "SPLITSERVE_REDIS_URL": f"redis://127.0.0.1:{ports['redis']}/0",
         "SPLITSERVE_SCHEDULER_PORT": str(ports["scheduler"]),
@@ -174,21 +190,14 @@ def deployment(tmp_path_factory):
         "SPLITSERVE_GATEWAY_PORT": str(ports["grpc"]), "SPLITSERVE_GATEWAY_HTTP_PORT": str(ports["http"]),
         "SPLITSERVE_DRAIN_TIMEOUT_S": "10", "SPLITSERVE_STOP_GRACE": "20s",
     }
-    compose = Compose(cmd, tmp_path_factory.mktemp("compose"), env)
-    try:
-        compose("up", "-d", "--no-build", timeout=READY_TIMEOUT_S)
-        http, grpc_address = f"http://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
-        _wait_ready(compose, http, f"127.0.0.1:{ports['scheduler']}", workers=2)
-        yield {"compose": compose, "http": http, "grpc": grpc_address, "scheduler": f"127.0.0.1:{ports['scheduler']}",
-               "model_dir": model_dir, "ready_s": time.monotonic() - started, "built_s": built_s}
-    finally:
-        if not compose.down_done:
-            compose("down", "-v", "--remove-orphans", "-t", "20", check=False)
 
 
-def _wait_ready(compose: Compose, http: str, scheduler: str, workers: int) -> None:
-    """Every container healthy (Docker's health checks), /health 200, the scheduler sees every worker."""
+def _wait_ready(compose: Compose, http: str, scheduler: str, workers: int, verify: object = True,
+                scheduler_tls: object = None) -> None:
+    """Every container healthy (Docker's health checks), /health 200, the scheduler sees every worker.
+    `verify`: httpx's, for an https gateway; `scheduler_tls`: a ClientTls for an mTLS scheduler."""
     from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
+    from splitserve.tls import plain_or_tls_channel
 
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
@@ -201,11 +210,11 @@ def _wait_ready(compose: Compose, http: str, scheduler: str, workers: int) -> No
         seen = 0
         if not unhealthy and len(ids) == 4 + workers:
             try:
-                if httpx.get(f"{http}/health", timeout=2).status_code == 200:
-                    with grpc.insecure_channel(scheduler) as channel:
+                if httpx.get(f"{http}/health", timeout=2, verify=verify).status_code == 200:
+                    with plain_or_tls_channel(scheduler, scheduler_tls) as channel:
                         stub = scheduler_pb2_grpc.GlobalSchedulerStub(channel)
                         seen = len(stub.ClusterState(scheduler_pb2.ClusterStateRequest(), timeout=2).workers)
-            except (httpx.HTTPError, grpc.RpcError):
+            except (httpx.HTTPError, grpc.RpcError, OSError):
                 pass
             if seen >= workers:
                 return
@@ -354,4 +363,45 @@ def test_stop_drains_and_down_leaves_nothing(deployment):
     compose("down", "-v", "--remove-orphans", "-t", "20", timeout=120)
     compose.down_done = True
     print(f"\nstop took {stop_s:.1f} s")
+    assert compose.leftovers() == {"container": [], "volume": [], "network": []}
+
+
+def test_tls_override_serves_over_https_and_grpc_with_mtls_inside(deployment, reference, tokenizer, tmp_path):
+    """docker/compose.tls.yml on the host network, one worker: every service speaks mTLS (the
+    containers' health checks too), the gateway TLS on both APIs; answers equal the engine's.
+    Runs after the plain deployment is down (the test above), so one cluster runs at a time."""
+    from splitserve.client import Client
+    from splitserve.tls import ClientTls
+    from tests.tls_support import make_test_certs
+
+    assert deployment["compose"].down_done, "the plain deployment must be down first"
+    certs = make_test_certs(tmp_path / "certs")
+    for name in ("service_key", "gateway_key", "client_key"):
+        os.chown(certs[name], 10001, 10001)  # the image's user: keys stay mode 0600 (we run as root here)
+    ports = {name: free_port() for name in ("redis", "scheduler", "coordinator", "grpc", "http")}
+    env = {**_host_env(ports, deployment["model_dir"], deployment["redis_image"], workers=1),
+           "SPLITSERVE_CERTS_DIR": str(tmp_path / "certs")}
+    compose = Compose(deployment["cmd"], tmp_path, env, overrides=("docker/compose.tls.yml",))
+    ca = ClientTls(str(certs["ca"]))
+    try:
+        compose("up", "-d", "--no-build", timeout=READY_TIMEOUT_S)
+        http, scheduler = f"https://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['scheduler']}"
+        services = ClientTls(str(certs["ca"]), str(certs["service"]), str(certs["service_key"]))
+        _wait_ready(compose, http, scheduler, workers=1, verify=ca.ssl_context(), scheduler_tls=services)
+        body = {"model": "smollm2-135m-instruct", "messages": FRANCE, "max_tokens": MAX_TOKENS, "temperature": 0}
+        reply = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120, verify=ca.ssl_context())
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == reference["france"].text
+        with Client(f"127.0.0.1:{ports['grpc']}", ca_file=str(certs["ca"]), timeout_s=120) as client:
+            out = client.generate(chat_prompt_ids(tokenizer, PHOTOSYNTHESIS), max_tokens=MAX_TOKENS, temperature=0.0)
+        assert out.token_ids == reference["photosynthesis"].token_ids
+        with pytest.raises(httpx.HTTPError):  # plaintext to the TLS listener
+            httpx.get(f"http://127.0.0.1:{ports['http']}/health", timeout=5)
+        with grpc.insecure_channel(scheduler) as channel:  # plaintext to an mTLS service
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        compose("down", "-v", "--remove-orphans", "-t", "20", check=False)
     assert compose.leftovers() == {"container": [], "volume": [], "network": []}

@@ -21,6 +21,7 @@ from splitserve.config import SERVICE_CONFIGS, env_var
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu")
+TLS_OVERLAY = "k8s/overlays/cpu-tls"  # overlays/cpu + components/tls + components/api-keys-file
 K8S_VERSION = "1.30.0"
 # Kinds defined by CRDs: kubernetes-validate has no schema for them (checked by hand below).
 CRD_GROUPS = ("monitoring.coreos.com/",)
@@ -28,7 +29,8 @@ CRD_GROUPS = ("monitoring.coreos.com/",)
 DEPLOY_ONLY = {"SPLITSERVE_IMAGE", "SPLITSERVE_CUDA_IMAGE", "SPLITSERVE_REDIS_IMAGE", "SPLITSERVE_BASE_IMAGE",
                "SPLITSERVE_CUDA_BASE_IMAGE", "SPLITSERVE_CUDA_BUILDER_IMAGE", "SPLITSERVE_MODEL_DIR",
                "SPLITSERVE_WORKERS", "SPLITSERVE_GPU_WORKERS", "SPLITSERVE_EMULATED_WORKERS",
-               "SPLITSERVE_HTTP_PUBLISH", "SPLITSERVE_GRPC_PUBLISH", "SPLITSERVE_REDIS_PORT", "SPLITSERVE_STOP_GRACE"}
+               "SPLITSERVE_HTTP_PUBLISH", "SPLITSERVE_GRPC_PUBLISH", "SPLITSERVE_REDIS_PORT", "SPLITSERVE_STOP_GRACE",
+               "SPLITSERVE_CERTS_DIR"}
 # Variables of other software the containers read (UCX for NIXL, the downward API, Grafana, images).
 FOREIGN_ENV = re.compile(r"^(UCX_\w+|POD_NAME|POD_IP|GF_\w+|PROMETHEUS_\w+|GRAFANA_\w+)$")
 
@@ -96,7 +98,7 @@ def container_env(docs, c) -> dict[str, str | None]:
     return env
 
 
-@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS + (TLS_OVERLAY,))
 def test_kustomize_renders_and_validates(path):
     import kubernetes_validate
 
@@ -112,7 +114,7 @@ def test_kustomize_renders_and_validates(path):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS + (TLS_OVERLAY,))
 def test_k8s_env_and_ports_match_typed_configs(path):
     docs = rendered(path)
     services = by_kind(docs, "Service")
@@ -188,6 +190,39 @@ def test_k8s_shape_of_the_deployment():
     assert [p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in open_rules] == ["gateway"]
 
 
+def test_k8s_tls_overlay_wires_certificates_probes_and_the_keys_file():
+    docs = rendered(TLS_OVERLAY)
+    for workload, c in containers(docs):
+        service = served(c.get("args") or c.get("command"))
+        if service is None:
+            continue
+        name = workload["metadata"]["name"]
+        env = container_env(docs, c)
+        assert env["SPLITSERVE_MTLS_CA_FILE"] == "/certs/ca.pem", name
+        assert env["SPLITSERVE_MTLS_SERVER_NAME"] == "splitserve-internal", name  # workers are dialed by pod IP
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mounts["/certs"]]["secret"]["secretName"] == "splitserve-tls", name
+        for path in (env["SPLITSERVE_MTLS_CERT_FILE"], env["SPLITSERVE_MTLS_KEY_FILE"]):
+            assert path.startswith("/certs/"), name
+        # The image's user reads the secret files through its group.
+        assert workload["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001, name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            handlers = set(c[probe]) & {"grpc", "exec", "httpGet", "tcpSocket"}
+            assert handlers == ({"httpGet"} if (service, probe) == ("gateway", "livenessProbe") else {"exec"}), \
+                f"{name} {probe}: kubelet's gRPC probes speak no TLS"
+            if "exec" in c[probe]:
+                assert c[probe]["exec"]["command"][-1 if probe == "readinessProbe" else -2].endswith(
+                    "splitserve-healthcheck"), f"{name} {probe}"
+        if service == "gateway":
+            assert env["SPLITSERVE_GATEWAY_TLS_CERT_FILE"] == "/certs/gateway.pem"
+            assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+            keys_dir = env["SPLITSERVE_GATEWAY_API_KEYS_FILE"].rsplit("/", 1)[0]
+            assert volumes[mounts[keys_dir]]["secret"]["secretName"] == "splitserve-api-keys-file"
+    monitor = by_kind(docs, "ServiceMonitor")["splitserve-gateway"]["spec"]["endpoints"][0]
+    assert monitor["scheme"] == "https" and monitor["tlsConfig"]["ca"]["secret"]["key"] == "ca.pem"
+
+
 # ---------------------------------------------------------------- Compose
 
 
@@ -214,7 +249,12 @@ def resolve(raw) -> str:
     return re.sub(r"\$\{[A-Z0-9_]+:?-([^}]*)\}", r"\1", str(raw))
 
 
-@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker/compose.hostnet.yml")])
+COMPOSE_FILE_SETS = [("docker-compose.yml",), ("docker-compose.yml", "docker/compose.hostnet.yml"),
+                     ("docker-compose.yml", "docker/compose.tls.yml"),
+                     ("docker-compose.yml", "docker/compose.hostnet.yml", "docker/compose.tls.yml")]
+
+
+@pytest.mark.parametrize("files", COMPOSE_FILE_SETS)
 def test_compose_env_and_ports_match_typed_configs(files):
     doc = compose_doc(*files)
     services = doc["services"]
@@ -233,9 +273,9 @@ def test_compose_env_and_ports_match_typed_configs(files):
         assert grace > float(resolve(env["SPLITSERVE_DRAIN_TIMEOUT_S"])), f"{name}: stop_grace_period <= drain"
         port_var = f"SPLITSERVE_{service.upper()}_PORT"
         port = int(resolve(env.get(port_var, default(service, "port"))))
-        if len(files) == 1:
+        if "docker/compose.hostnet.yml" not in files:
             assert port == default(service, "port") or service == "worker", f"{name}: {port_var}"
-        if service == "gateway" and len(files) == 1:
+        if service == "gateway" and "docker/compose.hostnet.yml" not in files:
             published = [resolve(p).split(":")[1] for p in svc["ports"]]
             assert published == [resolve(env["SPLITSERVE_GATEWAY_HTTP_PORT"]), resolve(env["SPLITSERVE_GATEWAY_PORT"])]
         for dep, cond in svc.get("depends_on", {}).items():
@@ -259,7 +299,7 @@ def test_compose_env_and_ports_match_typed_configs(files):
 
 
 def test_compose_variables_are_config_options_or_documented():
-    text = (ROOT / "docker-compose.yml").read_text() + (ROOT / "docker/compose.hostnet.yml").read_text()
+    text = "".join((ROOT / name).read_text() for name in COMPOSE_FILE_SETS[-1])
     for var in interpolated(text):
         if var.startswith("SPLITSERVE_"):
             assert var in ALL_CONFIG_ENV or var in DEPLOY_ONLY, f"${{{var}}}: neither a config option nor documented"
@@ -275,10 +315,24 @@ def test_compose_config_accepted_by_compose(tool):
     if tool == ["docker", "compose"] and subprocess.run(tool + ["version"], capture_output=True).returncode != 0:
         pytest.skip("Compose v2 (docker compose) is not installed")
     profiles = ["--profile", "emulated", "--profile", "gpu", "--profile", "monitoring"]
-    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker/compose.hostnet.yml"]):
+    for files in COMPOSE_FILE_SETS:
         out = subprocess.run([*tool, *sum((["-f", f] for f in files), []), *profiles, "config", "-q"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
+
+
+def test_compose_tls_override_mounts_the_certificates_everywhere():
+    services = compose_doc(*COMPOSE_FILE_SETS[2])["services"]
+    for name, svc in services.items():
+        if served(svc.get("command")) is None:
+            continue
+        env = svc["environment"]
+        assert env["SPLITSERVE_MTLS_CA_FILE"] == "/certs/ca.pem", name
+        assert env["SPLITSERVE_MTLS_SERVER_NAME"] == "splitserve-internal", name
+        assert any(resolve(v).endswith(":/certs:ro") for v in svc["volumes"]), name
+    gateway = services["gateway"]["environment"]
+    assert gateway["SPLITSERVE_GATEWAY_TLS_CERT_FILE"] == "/certs/gateway.pem"
+    assert resolve(gateway["SPLITSERVE_GATEWAY_TLS_CLIENT_CA_FILE"]) == ""  # client certificates: opt-in
 
 
 # ---------------------------------------------------------------- images, health check, dashboard

@@ -55,7 +55,7 @@ class ModelRunner:
         self.decode_kernel = self._choose_decode_kernel()
         self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
         self.onednn_linears = self._pack_linears()
-        self.fused_ops = self._use_fused_ops()
+        self.fused_ops = self.set_fused_ops(True)
         self.num_blocks = self._kv_capacity_blocks(max_model_len)
         # LAPS captured shapes: padded steps write their pad tokens' KV to one scratch block
         # past the ones the block manager owns (`num_blocks`).
@@ -156,18 +156,21 @@ class ModelRunner:
                              "and no compiled captured shapes")
         return pack_linears(self.model) if available and not compiled else 0
 
-    def _use_fused_ops(self) -> bool:
-        """On the CPU, RMSNorm (with its residual add) and rotary by the compiled
-        kernels when they built (they come with the decode kernel; SPLITSERVE_CPU_KERNELS=0
-        turns both off); not inside torch.compile'd captured shapes, which trace torch ops."""
+    def set_fused_ops(self, enabled: bool) -> bool:
+        """Switch the fused elementwise ops (RMSNorm with its residual add, rotary) on or off;
+        whether they now run. On only on the CPU, when the compiled kernels built (they come
+        with the decode kernel; SPLITSERVE_CPU_KERNELS=0 turns both off), and not inside
+        torch.compile'd captured shapes, which trace torch ops. The one place that sets both
+        the model's modules and `fused_ops`."""
         compiled = self.config.captured_shapes and self.config.captured_shapes_executor == "compile"
         use = getattr(self.model, "use_fused_ops", None)
-        if self.device.type != "cpu" or compiled or use is None:
-            return False
-        from workers.engine import kernels
+        module = None
+        if enabled and self.device.type == "cpu" and not compiled and use is not None:
+            from workers.engine import kernels
 
-        module = kernels.load()
-        return module is not None and use(module) > 0
+            module = kernels.load()
+        self.fused_ops = use is not None and use(module) > 0 and module is not None
+        return self.fused_ops
 
     def _choose_decode_kernel(self):
         """The compiled paged decode-attention kernel on the CPU (auto, cpu_kernel), else None."""

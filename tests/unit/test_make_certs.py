@@ -1,0 +1,41 @@
+"""scripts/make_certs.py: the files it writes, their modes and owners, its option errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+
+import pytest
+
+from tests.tls_support import REPO_ROOT
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("make_certs", REPO_ROOT / "scripts" / "make_certs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_keys_are_private_and_can_be_given_to_the_container_user(tmp_path):
+    make_certs = _module()
+    owner = (os.getuid(), os.getgid())  # any user may give a file to itself; root runs the real --key-owner 10001
+    paths = make_certs.make_certs(tmp_path, days=2, key_owner=owner)
+    for name in ("service_key", "gateway_key", "client_key", "ca_key"):
+        info = paths[name].stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600, name
+        assert (info.st_uid, info.st_gid) == owner, name
+    assert stat.S_IMODE(paths["ca"].stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("text, owner", [("10001", (10001, 10001)), ("10001:0", (10001, 0))])
+def test_key_owner_is_uid_or_uid_and_gid(text, owner):
+    assert _module().parse_owner(text) == owner
+
+
+@pytest.mark.parametrize("text", ["splitserve", "10001:", ":5", "1.5"])
+def test_a_bad_key_owner_is_refused_naming_the_option(text, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _module().main(["--out", "/nonexistent/never-written", "--key-owner", text])
+    assert exited.value.code == 2 and "--key-owner" in capsys.readouterr().err
