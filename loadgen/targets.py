@@ -439,6 +439,8 @@ def make_target(address: str, api_key: str | None = None, model: str | None = No
     if parsed.kind == "http":
         if tls is not None and not parsed.address.lower().startswith("https://"):
             raise ValueError(f"--target {address!r}: TLS options need an https:// URL")
+        if tls is not None and tls.server_name:
+            raise ValueError("tls_server_name: applies to gRPC targets only (an https:// URL names its host)")
         return OpenAITarget(parsed.address, model=model, api_key=api_key, tls=tls)
     return GrpcTarget(parsed.address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms, tls=tls)
 

@@ -41,6 +41,7 @@ INTERNAL_NAME = "splitserve-internal"
 DEFAULT_NAMES = ["localhost", "127.0.0.1", "::1", "gateway", "coordinator", "scheduler", "worker", "redis",
                  INTERNAL_NAME]
 GATEWAY_NAMES = ["localhost", "127.0.0.1", "::1", "gateway"]
+CONTAINER_KEYS = ("service", "gateway")  # the keys the services read (--key-owner)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -119,8 +120,12 @@ def parse_owner(text: str) -> tuple[int, int]:
 def make_certs(out: Path, extra_names: list[str] = (), days: int = 825, force: bool = False,
                key_owner: tuple[int, int] | None = None) -> dict[str, Path]:
     """Write the CA (or reuse the one in `out`) and the leaf certificates; their paths by name.
-    `key_owner` (uid, gid): the leaf keys are given to that user (e.g. 10001, the container
-    image's user, which cannot read a key mode 0600 of another owner); the CA key never is."""
+    `key_owner` (uid, gid): the service and gateway keys are given to that user (e.g. 10001,
+    the container image's user, which cannot read a key mode 0600 of another owner); the CA's
+    and the client's keys stay with the caller. PermissionError before anything is written
+    when the caller may not give files away (not root, not that user)."""
+    if key_owner is not None and os.geteuid() not in (0, key_owner[0]):
+        raise PermissionError(f"only root (or uid {key_owner[0]}) can give files to uid {key_owner[0]}")
     out.mkdir(parents=True, exist_ok=True)
     ca_pem, ca_key_pem = out / "ca.pem", out / "ca.key"
     if ca_pem.exists() and ca_key_pem.exists() and not force:
@@ -137,7 +142,7 @@ def make_certs(out: Path, extra_names: list[str] = (), days: int = 825, force: b
     for stem, common_name, names, server, client in leaves:
         key, cert = make_leaf(ca_key, ca_cert, common_name, names, server, client, days)
         _write(out / f"{stem}.key", _key_pem(key), 0o600)
-        if key_owner is not None:
+        if key_owner is not None and stem in CONTAINER_KEYS:
             os.chown(out / f"{stem}.key", *key_owner)
         _write(out / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM), 0o644)
         paths[stem], paths[f"{stem}_key"] = out / f"{stem}.pem", out / f"{stem}.key"
@@ -164,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = make_certs(args.out, args.san, args.days, args.force, owner)
     except PermissionError as err:
-        parser.error(f"--key-owner {args.key_owner}: cannot give the keys away ({err.strerror}); run as root, "
-                     f"or as that user")
+        parser.error(f"--key-owner {args.key_owner}: {err}" if args.key_owner and not err.filename else str(err))
     for name, path in paths.items():
         print(f"{name:12s} {path}")
     return 0

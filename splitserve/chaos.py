@@ -11,8 +11,8 @@ Against a cluster started by `splitserve up` (which restarts a service that dies
    fixes the length);
 3. runs open-loop Poisson traffic over those cases with the load generator's runner and,
    meanwhile, a seeded schedule of faults: SIGKILL of a worker (a random live one), of the
-   coordinator, or of Redis (restarted by this command, since `splitserve up` does not
-   supervise Redis); after each fault it waits until the service is back (a new process,
+   coordinator, or of Redis (restarted by `splitserve up` when it started that Redis itself,
+   else by this command); after each fault it waits until the service is back (a new process,
    SERVING, a worker registered again) before the next one, so at most one is down at a time;
 4. reports every request as completed at the first try, completed after retries, or
    failed, every completed output that differs from its case's reference (a mismatch:
@@ -252,6 +252,17 @@ class RedisProcess:
     argv: tuple[str, ...]
     cwd: str
     executable: str
+    supervised: bool = False  # a child of `splitserve up`, which restarts it: chaos only waits
+
+
+def _supervised_by_up(pid: int) -> bool:
+    """Whether the process's parent is a `splitserve up` (it restarts the private Redis it started)."""
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        argv = Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, IndexError, ValueError):
+        return False
+    return "up" in argv and any(arg.endswith("splitserve") or arg == "splitserve.cli" for arg in argv)
 
 
 def _redis_client(url: str):
@@ -306,7 +317,7 @@ def _redis_process(url: str, prefix: str) -> RedisProcess:
     as_str = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in config.items()}
     argv += ["--port", as_str["port"], "--bind", as_str["bind"] or "127.0.0.1", "--dir", as_str["dir"],
              "--save", as_str["save"], "--appendonly", as_str["appendonly"] or "no", "--daemonize", "no"]
-    return RedisProcess(pid, tuple(argv), cwd, executable)
+    return RedisProcess(pid, tuple(argv), cwd, executable, _supervised_by_up(pid))
 
 
 def _redis_answers(url: str) -> bool:
@@ -661,6 +672,9 @@ class _Faults:
     def _restart_redis(self, killed: RedisProcess, record: FaultRecord) -> None:
         started = time.monotonic()
         deadline = started + self.options.recovery_timeout_s
+        if killed.supervised:
+            self._wait_redis_restarted_by_up(killed, record, started, deadline)
+            return
         while not _pid_gone(killed.pid) and time.monotonic() < deadline:
             time.sleep(0.01)  # the port is free once the killed process is gone, bounded by the deadline
         process = subprocess.Popen(list(killed.argv), executable=killed.executable, cwd=killed.cwd, stdin=subprocess.DEVNULL,
@@ -679,6 +693,35 @@ class _Faults:
                 return
             time.sleep(0.02)  # polling the new server, bounded by the deadline
         record.error = f"the restarted redis-server did not answer within {self.options.recovery_timeout_s:g} s"
+
+
+    def _wait_redis_restarted_by_up(self, killed: RedisProcess, record: FaultRecord, started: float,
+                                    deadline: float) -> None:
+        """`splitserve up` restarts the private Redis it started: wait for another process to answer."""
+        while time.monotonic() < deadline:
+            pid = _redis_pid(self.options.redis_url)
+            if pid is not None and pid != killed.pid:
+                record.recovered, record.new_pid = True, pid
+                record.recovered_after_s = round(time.monotonic() - started, 2)
+                self.log(f"[{self.clock():6.1f} s] redis restarted by splitserve up (pid {pid}) after "
+                         f"{record.recovered_after_s:.2f} s")
+                return
+            time.sleep(0.02)  # polling for the supervisor's restart, bounded by the deadline
+        record.error = f"splitserve up did not restart redis within {self.options.recovery_timeout_s:g} s"
+        self.log(record.error)
+
+
+def _redis_pid(url: str) -> int | None:
+    """The process id of the Redis answering at `url` (None: nothing answers)."""
+    import redis
+
+    client = _redis_client(url)
+    try:
+        return int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
 
 
 def _pid_gone(pid: int) -> bool:
@@ -906,6 +949,8 @@ def _write_json(report: ChaosReport, out: Path | None) -> None:
 def _internal_tls(ca_file: str, cert_file: str, key_file: str, server_name: str) -> ClientTls | None:
     """The services' mTLS (the same three files as the cluster's); ValueError naming an option."""
     if not (ca_file or cert_file or key_file):
+        if server_name:
+            raise ValueError("mtls_server_name: needs --mtls-ca-file, --mtls-cert-file and --mtls-key-file")
         return None
     if not (ca_file and cert_file and key_file):
         missing = next(name for name, value in (("mtls_ca_file", ca_file), ("mtls_cert_file", cert_file),
@@ -936,8 +981,9 @@ def chaos_command(
     settle_s: float = typer.Option(5.0, "--settle-s", help="No fault planned in the last this many seconds."),
     worker_kills: int = typer.Option(3, "--worker-kills", help="Workers to SIGKILL (a random live one each time)."),
     coordinator_kills: int = typer.Option(0, "--coordinator-kills", help="Times to SIGKILL the coordinator."),
-    redis_kills: int = typer.Option(0, "--redis-kills", help="Times to SIGKILL Redis (restarted by this command; "
-                                     "refused unless the Redis holds only this cluster's keys)."),
+    redis_kills: int = typer.Option(0, "--redis-kills", help="Times to SIGKILL Redis (restarted by `splitserve up` "
+                                     "when it started it, else by this command; refused unless the Redis holds only "
+                                     "this cluster's keys)."),
     rate: float = typer.Option(4.0, "--rate", help="Requests per second (Poisson)."),
     cases: int = typer.Option(12, "--cases", help="Distinct requests (half greedy, half sampled with a fixed seed)."),
     max_tokens: str = typer.Option("16,48", "--max-tokens", help="MIN,MAX tokens per case."),

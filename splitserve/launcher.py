@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.redis_server import PrivateRedis, ensure_redis
+from splitserve.redis_server import PrivateRedis, ensure_redis, redis_reachable
 from splitserve.redis_server import free_port as pick_free_port
 from splitserve.tls import ClientTls, TlsConfigError
 
@@ -197,6 +197,13 @@ class Cluster:
                 happened.append(SupervisionEvent(child, EXITED, f"exited with code {child.process.returncode}; "
                                                                 f"restarting in {child.restart_at - now:.1f} s"))
             elif now >= child.restart_at:
+                if child is self.redis_child and redis_reachable(child.grpc_address):
+                    # Someone else started a Redis on its port meanwhile (an operator, a chaos
+                    # run against a Redis it does not know we supervise): ours would not bind.
+                    self.redis_child = None
+                    happened.append(SupervisionEvent(child, ADOPTED, "answers again, restarted by another process: "
+                                                                     "no longer supervised"))
+                    continue
                 try:
                     child.respawn()
                 except OSError as err:  # e.g. the interpreter or its log file is gone for a moment
@@ -211,7 +218,7 @@ class Cluster:
         return happened
 
 
-EXITED, RESTARTED, START_FAILED = "exited", "restarted", "start_failed"
+EXITED, RESTARTED, START_FAILED, ADOPTED = "exited", "restarted", "start_failed", "adopted"
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class SupervisionEvent:
     """What one supervision pass did to one child."""
 
     child: Child
-    kind: str  # EXITED | RESTARTED | START_FAILED
+    kind: str  # EXITED | RESTARTED | START_FAILED | ADOPTED (another process took the private Redis's place)
     message: str
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -81,12 +82,19 @@ def start_private_redis(timeout_s: float = 10.0) -> PrivateRedis:
     workdir = tempfile.mkdtemp(prefix="splitserve-redis-")
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", workdir, "--daemonize", "no", "--loglevel", "warning"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its own session: Ctrl-C at `splitserve up` reaches the services, which drain while Redis
+    # still answers; `Cluster.stop` stops it last. Errors to a file read only if it fails to start.
+    errors = open(os.path.join(workdir, "redis-server.log"), "wb")
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+    finally:
+        errors.close()
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            with open(os.path.join(workdir, "redis-server.log"), "rb") as log:
+                err = log.read().decode(errors="replace")
             raise RuntimeError(f"redis-server exited with code {proc.returncode}: {err.strip()}")
         if redis_reachable(url):
             return PrivateRedis(url, proc, workdir, argv)

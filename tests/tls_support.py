@@ -8,9 +8,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_test_certs(out: Path) -> dict[str, Path]:
-    """Run scripts/make_certs.py's `make_certs` into `out`: ca, service, gateway, client (+ _key)."""
+def make_test_certs(out: Path, key_owner: tuple[int, int] | None = None) -> dict[str, Path]:
+    """Run scripts/make_certs.py's `make_certs` into `out`: ca, service, gateway, client (+ _key);
+    `key_owner` as its --key-owner."""
     spec = importlib.util.spec_from_file_location("make_certs", REPO_ROOT / "scripts" / "make_certs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.make_certs(out, days=2)
+    return module.make_certs(out, days=2, key_owner=key_owner)

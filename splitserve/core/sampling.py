@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 _MASK64 = (1 << 64) - 1
 
-# Temperatures below this sample greedily: dividing float32 logits by a smaller one overflows
-# to inf and the softmax to NaN (vLLM's CPU and GPU samplers use the same 1e-5 threshold).
+# Temperatures below this sample greedily: one so small is argmax in effect, and near float32's
+# smallest numbers the logits / temperature overflow to inf and the softmax to NaN (vLLM's
+# samplers use the same 1e-5 threshold).
 GREEDY_TEMPERATURE = 1e-5
 
 

@@ -97,6 +97,8 @@ def test_half_configured_mtls_is_refused_naming_the_missing_option(tmp_path):
     from splitserve.chaos import _internal_tls
 
     assert _internal_tls("", "", "", "") is None
+    with pytest.raises(ValueError, match="^mtls_server_name: "):
+        _internal_tls("", "", "", "splitserve-internal")
     with pytest.raises(ValueError, match="^mtls_key_file: "):
         _internal_tls(str(tmp_path / "ca.pem"), str(tmp_path / "service.pem"), "", "")
     with pytest.raises(ValueError, match="^mtls_ca_file: cannot read"):

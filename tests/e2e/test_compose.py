@@ -149,7 +149,8 @@ class Compose:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def images():
+    """What every deployment here needs: Docker, compose, the model, the images (built once)."""
     why = _docker_ok()
     if why:
         pytest.skip(f"Docker deployment test skipped: {why}")
@@ -160,18 +161,22 @@ def deployment(tmp_path_factory):
     started = time.monotonic()
     base, redis_image = _base_images()
     _build_image(base)
-    built_s = time.monotonic() - started
+    return {"cmd": cmd, "model_dir": model_dir, "redis_image": redis_image, "built_s": time.monotonic() - started,
+            "started": started}
 
+
+@pytest.fixture(scope="module")
+def deployment(images, tmp_path_factory):
     ports = {name: free_port() for name in ("redis", "scheduler", "coordinator", "grpc", "http")}
-    env = _host_env(ports, model_dir, redis_image, workers=2)
-    compose = Compose(cmd, tmp_path_factory.mktemp("compose"), env)
+    env = _host_env(ports, images["model_dir"], images["redis_image"], workers=2)
+    compose = Compose(images["cmd"], tmp_path_factory.mktemp("compose"), env)
     try:
         compose("up", "-d", "--no-build", timeout=READY_TIMEOUT_S)
         http, grpc_address = f"http://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
         _wait_ready(compose, http, f"127.0.0.1:{ports['scheduler']}", workers=2)
         yield {"compose": compose, "http": http, "grpc": grpc_address, "scheduler": f"127.0.0.1:{ports['scheduler']}",
-               "model_dir": model_dir, "ready_s": time.monotonic() - started, "built_s": built_s, "cmd": cmd,
-               "redis_image": redis_image}
+               "model_dir": images["model_dir"], "ready_s": time.monotonic() - images["started"],
+               "built_s": images["built_s"]}
     finally:
         if not compose.down_done:
             compose("down", "-v", "--remove-orphans", "-t", "20", check=False)
@@ -223,18 +228,18 @@ def _wait_ready(compose: Compose, http: str, scheduler: str, workers: int, verif
 
 
 @pytest.fixture(scope="module")
-def tokenizer(deployment):
+def tokenizer(images):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(deployment["model_dir"]))
+    return AutoTokenizer.from_pretrained(str(images["model_dir"]))
 
 
 @pytest.fixture(scope="module")
-def reference(deployment, tokenizer):
+def reference(images, tokenizer):
     """The single-process engine on the same model directory, greedy: {name: CompletionOutput}."""
     from workers.engine import LLM, SamplingParams
 
-    llm = LLM(str(deployment["model_dir"]))
+    llm = LLM(str(images["model_dir"]))
     chats = {"france": FRANCE, "photosynthesis": PHOTOSYNTHESIS}
     outs = llm.generate([chat_prompt_ids(tokenizer, c) for c in chats.values()],
                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -366,22 +371,22 @@ def test_stop_drains_and_down_leaves_nothing(deployment):
     assert compose.leftovers() == {"container": [], "volume": [], "network": []}
 
 
-def test_tls_override_serves_over_https_and_grpc_with_mtls_inside(deployment, reference, tokenizer, tmp_path):
+def test_tls_override_serves_over_https_and_grpc_with_mtls_inside(images, reference, tokenizer, tmp_path):
     """docker/compose.tls.yml on the host network, one worker: every service speaks mTLS (the
     containers' health checks too), the gateway TLS on both APIs; answers equal the engine's.
-    Runs after the plain deployment is down (the test above), so one cluster runs at a time."""
+    Last in the file: the plain deployment is down by then (the test above), so one cluster
+    runs at a time."""
     from splitserve.client import Client
     from splitserve.tls import ClientTls
     from tests.tls_support import make_test_certs
 
-    assert deployment["compose"].down_done, "the plain deployment must be down first"
-    certs = make_test_certs(tmp_path / "certs")
-    for name in ("service_key", "gateway_key", "client_key"):
-        os.chown(certs[name], 10001, 10001)  # the image's user: keys stay mode 0600 (we run as root here)
+    if os.geteuid() != 0:
+        pytest.skip("the TLS compose test gives the keys to the image's user (uid 10001): it needs root")
+    certs = make_test_certs(tmp_path / "certs", key_owner=(10001, 10001))  # as make_certs.py --key-owner 10001
     ports = {name: free_port() for name in ("redis", "scheduler", "coordinator", "grpc", "http")}
-    env = {**_host_env(ports, deployment["model_dir"], deployment["redis_image"], workers=1),
+    env = {**_host_env(ports, images["model_dir"], images["redis_image"], workers=1),
            "SPLITSERVE_CERTS_DIR": str(tmp_path / "certs")}
-    compose = Compose(deployment["cmd"], tmp_path, env, overrides=("docker/compose.tls.yml",))
+    compose = Compose(images["cmd"], tmp_path, env, overrides=("docker/compose.tls.yml",))
     ca = ClientTls(str(certs["ca"]))
     try:
         compose("up", "-d", "--no-build", timeout=READY_TIMEOUT_S)

@@ -170,26 +170,6 @@ def test_wrong_keys_are_refused_and_tenant_limits_apply(cluster, certs):
     assert 'splitserve_gateway_tenant_requests_total{status="resource_exhausted",tenant="tiny"} 1.0' in metrics
 
 
-def test_no_key_text_in_any_log(cluster, certs):
-    """After right and wrong keys on both APIs (above and here), no log file holds a key."""
-    with _sdk(cluster, certs) as client:
-        assert client.generate(PROMPT, max_tokens=2).usage.completion_tokens == 2
-    with _sdk(cluster, certs, key=WRONG_KEY) as wrong, pytest.raises(AuthenticationError):
-        wrong.list_models()
-    with _http(certs) as http:
-        for key in (KEY_PLAIN, WRONG_KEY):
-            http.post(cluster.gateway_http + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    logs = sorted(cluster.spec.log_dir.glob("*.log"))
-    assert {p.stem for p in logs} >= {"gateway", "coordinator", "scheduler", "worker-0", "worker-1"}
-    gateway_log = (cluster.spec.log_dir / "gateway.log").read_text(errors="replace")
-    assert '"level": "DEBUG"' in gateway_log  # the most verbose level did run
-    for path in logs:
-        text = path.read_bytes()
-        for key in (KEY_ACME, KEY_TINY, KEY_PLAIN, WRONG_KEY):
-            assert key.encode() not in text, f"{path.name} holds an API key"
-
-
 @pytest.mark.parametrize("api", ["grpc", "http"])
 def test_the_load_generator_runs_over_tls_with_a_client_certificate(cluster, certs, api):
     """`splitserve bench --tls-ca-file ... --tls-cert-file ... --tls-key-file ...` against a gateway
@@ -212,3 +192,24 @@ def test_chaos_health_checks_reach_mtls_services_only_with_the_certificate(clust
     port = int(cluster.scheduler_address.rsplit(":", 1)[1])
     assert _grpc_serving(port, cluster.spec.internal_tls())
     assert not _grpc_serving(port)  # plaintext to an mTLS server: never SERVING
+
+
+# Last: every request above (the load generator's included) has been logged by now.
+def test_no_key_text_in_any_log(cluster, certs):
+    """After right and wrong keys on both APIs (above and here), no log file holds a key."""
+    with _sdk(cluster, certs) as client:
+        assert client.generate(PROMPT, max_tokens=2).usage.completion_tokens == 2
+    with _sdk(cluster, certs, key=WRONG_KEY) as wrong, pytest.raises(AuthenticationError):
+        wrong.list_models()
+    with _http(certs) as http:
+        for key in (KEY_PLAIN, WRONG_KEY):
+            http.post(cluster.gateway_http + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    logs = sorted(cluster.spec.log_dir.glob("*.log"))
+    assert {p.stem for p in logs} >= {"gateway", "coordinator", "scheduler", "worker-0", "worker-1"}
+    gateway_log = (cluster.spec.log_dir / "gateway.log").read_text(errors="replace")
+    assert '"level": "DEBUG"' in gateway_log  # the most verbose level did run
+    for path in logs:
+        text = path.read_bytes()
+        for key in (KEY_ACME, KEY_TINY, KEY_PLAIN, WRONG_KEY):
+            assert key.encode() not in text, f"{path.name} holds an API key"

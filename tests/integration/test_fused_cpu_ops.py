@@ -95,6 +95,8 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_fused_ops(arch, t
     params = SamplingParams(max_tokens=10, temperature=0.0)
     fused = [o.token_ids for o in llm.generate(prompts, params)]
     assert not llm.engine.runner.set_fused_ops(False) and not llm.engine.runner.fused_ops
+    switched = [m for m in llm.engine.runner.model.modules() if hasattr(m, "fused")]
+    assert switched and all(m.fused is None for m in switched)  # every RMSNorm and rotary back on torch
     plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert fused == plain
 

@@ -108,3 +108,34 @@ def test_a_private_redis_that_dies_is_restarted_on_its_port_and_stopped_with_the
     finally:
         cluster.stop()
     assert private.process.poll() is not None  # the restarted server is the one stopped
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_private_redis_restarted_by_another_process_is_left_to_it(tmp_path):
+    """A chaos run (or an operator) restarted the Redis first: the supervisor's copy could not
+    bind the port, so it stops supervising Redis instead of restarting it in a loop."""
+    import subprocess
+
+    private = start_private_redis()
+    cluster = Cluster(ClusterSpec(model="m"), private.url, "p:", [], private, "", "", [], "", "")
+    cluster.redis_child = Child("redis", private.process, private.url, None, cmd=private.argv)
+    other = None
+    try:
+        private.process.kill()
+        private.process.wait(timeout=10)
+        now = time.monotonic()
+        (exited,) = cluster.supervise(RestartPolicy(initial_backoff_s=0.1), now)
+        other = subprocess.Popen(private.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not redis_reachable(private.url):
+            assert time.monotonic() < deadline, "the other redis-server never answered"
+            time.sleep(0.05)  # polling for the other server, bounded by the deadline
+        (adopted,) = cluster.supervise(RestartPolicy(initial_backoff_s=0.1), now + 0.1)
+        assert (exited.kind, adopted.kind) == ("exited", "adopted")
+        assert cluster.redis_child is None and cluster.supervised() == []
+        assert cluster.supervise(RestartPolicy(initial_backoff_s=0.1), now + 5) == []
+    finally:
+        cluster.stop()
+        if other is not None:
+            other.kill()
+            other.wait(timeout=10)

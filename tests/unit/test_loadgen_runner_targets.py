@@ -202,8 +202,11 @@ def test_tls_options_reach_both_kinds_of_target(tmp_path):
                      server_name="gateway")
     grpc_target = make_target("127.0.0.1:50051", tls=tls)
     assert grpc_target.tls == tls and tls.sdk_options()["server_name"] == "gateway"
-    https_target = make_target("https://127.0.0.1:8000/v1", tls=tls)
-    assert https_target.verify.verify_mode.name == "CERT_REQUIRED"
+    https_target = make_target("https://127.0.0.1:8000/v1", tls=target_tls(ca_file=str(certs["ca"]),
+                                                                            cert_file=str(certs["client"]),
+                                                                            key_file=str(certs["client_key"])))
+    trusted = https_target.verify.get_ca_certs()
+    assert len(trusted) == 1 and "splitserve local CA" in str(trusted[0]["subject"])  # the test CA, not the system's
     assert target_tls(tls=True) is not None  # --tls alone: the system roots
 
 
@@ -220,3 +223,5 @@ def test_bad_tls_options_are_refused_naming_the_option(options, field):
 def test_tls_options_with_a_plain_http_url_are_refused():
     with pytest.raises(ValueError, match="https://"):
         make_target("http://127.0.0.1:8000/v1", tls=target_tls(tls=True))
+    with pytest.raises(ValueError, match="^tls_server_name: "):
+        make_target("https://127.0.0.1:8000/v1", tls=target_tls(server_name="gateway"))

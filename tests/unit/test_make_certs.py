@@ -18,15 +18,24 @@ def _module():
     return module
 
 
-def test_keys_are_private_and_can_be_given_to_the_container_user(tmp_path):
+def test_keys_are_private_and_only_the_services_keys_are_given_to_the_container_user(tmp_path, monkeypatch):
     make_certs = _module()
-    owner = (os.getuid(), os.getgid())  # any user may give a file to itself; root runs the real --key-owner 10001
-    paths = make_certs.make_certs(tmp_path, days=2, key_owner=owner)
+    given = []
+    monkeypatch.setattr(make_certs.os, "geteuid", lambda: 0)  # as root, which may give files away
+    monkeypatch.setattr(make_certs.os, "chown", lambda path, uid, gid: given.append((path.name, uid, gid)))
+    paths = make_certs.make_certs(tmp_path, days=2, key_owner=(10001, 10001))
+    assert sorted(given) == [("gateway.key", 10001, 10001), ("service.key", 10001, 10001)]  # not ca.key, client.key
     for name in ("service_key", "gateway_key", "client_key", "ca_key"):
-        info = paths[name].stat()
-        assert stat.S_IMODE(info.st_mode) == 0o600, name
-        assert (info.st_uid, info.st_gid) == owner, name
+        assert stat.S_IMODE(paths[name].stat().st_mode) == 0o600, name
     assert stat.S_IMODE(paths["ca"].stat().st_mode) == 0o644
+
+
+def test_giving_keys_away_without_the_right_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    make_certs = _module()
+    monkeypatch.setattr(make_certs.os, "geteuid", lambda: 1234)
+    with pytest.raises(PermissionError, match="uid 10001"):
+        make_certs.make_certs(tmp_path / "certs", days=2, key_owner=(10001, 10001))
+    assert not (tmp_path / "certs").exists()
 
 
 @pytest.mark.parametrize("text, owner", [("10001", (10001, 10001)), ("10001:0", (10001, 0))])

@@ -208,15 +208,14 @@ def test_k8s_tls_overlay_wires_certificates_probes_and_the_keys_file():
         # The image's user reads the secret files through its group.
         assert workload["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001, name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            # kubelet's gRPC probes speak no TLS, its HTTPS probes present no client certificate.
             handlers = set(c[probe]) & {"grpc", "exec", "httpGet", "tcpSocket"}
-            assert handlers == ({"httpGet"} if (service, probe) == ("gateway", "livenessProbe") else {"exec"}), \
-                f"{name} {probe}: kubelet's gRPC probes speak no TLS"
-            if "exec" in c[probe]:
-                assert c[probe]["exec"]["command"][-1 if probe == "readinessProbe" else -2].endswith(
-                    "splitserve-healthcheck"), f"{name} {probe}"
+            assert handlers == {"exec"}, f"{name} {probe}: {handlers}"
+            command = c[probe]["exec"]["command"]
+            assert command[1].endswith("splitserve-healthcheck"), f"{name} {probe}"
+            assert ("--liveness" in command) == (probe != "readinessProbe"), f"{name} {probe}"
         if service == "gateway":
             assert env["SPLITSERVE_GATEWAY_TLS_CERT_FILE"] == "/certs/gateway.pem"
-            assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
             keys_dir = env["SPLITSERVE_GATEWAY_API_KEYS_FILE"].rsplit("/", 1)[0]
             assert volumes[mounts[keys_dir]]["secret"]["secretName"] == "splitserve-api-keys-file"
     monitor = by_kind(docs, "ServiceMonitor")["splitserve-gateway"]["spec"]["endpoints"][0]
@@ -333,6 +332,13 @@ def test_compose_tls_override_mounts_the_certificates_everywhere():
     gateway = services["gateway"]["environment"]
     assert gateway["SPLITSERVE_GATEWAY_TLS_CERT_FILE"] == "/certs/gateway.pem"
     assert resolve(gateway["SPLITSERVE_GATEWAY_TLS_CLIENT_CA_FILE"]) == ""  # client certificates: opt-in
+    # Prometheus scrapes the gateway over HTTPS, trusting the mounted CA; the rest as without TLS.
+    assert "./docker/prometheus/prometheus.tls.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+    plain, tls = (yaml.safe_load((ROOT / f"docker/prometheus/{name}").read_text())["scrape_configs"]
+                  for name in ("prometheus.yml", "prometheus.tls.yml"))
+    gateway_job = next(job for job in tls if job["job_name"] == "gateway")
+    assert gateway_job["scheme"] == "https" and gateway_job["tls_config"]["ca_file"] == "/certs/ca.pem"
+    assert [job for job in tls if job["job_name"] != "gateway"] == [job for job in plain if job["job_name"] != "gateway"]
 
 
 # ---------------------------------------------------------------- images, health check, dashboard

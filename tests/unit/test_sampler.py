@@ -81,9 +81,10 @@ def test_greedy_ignores_seed_index_top_k_and_top_p():
 
 
 
-@pytest.mark.parametrize("temperature", [1e-30, 1e-12, 9.9e-6])
+@pytest.mark.parametrize("temperature", [1e-46, 1e-40, 1e-12, 9.9e-6])
 def test_tiny_temperature_is_greedy_not_nan(temperature):
-    # logits / 1e-30 overflows float32 to inf and the softmax to NaN: such rows take the argmax.
+    # In float32, 1e-46 is 0 and 1e-40 subnormal: logits / it are inf and the softmax NaN (what
+    # sampling them did); any temperature below the threshold takes the argmax.
     logits = rand_logits(4, 40, seed=5) * 50
     params = [SamplingParams(temperature=temperature, top_p=p) for p in (1.0, 0.9, 1.0, 0.5)]
     assert all(p.greedy for p in params)
