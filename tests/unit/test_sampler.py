@@ -314,3 +314,17 @@ def test_a_batch_larger_than_one_noise_chunk_samples_each_row_as_alone():
     seeds, idx = list(range(rows)), [i % 4 for i in range(rows)]
     full = sample(logits, params, seeds, idx)
     assert full == [sample(logits[i:i + 1], [params[i]], [seeds[i]], [idx[i]])[0] for i in range(rows)]
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_and_nan():
+    from workers.engine.sampler import argmax_rows
+
+    logits = rand_logits(6, 300, seed=9)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1.0  # a tie: the first index wins
+    logits[2, 40] = float("nan")  # NaN counts as the largest in both
+    logits[3] = 0.0  # a row of equal values: index 0
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[1].item() == 7 and got[3].item() == 0
+    strided = logits.t().contiguous().t()  # a non-contiguous view gives the same answer
+    assert argmax_rows(strided).tolist() == got.tolist()

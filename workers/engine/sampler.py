@@ -17,7 +17,7 @@ from splitserve.core import SamplingParams
 from splitserve.core.sampling import mix_seed
 from workers.tensor_hash import M32, hash32
 
-__all__ = ["counter_uniform", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
+__all__ = ["argmax_rows", "counter_uniform", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
 
 # Rows whose noise is made at once: bounds its temporaries (~5 int64 tables of NOISE_ROWS x
 # vocab: 48 MiB at a 152k vocabulary) whatever the batch, on the CPU and in GPU memory alike.
@@ -51,7 +51,7 @@ def sample(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         index = _index(greedy, rows, logits.device)
-        tokens[index] = logits[index].argmax(dim=-1)
+        tokens[index] = argmax_rows(logits[index])
     # Rows that filter (top-k, top-p) and rows that do not are sampled apart: a row's numbers
     # must not depend on which other rows share its step (a sorted softmax sums in another order).
     filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p, vocab)]
@@ -63,6 +63,18 @@ def sample(
             tokens[index] = _sample_rows(logits[index], [params[i] for i in drawn], keys.to(logits.device),
                                          filtering)
     return tokens.tolist()
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first on ties), int64.
+
+    On the CPU numpy's vectorised argmax: torch's CPU argmax took 1.2 ms for 32 rows of a
+    32,000-token vocabulary on this project's 2-core VM against numpy's 0.19 ms — 3% of a
+    small model's decode step. Both return the first maximum, and NaN counts as the largest
+    in both, so the tokens are the same."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(scores.detach().numpy().argmax(axis=1))
+    return scores.argmax(dim=-1)
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
@@ -105,5 +117,5 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: torch
     for start in range(0, rows, NOISE_ROWS):
         end = min(rows, start + NOISE_ROWS)
         exponential = -torch.log(counter_uniform(keys[start:end], vocab))
-        tokens[start:end] = (probs[start:end] / exponential).argmax(dim=-1)
+        tokens[start:end] = argmax_rows(probs[start:end] / exponential)
     return tokens
