@@ -113,17 +113,19 @@ class LocalPlacer:
     """Runs a placement policy in this process over a background-refreshed cluster view."""
 
     def __init__(self, store: StateStore, policy: PlacementPolicy, view_refresh_s: float,
-                 view_timeout_s: float = 2.0):
+                 view_timeout_s: float = 2.0, view_idle_refresh_s: float = 0.0):
         self.policy = policy
-        self.views = ClusterViewSource(store, view_refresh_s)
+        self.views = ClusterViewSource(store, view_refresh_s, idle_refresh_s=view_idle_refresh_s)
         self.view_timeout_s = view_timeout_s
 
     @classmethod
     def from_config(cls, store: StateStore, policy_name: str, split_ratio: float,
-                    view_refresh_s: float, policy_params: str = "") -> "LocalPlacer":
+                    view_refresh_s: float, policy_params: str = "",
+                    view_idle_refresh_s: float = 0.0) -> "LocalPlacer":
         """ValueError for an unknown policy or bad parameters, before any I/O."""
         params = configured_policy_params(policy_name, split_ratio, policy_params)
-        return cls(store, make_policy(policy_name, **params), view_refresh_s)
+        return cls(store, make_policy(policy_name, **params), view_refresh_s,
+                   view_idle_refresh_s=view_idle_refresh_s)
 
     async def start(self) -> None:
         await self.views.start()

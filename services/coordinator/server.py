@@ -81,7 +81,7 @@ async def open_coordinator(config: CoordinatorConfig) -> AsyncIterator[Coordinat
     placer: Placer | None = None
     if config.placement == "local":  # ValueError for an unknown policy before any I/O
         placer = LocalPlacer.from_config(store, config.policy, config.split_ratio, config.view_refresh_s,
-                                         config.policy_params)
+                                         config.policy_params, config.view_idle_refresh_s)
     workers = WorkerDirectory(store, config)
     records = RequestRecordWriter(store, config.request_record_ttl_s, config.record_flush_interval_s)
     async with contextlib.AsyncExitStack() as stack:

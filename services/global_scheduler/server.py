@@ -269,7 +269,7 @@ async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
     policy = make_policy(config.policy, **params)  # ValueError before touching Redis
     store = StateStore(config.redis_url, config.redis_prefix,
                        retry_policy=RedisRetryPolicy(attempts=config.redis_connect_attempts))
-    views = ClusterViewSource(store, config.view_refresh_s)
+    views = ClusterViewSource(store, config.view_refresh_s, idle_refresh_s=config.view_idle_refresh_s)
     try:
         await store.connect()
         await views.start()

@@ -24,13 +24,22 @@ log = logging.getLogger(__name__)
 
 
 class ClusterViewSource:
-    """Keeps a ClusterView fresh from Redis in a background task; `current()` does no I/O."""
+    """Keeps a ClusterView fresh from Redis in a background task; `current()` does no I/O.
+
+    Idle: when nobody has read the view (a placement, ClusterState, the pool controller) for
+    `idle_after_s`, it is re-read every `idle_refresh_s` instead of every `refresh_s` (a
+    scheduler whose coordinators place locally, or an idle cluster, then costs one Redis read
+    a second, not twenty); the next reader gets the view at hand and wakes the loop, which is
+    back at `refresh_s` at once. A worker that registered meanwhile is still found: a
+    placement that fits nowhere re-reads first."""
 
     def __init__(
         self,
         store: StateStore,
         refresh_s: float = 0.05,
         *,
+        idle_refresh_s: float = 0.0,
+        idle_after_s: float = 2.0,
         stale_after_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -41,6 +50,15 @@ class ClusterViewSource:
         # Past this age (Redis unreachable) placing on the old view is a guess about dead
         # workers; answer UNAVAILABLE instead so callers retry.
         self.stale_after_s = max(5.0, 10 * refresh_s) if stale_after_s is None else stale_after_s
+        # 0 (or anything not above refresh_s): never idle.
+        self.idle_refresh_s = max(refresh_s, idle_refresh_s)
+        if self.idle_refresh_s >= self.stale_after_s:
+            raise ValueError(f"idle_refresh_s must be below the view's staleness limit ({self.stale_after_s:g} s), "
+                             f"got {idle_refresh_s}")
+        self.idle_after_s = idle_after_s
+        self._used_monotonic = time.monotonic()
+        self._wake = asyncio.Event()
+        self.reads = 0  # Redis reads of the view so far (tests, metrics)
         self.clock = clock
         self.inflight = InflightCounters()
         self._workers: list[WorkerInfo] = []
@@ -88,6 +106,7 @@ class ClusterViewSource:
             activity = await self.store.worker_activity([w.worker_id for w in workers])
             signals = {worker_id: worker_signals(a) for worker_id, a in activity.items()}
         self._workers, self._loads, self._signals = workers, loads, signals
+        self.reads += 1
         self._taken_at = self.clock()
         self._refreshed_monotonic = time.monotonic()
         self.inflight.observe_snapshots(loads)
@@ -96,6 +115,9 @@ class ClusterViewSource:
 
     async def current(self, timeout_s: float = 2.0) -> ClusterView:
         """The latest view; waits up to timeout_s for the first one; Unavailable if stale."""
+        if self.idle:
+            self._wake.set()  # back to refresh_s from now; this reader gets the view at hand
+        self._used_monotonic = time.monotonic()
         if not self._loaded.is_set():
             try:
                 await asyncio.wait_for(self._loaded.wait(), timeout_s)
@@ -143,6 +165,12 @@ class ClusterViewSource:
         self.inflight.note_placed(worker_ids)
         self._view = None
 
+    @property
+    def idle(self) -> bool:
+        """Not read for `idle_after_s`: the view is re-read every `idle_refresh_s`."""
+        return (self.idle_refresh_s > self.refresh_s
+                and time.monotonic() - self._used_monotonic >= self.idle_after_s)
+
     async def _refresh_loop(self) -> None:
         failing = False
         while not self._stopping:
@@ -160,7 +188,12 @@ class ClusterViewSource:
                 failing = True
             if self._stopping:
                 break
-            await asyncio.sleep(max(0.0, self.refresh_s - (time.monotonic() - started)))
+            interval = self.idle_refresh_s if self.idle else self.refresh_s
+            self._wake.clear()
+            try:  # a placement ends an idle wait at once
+                await asyncio.wait_for(self._wake.wait(), max(0.0, interval - (time.monotonic() - started)))
+            except asyncio.TimeoutError:
+                pass
 
 
 def worker_signals(activity: WorkerActivity) -> WorkerSignals:
