@@ -156,10 +156,10 @@ class SchedulerConfig(CommonConfig):
                              "commas, e.g. 'perf_model=A100/qwen2.5-14b,max_probes=6' for dynaserve (perf_model: a "
                              "preset GPU/MODEL[/TP], a `splitserve profile` JSON file or redis:WORKER_ID).")
     view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
-    view_idle_refresh_s: float = opt(1.0, "After 2 s in which nothing read the cluster view (no placement: "
-                                     "coordinators placing locally, an idle cluster), it is re-read this often "
-                                     "instead; the next read brings back --view-refresh-s at once. 0: always "
-                                     "--view-refresh-s.")
+    view_idle_refresh_s: float = opt(1.0, "After 2 s in which nothing read the cluster view (no placement, "
+                                     "ClusterState or readiness check: coordinators placing locally), it is re-read "
+                                     "this often instead; the next read re-reads it first and brings back "
+                                     "--view-refresh-s. 0: always --view-refresh-s.")
 
     SERVICE: typing.ClassVar[str] = "scheduler"
 
@@ -183,8 +183,9 @@ class CoordinatorConfig(CommonConfig):
     policy_params: str = opt("", "placement=local: the policy's parameters (JSON object or key=value,...), as the "
                              "scheduler's --policy-params.")
     view_refresh_s: float = opt(0.05, "placement=local: how often the cluster view is re-read from Redis.")
-    view_idle_refresh_s: float = opt(1.0, "placement=local: after 2 s without a placement (an idle cluster), the "
-                                     "cluster view is re-read this often instead; 0: always --view-refresh-s.")
+    view_idle_refresh_s: float = opt(1.0, "placement=local: after 2 s in which nothing read the cluster view "
+                                     "(gateways' readiness checks read it twice a second), it is re-read this often "
+                                     "instead; 0: always --view-refresh-s.")
     record_flush_interval_s: float = opt(0.02, "Request records are written to Redis in one batch per interval.")
     session_ttl_s: float = opt(600.0, "Idle time before a session expires when the client asks for none.")
     max_session_ttl_s: float = opt(86400.0, "Longest idle TTL a client may ask for when opening a session.")

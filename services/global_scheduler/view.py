@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 class ClusterViewSource:
     """Keeps a ClusterView fresh from Redis in a background task; `current()` does no I/O.
 
-    Idle: when nobody has read the view (a placement, ClusterState, the pool controller) for
-    `idle_after_s`, it is re-read every `idle_refresh_s` instead of every `refresh_s` (a
-    scheduler whose coordinators place locally, or an idle cluster, then costs one Redis read
-    a second, not twenty); the next reader gets the view at hand and wakes the loop, which is
-    back at `refresh_s` at once. A worker that registered meanwhile is still found: a
-    placement that fits nowhere re-reads first."""
+    Idle: when nobody has read the view (a placement, ClusterState, a readiness check, the
+    pool controller) for `idle_after_s`, it is re-read every `idle_refresh_s` instead of every
+    `refresh_s` — a scheduler whose coordinators place locally then costs one Redis read a
+    second, not twenty. The next reader waits for one fresh read (shared by concurrent
+    readers; on a Redis error it gets the view at hand, still subject to `stale_after_s`) and
+    wakes the loop, which is back at `refresh_s` at once."""
 
     def __init__(
         self,
@@ -52,13 +52,13 @@ class ClusterViewSource:
         self.stale_after_s = max(5.0, 10 * refresh_s) if stale_after_s is None else stale_after_s
         # 0 (or anything not above refresh_s): never idle.
         self.idle_refresh_s = max(refresh_s, idle_refresh_s)
-        if self.idle_refresh_s >= self.stale_after_s:
-            raise ValueError(f"idle_refresh_s must be below the view's staleness limit ({self.stale_after_s:g} s), "
-                             f"got {idle_refresh_s}")
+        if self.idle_refresh_s > self.stale_after_s / 2:  # margin for slow reads before staleness
+            raise ValueError(f"idle_refresh_s must be at most half the view's staleness limit "
+                             f"({self.stale_after_s:g} s), got {idle_refresh_s}")
         self.idle_after_s = idle_after_s
         self._used_monotonic = time.monotonic()
         self._wake = asyncio.Event()
-        self.reads = 0  # Redis reads of the view so far (tests, metrics)
+        self.reads = 0  # Redis reads of the view so far (tests)
         self.clock = clock
         self.inflight = InflightCounters()
         self._workers: list[WorkerInfo] = []
@@ -116,7 +116,13 @@ class ClusterViewSource:
     async def current(self, timeout_s: float = 2.0) -> ClusterView:
         """The latest view; waits up to timeout_s for the first one; Unavailable if stale."""
         if self.idle:
-            self._wake.set()  # back to refresh_s from now; this reader gets the view at hand
+            self._used_monotonic = time.monotonic()
+            self._wake.set()  # the loop is back at refresh_s from now
+            if self._refreshed_monotonic is not None and time.monotonic() - self._refreshed_monotonic > self.refresh_s:
+                try:  # up to idle_refresh_s old: one read now, not a placement on it
+                    await self.refresh()
+                except Exception:  # noqa: BLE001 -- the view at hand, judged by stale_after_s below
+                    log.warning("cluster view re-read after idling failed; using the one at hand", exc_info=True)
         self._used_monotonic = time.monotonic()
         if not self._loaded.is_set():
             try:

@@ -328,3 +328,14 @@ def test_argmax_rows_equals_torch_argmax_with_ties_and_nan():
     assert got[1].item() == 7 and got[3].item() == 0
     strided = logits.t().contiguous().t()  # a non-contiguous view gives the same answer
     assert argmax_rows(strided).tolist() == got.tolist()
+
+
+def test_argmax_rows_on_inf_rows_float64_and_the_bfloat16_fallback():
+    from workers.engine.sampler import argmax_rows
+
+    logits = rand_logits(3, 50, seed=11)
+    logits[0] = float("-inf")  # every token masked: index 0, as torch
+    for scores in (logits, logits.double(), logits.bfloat16()):
+        with torch.inference_mode():
+            got = argmax_rows(scores.clone())
+        assert got.dtype == torch.int64 and got.tolist() == scores.argmax(dim=-1).tolist()

@@ -73,7 +73,7 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     small model's decode step. Both return the first maximum, and NaN counts as the largest
     in both, so the tokens are the same."""
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(scores.detach().numpy().argmax(axis=1))
+        return torch.from_numpy(scores.detach().numpy().argmax(axis=-1))
     return scores.argmax(dim=-1)
 
 
