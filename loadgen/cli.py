@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import typer
@@ -31,7 +31,9 @@ from loadgen.options import build_slo, check_rate_options, report_run, run_comma
 from loadgen.report import LiveProgress, compare, write_json
 from loadgen.runner import run_benchmark
 from loadgen.targets import check_reachable, make_target, parse_target, target_tls, vocab_size_of_model
-from splitserve.tls import ClientTls
+
+if TYPE_CHECKING:
+    from splitserve.tls import ClientTls
 
 __all__ = ["bench_app", "run_bench"]
 

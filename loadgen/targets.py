@@ -20,13 +20,15 @@ import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from loadgen.plan import BenchRequest, StreamedResult
-from splitserve.tls import ClientTls, channel_credentials
+
+if TYPE_CHECKING:  # splitserve.tls imports grpc, which `splitserve simulate` runs without
+    from splitserve.tls import ClientTls
 
 __all__ = ["GrpcTarget", "OpenAITarget", "TargetAddress", "TargetUnreachable", "ACCEPTED_TARGETS", "parse_target",
            "check_reachable", "make_target", "target_tls", "synthetic_text", "vocab_size_of_model"]
@@ -426,6 +428,8 @@ def target_tls(tls: bool = False, ca_file: str = "", cert_file: str = "", key_fi
     missing or non-PEM file, or a certificate without its key, raises ValueError naming the option."""
     if not (tls or ca_file or cert_file or key_file or server_name):
         return None
+    from splitserve.tls import ClientTls, channel_credentials  # gRPC: only where TLS is asked for
+
     fields = ("tls_ca_file", "tls_cert_file", "tls_key_file")
     channel_credentials(ca_file, cert_file, key_file, fields=fields)  # checks the files now, not mid-run
     return ClientTls(ca_file, cert_file, key_file, server_name)

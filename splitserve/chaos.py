@@ -42,7 +42,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -52,7 +52,9 @@ from loadgen.arrivals import PoissonArrivals
 from loadgen.plan import BenchRequest, StreamedResult
 from loadgen.runner import RunProgress, run_benchmark
 from loadgen.targets import synthetic_text, target_tls
-from splitserve.tls import ClientTls, channel_credentials, plain_or_tls_channel
+
+if TYPE_CHECKING:  # splitserve.tls imports grpc; `splitserve simulate` mounts this module without it
+    from splitserve.tls import ClientTls
 
 __all__ = ["ChaosError", "ChaosOptions", "ChaosCase", "ChaosReport", "FaultRecord", "RequestOutcome",
            "ServiceProcess", "find_service_processes", "plan_faults", "run_chaos", "render_report",
@@ -231,6 +233,8 @@ def _grpc_serving(port: int | None, tls: ClientTls | None = None) -> bool:
         return True
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.tls import plain_or_tls_channel
 
     try:
         with plain_or_tls_channel(f"127.0.0.1:{port}", tls) as channel:
@@ -956,6 +960,8 @@ def _internal_tls(ca_file: str, cert_file: str, key_file: str, server_name: str)
         missing = next(name for name, value in (("mtls_ca_file", ca_file), ("mtls_cert_file", cert_file),
                                                 ("mtls_key_file", key_file)) if not value)
         raise ValueError(f"{missing}: mTLS needs --mtls-ca-file, --mtls-cert-file and --mtls-key-file together")
+    from splitserve.tls import ClientTls, channel_credentials
+
     channel_credentials(ca_file, cert_file, key_file, fields=("mtls_ca_file", "mtls_cert_file", "mtls_key_file"))
     return ClientTls(ca_file, cert_file, key_file, server_name)
 
