@@ -158,8 +158,8 @@ class SchedulerConfig(CommonConfig):
     view_refresh_s: float = opt(0.05, "How often the cluster view is re-read from Redis.")
     view_idle_refresh_s: float = opt(1.0, "After 2 s in which nothing read the cluster view (no placement, "
                                      "ClusterState or readiness check: coordinators placing locally), it is re-read "
-                                     "this often instead; the next read re-reads it first and brings back "
-                                     "--view-refresh-s. 0: always --view-refresh-s.")
+                                     "this often instead; the next read brings back --view-refresh-s at once. "
+                                     "0: always --view-refresh-s.")
 
     SERVICE: typing.ClassVar[str] = "scheduler"
 

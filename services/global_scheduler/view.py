@@ -29,9 +29,9 @@ class ClusterViewSource:
     Idle: when nobody has read the view (a placement, ClusterState, a readiness check, the
     pool controller) for `idle_after_s`, it is re-read every `idle_refresh_s` instead of every
     `refresh_s` — a scheduler whose coordinators place locally then costs one Redis read a
-    second, not twenty. The next reader waits for one fresh read (shared by concurrent
-    readers; on a Redis error it gets the view at hand, still subject to `stale_after_s`) and
-    wakes the loop, which is back at `refresh_s` at once."""
+    second, not twenty. The next reader gets the view at hand (at most `idle_refresh_s` old;
+    Place never waits on Redis) and wakes the loop, which is back at `refresh_s` at once; a
+    placement that fits nowhere re-reads first, so a worker that registered meanwhile is found."""
 
     def __init__(
         self,
@@ -116,13 +116,7 @@ class ClusterViewSource:
     async def current(self, timeout_s: float = 2.0) -> ClusterView:
         """The latest view; waits up to timeout_s for the first one; Unavailable if stale."""
         if self.idle:
-            self._used_monotonic = time.monotonic()
-            self._wake.set()  # the loop is back at refresh_s from now
-            if self._refreshed_monotonic is not None and time.monotonic() - self._refreshed_monotonic > self.refresh_s:
-                try:  # up to idle_refresh_s old: one read now, not a placement on it
-                    await self.refresh()
-                except Exception:  # noqa: BLE001 -- the view at hand, judged by stale_after_s below
-                    log.warning("cluster view re-read after idling failed; using the one at hand", exc_info=True)
+            self._wake.set()  # back to refresh_s from now; this reader gets the view at hand
         self._used_monotonic = time.monotonic()
         if not self._loaded.is_set():
             try:
