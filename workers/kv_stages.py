@@ -302,17 +302,27 @@ class KvStageManager:
         if push is None:
             return False
         self.loop.unwatch(key)
-        if completed and not push.plan.complete and not push.failed and self.fault_injection != "truncate":
-            table, computed = await self.loop.call(lambda engine: engine.kv_blocks(key))
-            rest = push.plan.rest()
-            if rest is not None:  # else a step report queued the last chunk while we waited
-                push.queue.put_nowait((rest[0], rest[1], table))
-        push.queue.put_nowait(None)
-        # Exposed time runs from the end of the stage's computation: the step report, if
-        # it came (it queued the last chunk), else now.
-        ended = push.computed_at or time.perf_counter()
-        log.debug("stage %s ended; %d chunk(s) still queued", key, push.queue.qsize() - 1)
-        await push.task
+        try:
+            if completed and not push.plan.complete and not push.failed and self.fault_injection != "truncate":
+                table, computed = await self.loop.call(lambda engine: engine.kv_blocks(key))
+                rest = push.plan.rest()
+                if rest is not None:  # else a step report queued the last chunk while we waited
+                    push.queue.put_nowait((rest[0], rest[1], table))
+            push.queue.put_nowait(None)
+            # Exposed time runs from the end of the stage's computation: the step report, if
+            # it came (it queued the last chunk), else now.
+            ended = push.computed_at or time.perf_counter()
+            log.debug("stage %s ended; %d chunk(s) still queued", key, push.queue.qsize() - 1)
+            # Shielded: a caller that leaves must not cut a transfer that reads these blocks.
+            await asyncio.shield(push.task)
+        except asyncio.CancelledError:
+            # The caller left (its coordinator died). Nobody waits for the rest: chunks not sent
+            # yet are skipped; the one in flight ends within its transport timeout, and then the
+            # blocks go back (found by the control-plane restart test: 3 blocks held for good).
+            push.failed = True
+            push.queue.put_nowait(None)
+            push.task.add_done_callback(lambda _: self.loop.call(lambda engine: engine.release(key)))
+            raise
         if completed and not push.failed:
             KV_EXPOSED_SECONDS.observe(time.perf_counter() - ended)
         await self.loop.call(lambda engine: engine.release(key))

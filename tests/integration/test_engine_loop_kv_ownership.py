@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from splitserve.core import KvInBlocks, SamplingParams, StageKey, StageSpec
+from splitserve.core import KvInBlocks, KvSink, SamplingParams, StageKey, StageSpec
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop, StageBusy
 from workers.kv_stages import KvStageManager
+from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.tracker import TransferTracker
 
 
@@ -119,5 +120,60 @@ def test_a_stage_whose_caller_left_while_the_engine_took_it_frees_its_blocks(tin
             await _cancel_while_the_engine_works_on_it(loop, loop.add(
                 StageSpec(key, prompt, SamplingParams(max_tokens=2), kv=KvInBlocks(tuple(blocks), 8))))
             await _until_all_free(loop)
+
+    _run(tiny_model_dirs, scenario)
+
+
+class _StalledTransport:
+    """A push the receiver never acknowledges (it stopped reading): it fails at its timeout."""
+
+    name = "stalled"
+
+    def __init__(self) -> None:
+        self.pushing = asyncio.Event()
+        self.pushes_ended = 0
+
+    async def push(self, transfer, checksum, timeout_s):
+        self.pushing.set()
+        try:
+            await asyncio.sleep(timeout_s)
+        finally:
+            self.pushes_ended += 1
+        raise KvTransferError(f"no answer from {transfer.dst_worker} in {timeout_s} s")
+
+    def incoming_done(self, transfer_id):
+        pass
+
+
+def test_a_finished_stage_whose_caller_left_during_its_last_push_frees_its_blocks(tiny_model_dirs):
+    """The stage ended and its KV push to the next stage's worker was under way when the RPC was
+    cancelled (its coordinator died: found by the restart test of the control-plane faults, 3
+    blocks held for good). A finished stage with a sink holds its KV until the push ends: the
+    cancelled push must still give the blocks back."""
+    async def scenario(loop: EngineLoop) -> None:
+        memory = KvMemory(loop.engine.kv_cache)
+        kv = KvStageManager("w", loop, memory, TransferTracker(), transfer_timeout_s=1.0, reservation_ttl_s=600)
+        kv.transport = transport = _StalledTransport()
+        key = StageKey("req", 0)
+        prompt = tuple(range(5, 45))
+        # One chunk (larger than the stage): the whole KV leaves in one transfer from the last step.
+        sink = KvSink("other", "req:1", tuple(range(100, 100 + -(-45 // memory.block_size))), 64)
+        events = await loop.add(StageSpec(key, prompt, SamplingParams(max_tokens=5, temperature=0.0), end=45,
+                                          sink=sink))
+        kv.start_push(key, sink, 45)
+        while not (await events.get()).finished:
+            pass
+        free, total = await _free_blocks(loop)
+        assert free < total  # held for the push
+        finishing = asyncio.create_task(kv.finish_push(key, completed=True))
+        await asyncio.wait_for(transport.pushing.wait(), 10)
+        finishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        # The transfer under way still reads the blocks: they stay until it ends, then go back.
+        free, total = await _free_blocks(loop)
+        assert free < total and transport.pushes_ended == 0
+        await _until_all_free(loop)
+        assert transport.pushes_ended == 1
 
     _run(tiny_model_dirs, scenario)
