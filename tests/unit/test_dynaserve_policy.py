@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.global_scheduler.dynaserve import DynaServePolicy
+import math
+
+from services.global_scheduler.dynaserve import DynaServePolicy, KvFootprints
 from services.global_scheduler.policy import (ClusterView, CompletionReport, PlacementRequest, WorkerView,
                                               make_policy, orient_kv_transfers)
 from services.global_scheduler.compute_clock import ComputeClock
@@ -164,3 +166,75 @@ def test_a_stream_of_requests_splits_the_compute_evenly():
         p.place(request(f"s{i}"), workers, NOW + i * 0.2)
     loads = [p.clocks[w].backlog(NOW + 40) for w in ("w0", "w1")]
     assert min(loads) > 0.8 * max(loads)
+
+
+# ---- where the hand-off lands, and KV memory ----------------------------------------------------
+
+
+def _cut_points(placement) -> list[int]:
+    return [s.end for s in placement.stages[:-1]]
+
+
+@pytest.mark.parametrize("hint, min_output_split, loads, expected", [
+    (28, 128, (0, 0), 2047),  # cold start: PD's cut at the prompt's end would sample on alpha
+    (28, 128, (1, 2), "prompt"),  # beta busier: the search gives alpha more, past the prompt
+    (28, 1, (0, 0), 2048),  # anywhere (the paper's phi): the same requests cut in their output
+    (28, 1, (1, 2), "output"),
+    (512, 128, (0, 1), "output"),  # enough gaps that one hand-off does not set the p99
+])
+def test_short_outputs_are_cut_inside_the_prompt(hint, min_output_split, loads, expected):
+    """For a short output the hand-off gap would be its p99 TBT: the cut moves just inside the
+    prompt, where the wait counts in the TTFT."""
+    p = policy(min_output_split_tokens=min_output_split)
+    for worker_id, n in zip(("w0", "w1"), loads):
+        if n:
+            load(p, worker_id, n, prefill=2048, decode=64)
+    placement = p.place(request(prompt=2048, max_tokens=hint, hint=hint), view("w0", "w1"), NOW)
+    cuts = _cut_points(placement)
+    if expected == "prompt":  # or no split at all
+        assert all(cut < 2048 for cut in cuts), placement.reason
+        return
+    assert len(cuts) == 1, placement.reason
+    if expected == "output":
+        assert cuts[0] >= 2048
+    else:
+        assert cuts[0] == expected
+
+
+def _kv_view(capacity_tokens: int) -> ClusterView:
+    blocks = capacity_tokens // 16
+    return ClusterView(tuple(WorkerView(w, f"{w}:1", WorkerLoad(w, role="both", running=1, total_blocks=blocks,
+                                                                   free_blocks=blocks, block_size=16))
+                             for w in ("w0", "w1")), NOW - 0.05)
+
+
+def test_a_split_that_would_overflow_a_workers_kv_is_not_made():
+    """Cold start splits P/D (w0 -> w1); with w1's KV committed to requests in flight the
+    request runs whole on w0 instead of recomputing or preempting on w1, until they end."""
+    capacity = 4 * 2560
+    p = policy()
+    first = p.place(request("r0"), _kv_view(capacity), NOW)
+    assert [s.worker_id for s in first.stages] == ["w0", "w1"]
+    p.on_completion(CompletionReport("r0", "length", prompt_tokens=2048, output_tokens=512,
+                                     worker_ids=first.worker_ids))
+    p.footprints["w1"].add("in-flight", capacity - 2000, math.inf)  # reported when it ends
+    second = p.place(request("r1"), _kv_view(capacity), NOW)
+    assert [s.worker_id for s in second.stages] == ["w0"], second.reason
+    assert p.footprints["w0"].held(NOW) == 2560
+    p.footprints["w1"].remove("in-flight")
+    third = p.place(request("r2"), _kv_view(capacity), NOW)
+    assert "w1" in third.worker_ids
+
+
+def test_kv_footprints_end_when_reported_or_predicted():
+    f = KvFootprints()
+    f.add("alpha", 2048, ends_at=10.0)
+    f.add("beta", 2560, ends_at=math.inf)
+    assert f.held(5.0) == 4608
+    assert f.held(10.0) == 2560  # alpha's predicted end: its KV was pushed and freed
+    f.remove("beta")
+    assert f.held(11.0) == 0
+    f.add("again", 100, ends_at=20.0)
+    f.add("again", 300, ends_at=30.0)  # re-placed: replaces, not adds
+    assert f.held(25.0) == 300  # the first placement's expiry does not take the second's
+    assert f.held(30.0) == 0

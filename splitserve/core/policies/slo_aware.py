@@ -7,7 +7,11 @@ Each step:
    None is ever left out for the objective: a step without some decode would give it a
    gap of two steps, worse than any step with it. (Only the step's token budget can stop
    them, where `max_num_seqs` exceeds `max_num_batched_tokens`: the newest decodes then
-   wait a step, as under fcfs.)
+   wait a step, as under fcfs.) **Hand-offs** go with them: a split request's next stage
+   whose KV is in place and that has one token to go (`QueuedRequest.is_decode` while it
+   is still waiting) is a decode whose gap began on the previous stage's worker; queued
+   behind prefills it waited steps (in the simulator every DynaServe miss on the Azure
+   traces was a gap > 100 ms at the hand-off).
 2. **The target**: the tightest `itl_slo_s` among the decodes in the step, else the
    policy's `itl_slo_ms`, times `target_fraction` (room for the prediction's error and the
    driver's per-step overhead). No decode in the step: no token's gap depends on its
@@ -93,9 +97,26 @@ class SloAwarePolicy:
                 itl = r.itl_slo_s
                 if itl is not None and (slo is None or itl < slo):
                     slo = itl
+        waiting = step.waiting[:step.seqs_left] if not step.preempted_any else []
+        if waiting and left:
+            # Hand-offs: a split request's next stage whose KV is in place and that has one token to
+            # go (`is_decode`) is a decode whose gap began on the previous stage's worker. Behind
+            # the queue's prefills it waited steps (every DynaServe miss in the simulator was a
+            # gap > 100 ms at the hand-off): it goes with the decodes.
+            queued = []
+            for r in waiting:
+                if left and r.is_decode and add(r.key, 1):
+                    left -= 1
+                    decodes += 1
+                    context += r.num_computed_tokens + 1
+                    itl = r.itl_slo_s
+                    if itl is not None and (slo is None or itl < slo):
+                        slo = itl
+                else:
+                    queued.append(r)
+            waiting = queued
         if not left:
             return
-        waiting = step.waiting[:step.seqs_left] if not step.preempted_any else []
         if not prefills and not waiting:
             return
         budget = self._prefill_budget(step.tokens_left, decodes, context, slo, prefills, waiting)
