@@ -31,7 +31,8 @@ def request(rid: str = "r", prompt: int = 2048, max_tokens: int = 1024, hint: in
 
 
 def policy(**kw) -> DynaServePolicy:
-    return DynaServePolicy(perf_model=PERF, **kw)
+    """Alg. 1's search as the paper has it (no bias towards whole requests) unless a test asks."""
+    return DynaServePolicy(perf_model=PERF, **{"whole_bias": 0.0, **kw})
 
 
 def load(p: DynaServePolicy, worker_id: str, n: int, prefill: int = 1024, decode: int = 256) -> None:
@@ -238,3 +239,23 @@ def test_kv_footprints_end_when_reported_or_predicted():
     f.add("again", 300, ends_at=30.0)  # re-placed: replaces, not adds
     assert f.held(25.0) == 300  # the first placement's expiry does not take the second's
     assert f.held(30.0) == 0
+
+
+@pytest.mark.parametrize("prompt, output, whole_bias, expect_split", [
+    (219, 1467, 1.0, False),  # decode-heavy: whole, on the less loaded worker
+    (219, 1467, 0.0, True),  # the paper's objective alone: split for balance
+    (8192, 32, 1.0, True),  # a long prompt: the split halves its prefill time
+])
+def test_decode_heavy_requests_run_whole_long_prompts_split(prompt, output, whole_bias, expect_split):
+    p = policy(whole_bias=whole_bias)
+    load(p, "w0", 2, prefill=prompt, decode=output)
+    load(p, "w1", 3, prefill=prompt, decode=output)
+    placement = p.place(request(prompt=prompt, max_tokens=output, hint=output), view("w0", "w1"), NOW)
+    assert (len(placement.stages) == 2) == expect_split, placement.reason
+    if not expect_split:
+        assert placement.worker_ids == ("w0",)  # the less loaded one
+
+
+def test_whole_bias_must_not_be_negative():
+    with pytest.raises(ValueError, match="whole_bias"):
+        policy(whole_bias=-0.5)
