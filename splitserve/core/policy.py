@@ -105,6 +105,10 @@ class StepBuilder(Protocol):
     def preempted_any(self) -> bool:
         """Whether this step preempted a request (then no waiting request is admitted)."""
 
+    @property
+    def kv_free_fraction(self) -> float:
+        """Free KV blocks over all blocks, as the step's additions so far left them."""
+
     def add(self, key: StageKey, num_tokens: int) -> int:
         """Schedule `num_tokens` of this request's remaining tokens; how many it got (0: none).
 

@@ -526,6 +526,11 @@ class _Step:
     def preempted_any(self) -> bool:
         return bool(self.preempted)
 
+    @property
+    def kv_free_fraction(self) -> float:
+        bm = self._scheduler.block_manager
+        return bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 1.0
+
     def add(self, key: StageKey, num_tokens: int) -> int:
         scheduler = self._scheduler
         seq = scheduler.sequences.get(key)

@@ -201,6 +201,32 @@ def test_a_hand_off_goes_with_the_decodes_ahead_of_queued_prefills():
     assert latency <= 0.09 * (1 + 1e-3)
 
 
+@pytest.mark.parametrize("num_blocks, shrinks", [(2600, True), (20_000, False)])
+def test_under_kv_pressure_the_steps_get_shorter(num_blocks, shrinks):
+    """32 decodes of ~1,000 tokens hold ~2,050 blocks: 21% of 2,600 free (below the 40% where
+    pressure starts: the target shrinks to about half) or 90% of 20,000 (no change)."""
+    budgets, latencies = {}, {}
+    for below in (0.4, 0.0):
+        sched, policy = make(SloAwarePolicy(MODEL, kv_pressure_below=below), num_blocks=num_blocks)
+        decoding(sched, 32)
+        add(sched, "long", 6000)
+        out, latencies[below] = step(sched)
+        assert out.shape.num_decodes == 32
+        budgets[below] = policy.last_prefill_budget
+    if shrinks:
+        assert budgets[0.4] < 0.7 * budgets[0.0]
+        assert latencies[0.4] < 0.7 * latencies[0.0]
+    else:
+        assert budgets[0.4] == budgets[0.0]
+
+
+def test_kv_pressure_options_are_checked():
+    with pytest.raises(ValueError, match="kv_pressure_below"):
+        SloAwarePolicy(MODEL, kv_pressure_below=1.5)
+    with pytest.raises(ValueError, match="kv_pressure_min_scale"):
+        SloAwarePolicy(MODEL, kv_pressure_min_scale=0)
+
+
 def test_a_waiting_request_without_memory_blocks_those_behind_it():
     # 24 blocks of 16 tokens: 'run' holds 9 once decoding; 'big' needs 13 of the 15 left; 'small' 1.
     sched, _ = make(num_blocks=24, block_size=16)
