@@ -315,13 +315,17 @@ class KvStageManager:
             log.debug("stage %s ended; %d chunk(s) still queued", key, push.queue.qsize() - 1)
             # Shielded: a caller that leaves must not cut a transfer that reads these blocks.
             await asyncio.shield(push.task)
-        except asyncio.CancelledError:
-            # The caller left (its coordinator died). Nobody waits for the rest: chunks not sent
-            # yet are skipped; the one in flight ends within its transport timeout, and then the
-            # blocks go back (found by the control-plane restart test: 3 blocks held for good).
+        except BaseException:
+            # The caller left (its coordinator died), or the pusher failed outside a transfer.
+            # Nobody waits for the rest: chunks not sent yet are skipped; the one in flight ends
+            # within its transport timeout, and then the blocks go back (found by the
+            # control-plane restart test: 3 blocks held for good).
             push.failed = True
             push.queue.put_nowait(None)
-            push.task.add_done_callback(lambda _: self.loop.call(lambda engine: engine.release(key)))
+            if push.task.done():
+                self.loop.call(lambda engine: engine.release(key))
+            else:
+                push.task.add_done_callback(lambda _: self.loop.call(lambda engine: engine.release(key)))
             raise
         if completed and not push.failed:
             KV_EXPOSED_SECONDS.observe(time.perf_counter() - ended)

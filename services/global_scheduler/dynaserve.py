@@ -19,8 +19,8 @@ Differences from the paper, and why:
 * the probes keep the best split seen (by makespan), not only the last, and φ = 0 or 1
   (no split) is a legal answer: the search converges to the edge when one worker is the
   bottleneck whatever the split;
-* cold start (both workers idle) returns the disaggregated split, as the paper's
-  ColdStart does, without probing;
+* cold start (both workers idle) starts from the disaggregated split, as the paper's
+  ColdStart does, without a search (the whole options below may still win);
 * where the cut lands: a cut inside the output puts the hand-off (the second worker ending
   its current step, then running one with this request) between two output tokens, and a
   request with fewer than ~100 output gaps has that gap as its p99 TBT. Requests predicted
@@ -35,8 +35,11 @@ Differences from the paper, and why:
   tokens (a last stage until its completion is reported, a first stage until its predicted
   end); a split that overflows a worker falls back to no split on either worker, and an
   option that fits wins over one that does not;
-* whole requests favoured by their decode share: no split wins unless a split's makespan is
-  lower by more than `whole_bias` (1.0) × D / (P + D). The paper's objective (balance) makes
+* whole requests favoured by their decode share: the whole options' makespans are divided by
+  1 + s, s = `whole_bias` (1.0) × D / (P + D), so a split wins only when its makespan is lower
+  by more than s / (1 + s) (P219/D1467: 47%; P2048/D512: 17%; a long prompt with a short
+  output: ~0, split as before; they are evaluated at all only when s ≥ 0.01, two more
+  probes, so a decision makes at most `max_probes` + 3). The paper's objective (balance) makes
   every request a split; for decode-heavy requests the split buys nothing the stream of
   whole requests does not, and costs KV and a hand-off (P219/D1467 at 4.8 req/s: 112
   recomputes, 364 preemptions, 94% attainment; with the bias none, 100%);
@@ -59,6 +62,7 @@ from services.global_scheduler.timeline import MicroRequest, Prediction, WorkerT
 from splitserve.perf_model import PerfModel
 
 DEFAULT_PERF_MODEL = "H100/llama-3-8b"
+LOST_REPORT_GRACE_S = 60.0  # a last stage's KV footprint outlives its predicted end by this at least
 
 
 @dataclass(frozen=True)
@@ -140,9 +144,9 @@ class DynaServePolicy:
         best: tuple[tuple, SplitOption, WorkerView, WorkerView, int] | None = None
         # A decode-heavy request gains little from a split (the stream of requests balances the
         # pair as well whole), while a split costs the decode side the whole sequence's KV for its
-        # lifetime and a hand-off: running it whole wins unless a split's makespan is lower by
-        # more than `whole_bias` x its decode share. A long prompt (share ~0) is split as before:
-        # there the split halves its prefill time.
+        # lifetime and a hand-off: the whole options' makespans count 1 / (1 + slack), slack =
+        # `whole_bias` x its decode share. A long prompt (share ~0) is split as before: there
+        # the split halves its prefill time.
         slack = self.whole_bias * output_len / (request.prompt_len + output_len)
         for i, first in enumerate(pool):
             for second in pool[i + 1:]:
@@ -225,18 +229,21 @@ class DynaServePolicy:
 
     def _evaluate(self, request: PlacementRequest, output_len: int, phi: float, a: WorkerTimeline,
                   b: WorkerTimeline, load_a: float, load_b: float, now: float) -> SplitOption:
-        """Both workers' committed compute (T1, T2) if the request is cut at s = ceil(phi * L),
+        """Both workers' committed compute (T1, T2) if the request is cut at s = ceil(phi * L)
+        (moved to P - 1 for a short output: see below; the option's phi is then s / L),
         and from the timelines when its first token comes and its longest gap (the SLO check)."""
         P, D = request.prompt_len, output_len
         L, total = P + D, request.total_len
         split = math.ceil(phi * L)
-        if P <= split < L and D < self.min_output_split_tokens and P >= 2:
+        if P >= 2 and 0 < split - P + 1 < D < self.min_output_split_tokens:
             # A cut inside the output puts the hand-off (beta's worker ending its current step,
             # then running one with this request: up to two ITL-sized steps) between two output
             # tokens; a request with fewer than ~100 gaps has that gap as its p99 TBT (in the
             # simulator every DynaServe miss on the Azure traces was that gap). Cut just inside
-            # the prompt instead: alpha samples nothing, and the wait counts in the TTFT.
+            # the prompt instead: alpha samples nothing, and the wait counts in the TTFT (beta
+            # takes the stage with its decodes: slo_aware's hand-offs).
             split = P - 1
+            phi = split / L
         if split <= 0:  # all on beta
             micro = MicroRequest(f"{request.request_id}/0", P, 0, D)
             p = b.predict(micro)
@@ -301,7 +308,8 @@ class DynaServePolicy:
             if idle and view.taken_at > self._last_placed.get(w.worker_id, float("-inf")):
                 timeline.reset(now)
                 clock.reset()
-                footprint.reset()
+                if load.free_blocks >= load.total_blocks:  # else a reservation awaits a push
+                    footprint.reset()
         known = {w.worker_id for w in view.workers}
         for worker_id in [w for w in self.timelines if w not in known]:
             del self.timelines[worker_id]
@@ -344,11 +352,14 @@ class DynaServePolicy:
         prediction = timeline.commit(micro, not_before)
         self.clocks[worker.worker_id].add(micro.key, self._work(micro), timeline.time_of_pass(prediction.first_pass),
                                           prediction.finish_time)
-        # The request's last stage holds its KV until the request ends (reported); a first stage
-        # until it has pushed its KV, which nothing reports: its predicted end.
+        # The request's last stage holds its KV until the request ends (reported): its predicted
+        # end is optimistic under load, so it is kept for twice as long plus a minute, after
+        # which a lost report (a coordinator that died) stops counting. A first stage until it
+        # has pushed its KV, which nothing reports: its predicted end.
         last = not micro.key.endswith("/0") or not split
-        self.footprints[worker.worker_id].add(micro.key, micro.history + micro.prefill + micro.decode,
-                                              math.inf if last else prediction.finish_time)
+        ends_at = now + 2 * max(0.0, prediction.finish_time - now) + LOST_REPORT_GRACE_S if last \
+            else prediction.finish_time
+        self.footprints[worker.worker_id].add(micro.key, micro.history + micro.prefill + micro.decode, ends_at)
         self._placed.setdefault(request_id, []).append((worker.worker_id, micro.key))
         self._last_placed[worker.worker_id] = now
         return prediction

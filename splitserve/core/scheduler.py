@@ -227,9 +227,13 @@ class Scheduler:
         return True
 
     def release(self, key: StageKey) -> None:
-        """Forget a finished stage and free its blocks (the KV a push or pull was reading)."""
-        seq = self.sequences.pop(key, None)
-        if seq is not None:
+        """Forget a finished stage and free its blocks (the KV a push or pull was reading).
+
+        An unfinished stage under the key is a later attempt of the same stage (a retry let in
+        once the earlier one finished): a late release of the earlier attempt leaves it alone."""
+        seq = self.sequences.get(key)
+        if seq is not None and seq.is_finished:
+            del self.sequences[key]
             self.block_manager.free(seq)
 
     def release_session(self, session_id: str) -> bool:

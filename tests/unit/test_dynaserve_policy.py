@@ -193,7 +193,9 @@ def test_short_outputs_are_cut_inside_the_prompt(hint, min_output_split, loads, 
     placement = p.place(request(prompt=2048, max_tokens=hint, hint=hint), view("w0", "w1"), NOW)
     cuts = _cut_points(placement)
     if expected == "prompt":  # or no split at all
-        assert all(cut < 2048 for cut in cuts), placement.reason
+        assert cuts in ([], [2047]), placement.reason
+        if cuts:
+            assert placement.decision["phi"] == pytest.approx(2047 / (2048 + hint))
         return
     assert len(cuts) == 1, placement.reason
     if expected == "output":
@@ -259,3 +261,28 @@ def test_decode_heavy_requests_run_whole_long_prompts_split(prompt, output, whol
 def test_whole_bias_must_not_be_negative():
     with pytest.raises(ValueError, match="whole_bias"):
         policy(whole_bias=-0.5)
+
+
+def test_a_one_token_output_is_never_split():
+    """alpha would sample the only token: the whole request runs there (no KV moved for nothing)."""
+    p = policy()
+    placement = p.place(request(prompt=2048, max_tokens=1, hint=1), view("w0", "w1"), NOW)
+    assert len(placement.stages) == 1
+
+
+def test_with_the_defaults_probes_stay_within_their_bound():
+    p = DynaServePolicy(perf_model=PERF)
+    load(p, "w0", 4, prefill=219, decode=1467)
+    load(p, "w1", 6, prefill=219, decode=1467)
+    for i, (prompt, output) in enumerate([(219, 1467), (2048, 512), (8192, 32), (1000, 200)]):
+        placement = p.place(request(f"r{i}", prompt=prompt, max_tokens=output, hint=output), view("w0", "w1"), NOW)
+        assert placement.decision["probes"] <= p.max_probes + 3
+        assert sum(s.end - s.start for s in placement.stages) == prompt + output
+
+
+def test_a_lost_completion_report_stops_counting_after_its_grace():
+    p = policy()
+    first = p.place(request("r0"), _kv_view(4 * 2560), NOW)
+    assert p.footprints["w1"].held(NOW) >= 2500 and "w1" in first.worker_ids
+    # No report ever comes (its coordinator died): gone after twice its predicted life and a minute.
+    assert p.footprints["w1"].held(NOW + 10_000) == 0

@@ -202,13 +202,17 @@ def test_a_hand_off_goes_with_the_decodes_ahead_of_queued_prefills():
 
 
 @pytest.mark.parametrize("num_blocks, shrinks", [(2600, True), (20_000, False)])
-def test_under_kv_pressure_the_steps_get_shorter(num_blocks, shrinks):
+@pytest.mark.parametrize("objective", ["request", "worker default"])
+def test_under_kv_pressure_the_steps_get_shorter(num_blocks, shrinks, objective):
     """32 decodes of ~1,000 tokens hold ~2,050 blocks: 21% of 2,600 free (below the 40% where
-    pressure starts: the target shrinks to about half) or 90% of 20,000 (no change)."""
+    pressure starts: the target shrinks to about half) or 90% of 20,000 (no change); the
+    objective the requests carry, or the worker's --itl-slo-ms when they carry none."""
     budgets, latencies = {}, {}
     for below in (0.4, 0.0):
-        sched, policy = make(SloAwarePolicy(MODEL, kv_pressure_below=below), num_blocks=num_blocks)
-        decoding(sched, 32)
+        default = 100 if objective == "worker default" else None
+        sched, policy = make(SloAwarePolicy(MODEL, itl_slo_ms=default, kv_pressure_below=below),
+                             num_blocks=num_blocks)
+        decoding(sched, 32, slo=SLO if objective == "request" else StageSlo())
         add(sched, "long", 6000)
         out, latencies[below] = step(sched)
         assert out.shape.num_decodes == 32
@@ -225,6 +229,21 @@ def test_kv_pressure_options_are_checked():
         SloAwarePolicy(MODEL, kv_pressure_below=1.5)
     with pytest.raises(ValueError, match="kv_pressure_min_scale"):
         SloAwarePolicy(MODEL, kv_pressure_min_scale=0)
+
+
+def test_a_stage_cut_just_inside_the_prompt_goes_with_the_decodes_too():
+    """DynaServe cuts short outputs at P - 1: the second stage's one token is the prompt's last,
+    and it samples the first output token; it must not wait behind the queued prefills."""
+    sched, _ = make()
+    decoding(sched, 8)
+    add(sched, "queued", 6000)
+    prompt = tuple(next(_tokens) for _ in range(500))
+    blocks = sched.reserve_kv(499)
+    sched.add_stage(StageSpec(StageKey("cut", 1), prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                              kv=KvInBlocks(tuple(blocks), 499), slo=SLO))
+    out, _ = step(sched)
+    assert [e.seq.request_id for e in out.entries][:9] == [f"d{i}" for i in range(8)] + ["cut"]
+    assert out.entries[8].num_new_tokens == 1 and len(out.entries[8].seq.token_ids) == 501  # sampled
 
 
 def test_a_waiting_request_without_memory_blocks_those_behind_it():

@@ -9,9 +9,10 @@ Each step:
    them, where `max_num_seqs` exceeds `max_num_batched_tokens`: the newest decodes then
    wait a step, as under fcfs.) **Hand-offs** go with them: a split request's next stage
    whose KV is in place and that has one token to go (`QueuedRequest.is_decode` while it
-   is still waiting) is a decode whose gap began on the previous stage's worker; queued
-   behind prefills it waited steps (in the simulator every DynaServe miss on the Azure
-   traces was a gap > 100 ms at the hand-off).
+   is still waiting, or a cut just inside the prompt: its first token) is a decode whose gap
+   began on the previous stage's worker; queued behind prefills it waited steps (in the
+   simulator every DynaServe miss on the Azure traces was a gap > 100 ms at the hand-off).
+   Taken ahead of the queue's head, even one blocked for memory: one token each.
 2. **The target**: the tightest `itl_slo_s` among the decodes in the step, else the
    policy's `itl_slo_ms`, times `target_fraction` (room for the prediction's error and the
    driver's per-step overhead). No decode in the step: no token's gap depends on its
@@ -114,12 +115,13 @@ class SloAwarePolicy:
         waiting = step.waiting[:step.seqs_left] if not step.preempted_any else []
         if waiting and left:
             # Hand-offs: a split request's next stage whose KV is in place and that has one token to
-            # go (`is_decode`) is a decode whose gap began on the previous stage's worker. Behind
-            # the queue's prefills it waited steps (every DynaServe miss in the simulator was a
-            # gap > 100 ms at the hand-off): it goes with the decodes.
+            # go is a decode whose gap (or, cut just inside the prompt, whose first token) began on
+            # the previous stage's worker. Behind the queue's prefills it waited steps (every
+            # DynaServe miss in the simulator was a gap > 100 ms at the hand-off): it goes with
+            # the decodes, ahead of the queue's head (one token: it overtakes nobody for long).
             queued = []
             for r in waiting:
-                if left and r.is_decode and add(r.key, 1):
+                if left and r.num_remaining_tokens == 1 and add(r.key, 1):
                     left -= 1
                     decodes += 1
                     context += r.num_computed_tokens + 1
@@ -133,11 +135,12 @@ class SloAwarePolicy:
             return
         if not prefills and not waiting:
             return
-        if slo is not None and self.kv_pressure_below > 0:
+        scale = 1.0
+        if self.kv_pressure_below > 0:
             free = step.kv_free_fraction  # after the decodes and hand-offs took their blocks
             if free < self.kv_pressure_below:  # KV pressure: shorter steps (see the module docstring)
-                slo *= max(self.kv_pressure_min_scale, free / self.kv_pressure_below)
-        budget = self._prefill_budget(step.tokens_left, decodes, context, slo, prefills, waiting)
+                scale = max(self.kv_pressure_min_scale, free / self.kv_pressure_below)
+        budget = self._prefill_budget(step.tokens_left, decodes, context, slo, prefills, waiting, scale)
         for r in prefills:
             if budget <= 0 or not step.tokens_left:
                 return
@@ -151,13 +154,14 @@ class SloAwarePolicy:
             budget -= granted
 
     def _prefill_budget(self, tokens_left: int, decodes: int, context: int, slo: float | None,
-                        prefills: list[QueuedRequest], waiting: list[QueuedRequest]) -> int:
-        """M for this step (see the module docstring, steps 2-3 and the starvation guard)."""
+                        prefills: list[QueuedRequest], waiting: list[QueuedRequest], scale: float = 1.0) -> int:
+        """M for this step (see the module docstring, steps 2-3, KV pressure (`scale`) and the
+        starvation guard)."""
         target = slo if slo is not None else self.default_itl_slo_s
         if target is None or not decodes:
             self.last_prefill_budget = None
             return tokens_left
-        target *= self.target_fraction
+        target *= self.target_fraction * scale
         mean_context = context / decodes
         table = self.table
         budget = table.max_prefill(target, mean_context, decodes, tokens_left)
