@@ -159,8 +159,10 @@ class DynaServePolicy:
                     # preempt there).
                     a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
                     la, lb = loads[alpha.worker_id], loads[beta.worker_id]
-                    options += [self._evaluate(request, output_len, edge, a, b, la, lb, now) for edge in (1.0, 0.0)]
-                    probes += 2
+                    for edge in (1.0, 0.0):
+                        if edge != option.phi:  # an edge the search chose is not evaluated again
+                            options.append(self._evaluate(request, output_len, edge, a, b, la, lb, now))
+                            probes += 1
                 for option in options:
                     whole = option.split <= 0 or option.split >= request.total_len
                     key = (self._overflows(option, alpha, beta, now), not self._meets_slo(request, option, now),
