@@ -361,7 +361,11 @@ class WorkerTimeline:
 
     def _alone(self, request: MicroRequest, first: int, decode_from: int, finish: int,
                end: int) -> tuple[float, float, float]:
-        """Its passes past the end, run alone: (seconds, seconds to its first token, longest pass)."""
+        """Its passes past the end, run alone: (seconds, seconds to its first token, longest gap
+        between its tokens — decode passes only: its prefill passes come before its first token,
+        in its TTFT; counted as a gap, a whole request on an idle worker failed the ITL check for
+        any prompt whose prefill pass takes > 100 ms, and DynaServe sent every request of
+        P2048/D512 on 32B to the busy worker of the pair, the other 0% busy)."""
         start = max(first, end)
         if finish <= start:
             return 0.0, 0.0, 0.0
@@ -376,7 +380,6 @@ class WorkerTimeline:
             # The middle pass stands for all: each one's history is a chunk longer than the last.
             one = perf.step_time(((history + (prefill_passes - 1) * chunk // 2, chunk),), 0, 0.0)
             seconds = first_token = prefill_passes * one
-            longest = one
         decode_passes = finish - max(start, decode_from)
         if decode_passes > 0:
             context = request.context_at_first_decode + max(0, max(start, decode_from) - decode_from)

@@ -190,3 +190,15 @@ def test_one_step_in_plain_floats_equals_step_times(tokens, history, batch, cont
     vectorised = PERF.step_times(np.array([tokens]), np.array([history]), np.array([batch]), np.array([context]),
                                  prefill_pairs=np.array([pairs]))[0]
     assert PERF.step_seconds(tokens, history, float(batch), context, pairs) == vectorised
+
+
+def test_a_requests_longest_gap_is_between_its_tokens_not_its_prefill():
+    """On an idle worker a 2,048-token prompt takes one ~200 ms pass before its first token: that
+    is its TTFT; its gaps are its decode passes (counted as a gap, every whole request on an idle
+    worker failed a 100 ms ITL check, and DynaServe sent all work to the busy worker)."""
+    timeline = WorkerTimeline(PERF, 2048, 0.0)
+    prediction = timeline.predict(MicroRequest("r", 2048, 0, 64))
+    prefill_pass = PERF.step_time(((0, 2048),), 0, 0.0)
+    assert prefill_pass > 0.1
+    assert prediction.first_token_time == pytest.approx(prefill_pass, rel=1e-6)
+    assert prediction.longest_pass_s < 0.05
