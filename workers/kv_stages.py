@@ -323,14 +323,18 @@ class KvStageManager:
             push.failed = True
             push.queue.put_nowait(None)
             if push.task.done():
-                self.loop.call(lambda engine: engine.release(key))
+                self._release(key)
             else:
-                push.task.add_done_callback(lambda _: self.loop.call(lambda engine: engine.release(key)))
+                push.task.add_done_callback(lambda _: self._release(key))
             raise
         if completed and not push.failed:
             KV_EXPOSED_SECONDS.observe(time.perf_counter() - ended)
-        await self.loop.call(lambda engine: engine.release(key))
+        await self._release(key)
         return not push.failed
+
+    def _release(self, key: StageKey) -> asyncio.Future:
+        """Free a finished stage's KV (the push that read it is over); nobody need await it."""
+        return self.loop.call(lambda engine: engine.release(key))
 
     async def _notify_failure(self, transfer: BlockTransfer, error: str) -> None:
         delivered = await self.failure_notice(transfer, error, min(2.0, self.transfer_timeout_s))

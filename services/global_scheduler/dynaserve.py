@@ -288,8 +288,7 @@ class DynaServePolicy:
             if micro is None:
                 continue
             capacity = self.kv_capacity.get(worker.worker_id, 0)
-            need = micro.history + micro.prefill + micro.decode
-            if capacity and self.footprints[worker.worker_id].held(now) + need > capacity:
+            if capacity and self.footprints[worker.worker_id].held(now) + micro.kv_tokens > capacity:
                 return True
         return False
 
@@ -333,8 +332,8 @@ class DynaServePolicy:
             return Placement((StagePlacement(worker.worker_id, worker.address, 0, total),), self.name,
                              f"phi={option.phi:.3f}: all on {worker.worker_id} (T1={option.t_alpha:.3f}s, "
                              f"T2={option.t_beta:.3f}s of compute, {probes} probes)", decision)
-        self._record(request.request_id, alpha, option.alpha_request, None, now, split=True)
-        self._record(request.request_id, beta, option.beta_request, option.beta_not_before, now, split=True)
+        self._record(request.request_id, alpha, option.alpha_request, None, now, last_stage=False)
+        self._record(request.request_id, beta, option.beta_request, option.beta_not_before, now)
         stages = (StagePlacement(alpha.worker_id, alpha.address, 0, option.split),
                   StagePlacement(beta.worker_id, beta.address, option.split, total))
         return Placement(stages, self.name,
@@ -349,7 +348,7 @@ class DynaServePolicy:
         return Placement.single_stage(worker, request, self.name, reason)
 
     def _record(self, request_id: str, worker: WorkerView, micro: MicroRequest, not_before: float | None,
-                now: float, split: bool = False) -> Prediction:
+                now: float, last_stage: bool = True) -> Prediction:
         timeline = self.timelines[worker.worker_id]
         prediction = timeline.commit(micro, not_before)
         self.clocks[worker.worker_id].add(micro.key, self._work(micro), timeline.time_of_pass(prediction.first_pass),
@@ -358,10 +357,9 @@ class DynaServePolicy:
         # end is optimistic under load, so it is kept for twice as long plus a minute, after
         # which a lost report (a coordinator that died) stops counting. A first stage until it
         # has pushed its KV, which nothing reports: its predicted end.
-        last = not micro.key.endswith("/0") or not split
-        ends_at = now + 2 * max(0.0, prediction.finish_time - now) + LOST_REPORT_GRACE_S if last \
+        ends_at = now + 2 * max(0.0, prediction.finish_time - now) + LOST_REPORT_GRACE_S if last_stage \
             else prediction.finish_time
-        self.footprints[worker.worker_id].add(micro.key, micro.history + micro.prefill + micro.decode, ends_at)
+        self.footprints[worker.worker_id].add(micro.key, micro.kv_tokens, ends_at)
         self._placed.setdefault(request_id, []).append((worker.worker_id, micro.key))
         self._last_placed[worker.worker_id] = now
         return prediction

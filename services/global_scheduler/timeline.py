@@ -59,6 +59,11 @@ class MicroRequest:
                              f"got prefill {self.prefill}, decode {self.decode}, history {self.history}")
 
     @property
+    def kv_tokens(self) -> int:
+        """KV tokens the stage holds at its end (its history, prefill and samples)."""
+        return self.history + self.prefill + self.decode
+
+    @property
     def context_at_first_decode(self) -> int:
         """KV length the request reads in its first decode-only pass."""
         return self.history + self.prefill + (1 if self.prefill else 0)
