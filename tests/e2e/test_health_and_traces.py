@@ -160,8 +160,17 @@ def test_ready_only_when_a_request_would_succeed_then_one_trace_across_services(
     wanted = {"gateway.request", "coordinator.request", "coordinator.place", "scheduler.place", "coordinator.stage",
               "coordinator.kv_reserve", "worker.stage", "worker.queue", "worker.prefill", "worker.decode",
               "worker.kv_push", "worker.kv_receive"}
-    spans = until(lambda: (s := sink.of_trace(TRACE_ID)) and wanted <= {span.name for _, span in s} and s, 30,
-                   f"spans {sorted(wanted)}")
+    def whole_tree():
+        """The trace once every wanted span is in and every span's parent too (services export
+        in batches: a child can arrive before its parent; found by a CI run)."""
+        found = sink.of_trace(TRACE_ID)
+        ids = {span.span_id.hex() for _, span in found} | {CALLER_SPAN}
+        if found and wanted <= {span.name for _, span in found} and all(
+                span.parent_span_id.hex() in ids for _, span in found):
+            return found
+        return None
+
+    spans = until(whole_tree, 30, f"spans {sorted(wanted)}, each with its parent")
     by_id = {span.span_id.hex(): (service, span) for service, span in spans}
     # One tree under the caller's span: one root (the gateway's: its request span, or the web
     # framework's server span above it when FastAPI traces requests itself), every other
