@@ -38,11 +38,19 @@ Differences from the paper, and why:
 * whole requests favoured by their decode share: the whole options' makespans are divided by
   1 + s, s = `whole_bias` (1.0) × D / (P + D), so a split wins only when its makespan is lower
   by more than s / (1 + s) (P219/D1467: 47%; P2048/D512: 17%; a long prompt with a short
-  output: ~0, split as before; they are evaluated at all only when s ≥ 0.01, two more
-  probes, so a decision makes at most `max_probes` + 3). The paper's objective (balance) makes
+  output: ~0; both whole options are evaluated for every pair, two more probes, so a
+  decision makes at most `max_probes` + 3). The paper's objective (balance) makes
   every request a split; for decode-heavy requests the split buys nothing the stream of
   whole requests does not, and costs KV and a hand-off (P219/D1467 at 4.8 req/s: 112
   recomputes, 364 preemptions, 94% attainment; with the bias none, 100%);
+* a cut inside the prompt counts beta's wait for alpha's KV: beta's worker cannot start the
+  rest of the prompt before alpha's part is done, so T2 = max(its backlog, T1 + hand-off) +
+  beta's work. Balancing T1 = T2 without the wait gave alpha the backlog gap plus half of
+  every request, and beta's worker idled before each suffix (P8192/D32 on 14B: 98% split,
+  busy ~100% / ~90% while requests arrived, 0.87× colocation; with the wait the requests run
+  whole on the worker that frees up first, 1.00×): in a pipeline the prompt's two halves
+  run one after the other, so a prompt split shortens nothing, it only balances load, and
+  whole requests balance it as well without the hand-off;
 * the timelines are corrected by what the workers report: an idle worker resets its
   timeline, and a finished request (ReportCompletion) is taken out of both.
 """
@@ -152,17 +160,20 @@ class DynaServePolicy:
             for second in pool[i + 1:]:
                 alpha, beta = sorted((first, second), key=worker_rank)  # KV flows up the order only
                 option, probes = self._search(request, output_len, alpha, beta, loads, now)
+                # No split, on either worker, is always a candidate: the whole options the bias
+                # favours, the fallback when the balanced split does not fit a worker's KV (it
+                # would recompute or preempt there), and for a long prompt with a short output
+                # the request whole on the worker that frees up first (a cut inside the prompt
+                # costs beta's worker a bubble, see `_evaluate`). The bisection assumes T1 - T2
+                # monotone in phi, which the P - 1 cut and that bubble break, so it does not
+                # reliably head for an edge by itself.
                 options = [option]
-                if slack >= 0.01 or self._overflows(option, alpha, beta, now):
-                    # No split, on either worker: the candidates the bias favours, and the fallback
-                    # when the balanced split does not fit a worker's KV (it would recompute or
-                    # preempt there).
-                    a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
-                    la, lb = loads[alpha.worker_id], loads[beta.worker_id]
-                    for edge in (1.0, 0.0):
-                        if edge != option.phi:  # an edge the search chose is not evaluated again
-                            options.append(self._evaluate(request, output_len, edge, a, b, la, lb, now))
-                            probes += 1
+                a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
+                la, lb = loads[alpha.worker_id], loads[beta.worker_id]
+                for edge in (1.0, 0.0):
+                    if edge != option.phi:  # an edge the search chose is not evaluated again
+                        options.append(self._evaluate(request, output_len, edge, a, b, la, lb, now))
+                        probes += 1
                 for option in options:
                     whole = option.split <= 0 or option.split >= request.total_len
                     key = (self._overflows(option, alpha, beta, now), not self._meets_slo(request, option, now),
@@ -268,7 +279,20 @@ class DynaServePolicy:
         gap = max(pa.longest_pass_s, pb.longest_pass_s)
         if alpha_samples:  # the hand-off between alpha's last token and beta's first is a gap too
             gap = max(gap, pb.first_token_time - pa.finish_time)
-        return SplitOption(phi, split, load_a + self._work(alpha), load_b + self._work(beta), pa.drain_time,
+        t_alpha = load_a + self._work(alpha)
+        beta_start = load_b
+        if beta.prefill > 1:
+            # A cut inside the prompt leaves beta's worker prefill it cannot start before alpha's
+            # KV is in: if its own backlog ends earlier, its compute idles until then (a bubble),
+            # which "backlog + work" does not see. Balancing T1 = T2 without it gave alpha the gap
+            # plus half the rest of every request, so beta's worker idled before each suffix:
+            # P8192/D32 (14B), 98% split, 100% / ~90% busy during arrivals, 0.87x colocation.
+            # With it a prompt split never beats the request whole on the worker that frees up
+            # first (same work, one hand-off less) unless it fills beta's idle time exactly.
+            # A cut at P - 1 or in the output leaves beta one token or decodes: memory-bound
+            # work that runs beside the rest, no bubble worth counting.
+            beta_start = max(load_b, t_alpha + handoff)
+        return SplitOption(phi, split, t_alpha, beta_start + self._work(beta), pa.drain_time,
                            pb.drain_time, first_token, gap, alpha, beta, not_before)
 
     def _work(self, micro: MicroRequest) -> float:
