@@ -107,7 +107,8 @@ class StepBuilder(Protocol):
 
     @property
     def kv_free_fraction(self) -> float:
-        """Free KV blocks over all blocks, as the step's additions so far left them."""
+        """Free KV blocks over all blocks, as the step's additions so far left them (blocks
+        only idle session pins hold count as free: they are evicted for any request first)."""
 
     def add(self, key: StageKey, num_tokens: int) -> int:
         """Schedule `num_tokens` of this request's remaining tokens; how many it got (0: none).

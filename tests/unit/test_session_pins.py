@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.core import FinishReason, SamplingParams, StageSpec
+from splitserve.core.policies.fcfs import FcfsPolicy
 from splitserve.core.session_pins import SessionHold
 from tests.unit.test_scheduler import Sim
 
@@ -132,3 +133,38 @@ def test_random_sessions_keep_block_accounting_consistent(rounds):
     for session in list(histories):
         sim.sched.release_session(f"s{session}")
     assert sim.bm.num_used_blocks == 0
+
+
+class _RecordingFcfs(FcfsPolicy):
+    """fcfs that notes what each step reports as free KV."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free_fractions: list[float] = []
+
+    def next_batch(self, step, now) -> None:
+        self.free_fractions.append(step.kv_free_fraction)
+        super().next_batch(step, now)
+
+
+def test_idle_pins_count_as_free_kv_for_the_pressure_signal():
+    """A worker whose blocks are held by idle session pins is not under KV pressure (the pins
+    give way to any request), but blocks a running round shares with its pin are in use."""
+    policy = _RecordingFcfs()
+    sim = Sim(16, 4, 64, 4, policy=policy)
+    first = run_round(sim, "r0", list(range(100, 132)), "s", max_tokens=2)  # 33 computed: 8 pinned blocks
+    assert sim.bm.num_free_blocks == 8 and sim.sched.session_pins.num_pinned_blocks == 8
+    other = sim.add("x", list(range(500, 504)), max_tokens=2)
+    sim.step()
+    assert policy.free_fractions[-1] == 1.0  # only pins hold blocks: all of them are room
+    sim.run()
+    assert other.is_finished
+    # The next round shares the pinned blocks: those are in use while it runs.
+    history = first.token_ids
+    sim.seqs["r1"] = sim.sched.add_stage(round_spec("r1", history + [7, 8, 9, 10], "s", history=len(history),
+                                                    max_tokens=2))
+    sim.step()  # admits r1 on the pinned prefix and prefills the rest
+    in_use = sim.bm.num_used_blocks  # the 8 pinned blocks, shared, and r1's own
+    assert in_use > 8
+    sim.step()
+    assert policy.free_fractions[-1] == pytest.approx((16 - in_use) / 16)
