@@ -10,7 +10,10 @@ Systems, on A100 80GB with the roofline presets (`splitserve/perf_presets.py`), 
 * **DynaServe**: `dynaserve` placement (Alg. 1) + `slo_aware` local batching (Alg. 2) with
   itl_slo 100 ms, 2,048-token steps; the output length D from the online length predictor
   (no client hint) unless a sensitivity row says otherwise;
-* ablation **DynaServe+fcfs**: the same placement with the fcfs local policy.
+* ablations: **DynaServe+fcfs** (the same placement with the fcfs local policy), and
+  DynaServe's local batching without its placement: **coloc+slo_aware** (`round_robin`) and
+  **least_loaded+slo_aware** (whole requests on the least loaded worker, no split), so that
+  the table shows what the split itself adds.
 
 Qwen2.5-14B runs 2 workers of TP1 (2 GPUs), Qwen2.5-32B 2 workers of TP2 (4 GPUs).
 
@@ -212,6 +215,9 @@ SETUPS = {"14B": Setup("Qwen2.5-14B, 2 x A100 (2 workers x TP1)", "Qwen2.5-14B",
           "32B": Setup("Qwen2.5-32B, 4 x A100 (2 workers x TP2)", "Qwen2.5-32B", 2)}
 
 
+ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware")
+
+
 def system_options(system: str) -> dict[str, Any]:
     """Simulator options of a system name: coloc-<chunk>, 1P1D, DynaServe, DynaServe+fcfs."""
     if system.startswith("coloc-"):
@@ -223,6 +229,9 @@ def system_options(system: str) -> dict[str, Any]:
                 "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     if system == "DynaServe+fcfs":
         return {"placement_policy": "dynaserve"}
+    if system in ("coloc+slo_aware", "least_loaded+slo_aware"):
+        return {"placement_policy": system.split("+")[0].replace("coloc", "round_robin"), "batch_policy": "slo_aware",
+                "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     raise ValueError(system)
 
 
@@ -371,8 +380,7 @@ def evaluate(bench: Bench, workload: Workload, log: Callable[[str], None]) -> di
     row: dict[str, Any] = {"workload": workload.name, "setup": bench.setup.label, "mean_lengths": workload.mean_lengths(),
                            "window_s": bench.window_s(workload), "systems": {}}
     chunks = bench.args.chunks
-    systems = [f"coloc-{c}" for c in chunks] + ["1P1D", "DynaServe"] + (["DynaServe+fcfs"] if bench.args.ablation
-                                                                        else [])
+    systems = [f"coloc-{c}" for c in chunks] + ["1P1D", "DynaServe"] + (list(ABLATIONS) if bench.args.ablation else [])
     for system in systems:
         cap = bench.capacity(system, workload)
         cap["flops_fraction"] = flops_fraction(cap["capacity_rps"], mean_flops, bench.setup.gpus, peak)
@@ -511,10 +519,14 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "coloc": s[r["best_coloc"]]["capacity_rps"], "coloc_flops": s[r["best_coloc"]]["flops_fraction"],
                     "pd": s["1P1D"]["capacity_rps"], "pd_flops": s["1P1D"]["flops_fraction"],
                     "dyn": s["DynaServe"]["capacity_rps"], "dyn_flops": s["DynaServe"]["flops_fraction"],
-                    "dyn_fcfs": s.get("DynaServe+fcfs", {}).get("capacity_rps"),
+                    "ablations": [s.get(a, {}).get("capacity_rps") for a in ABLATIONS],
                     "vs_coloc": r["ratio_vs_coloc"], "vs_pd": r["ratio_vs_1p1d"],
                     "chunks": {k: v["capacity_rps"] for k, v in s.items() if k.startswith("coloc-")}})
     return out
+
+
+def _ablations(row: dict[str, Any]) -> str:
+    return " / ".join("–" if c is None else f"{c:.2f}" for c in row["ablations"])
 
 
 def report(results: dict[str, Any], console: Any) -> None:
@@ -523,13 +535,13 @@ def report(results: dict[str, Any], console: Any) -> None:
     table = Table(title="Serving capacity (req/s at >= 99% of requests with p99 TBT <= 100 ms), DynaServe ratios",
                   header_style="bold")
     for col in ("model", "workload", "coloc (best chunk)", "chunks 256/512/1024/2048", "1P1D", "DynaServe",
-                "Dyn+fcfs", "Dyn/coloc", "Dyn/1P1D", "% peak FLOPs coloc/1P1D/Dyn"):
+                "Dyn+fcfs / RR+slo / LL+slo", "Dyn/coloc", "Dyn/1P1D", "% peak FLOPs coloc/1P1D/Dyn"):
         table.add_column(col, justify="left" if col in ("model", "workload") else "right")
     rows = summary_rows(results)
     for r in rows:
         table.add_row(r["setup"], r["workload"], f"{r['coloc']:.2f} ({r['best_chunk'].split('-')[1]})",
                       "/".join(f"{v:.2f}" for v in r["chunks"].values()), f"{r['pd']:.2f}", f"{r['dyn']:.2f}",
-                      "" if r["dyn_fcfs"] is None else f"{r['dyn_fcfs']:.2f}", f"{r['vs_coloc']:.2f}x",
+                      _ablations(r), f"{r['vs_coloc']:.2f}x",
                       f"{r['vs_pd']:.2f}x",
                       f"{r['coloc_flops']:.0%} / {r['pd_flops']:.0%} / {r['dyn_flops']:.0%}")
     for setup in sorted({r["setup"] for r in rows}):
@@ -560,11 +572,12 @@ def report(results: dict[str, Any], console: Any) -> None:
 def markdown(results: dict[str, Any]) -> str:
     """The capacity and sensitivity tables as Markdown (for docs/benchmarks.md)."""
     lines = ["| model | workload | colocated, best chunk | chunks 256 / 512 / 1024 / 2048 | 1P1D | DynaServe | "
-             "DynaServe+fcfs | Dyn / coloc | Dyn / 1P1D | % peak FLOPs coloc / 1P1D / Dyn |",
+             "DynaServe+fcfs / coloc+slo_aware / least_loaded+slo_aware | Dyn / coloc | Dyn / 1P1D | "
+             "% peak FLOPs coloc / 1P1D / Dyn |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = summary_rows(results)
     for r in rows:
-        fcfs = "" if r["dyn_fcfs"] is None else f"{r['dyn_fcfs']:.2f}"
+        fcfs = _ablations(r)
         lines.append(f"| {r['setup']} | {r['workload']} | {r['coloc']:.2f} ({r['best_chunk'].split('-')[1]}) | "
                      + " / ".join(f"{v:.2f}" for v in r["chunks"].values())
                      + f" | {r['pd']:.2f} | **{r['dyn']:.2f}** | {fcfs} | {r['vs_coloc']:.2f}× | {r['vs_pd']:.2f}× | "
