@@ -39,6 +39,7 @@ class GrantingStep:
         self.seqs_left = budget.max_num_seqs - len(running)
         self.preempted_any = False
         self.kv_free_fraction = 1.0  # none of the memory: no KV pressure
+        self.kv_reclaimable_fraction = 0.0
 
     def add(self, key, num_tokens: int) -> int:
         self.tokens_left -= num_tokens

@@ -17,8 +17,15 @@ Differences from the paper, and why:
   among pairs, the one whose best probe meets the request's TTFT/ITL objectives, then the
   smallest makespan max(T1, T2) (the paper picks by "balance and SLO");
 * the probes keep the best split seen (by makespan), not only the last, and φ = 0 or 1
-  (no split) is a legal answer: the search converges to the edge when one worker is the
-  bottleneck whatever the split;
+  (no split) is a legal answer: both are evaluated beside the search for every pair;
+* the search never cuts before P − 1 (see `_evaluate`): beta's worker cannot start the rest
+  of a prompt before alpha's KV is in, and alpha's and beta's work add up to the whole
+  request's, so such a cut finishes no earlier than the request whole on alpha (one
+  hand-off later, beta idle until alpha is done) and holds no less KV on beta than the
+  request whole on beta. The paper's search over all of [0, 1] balanced T1 = T2 without the
+  wait: alpha got the backlog gap plus half of every request and beta's worker idled before
+  each suffix (P8192/D32 on 14B: 98% of requests cut inside the prompt, busy ~100% / ~90%
+  while requests arrived, 0.87× colocation; searched from P − 1 on, 1.00×);
 * cold start (both workers idle) starts from the disaggregated split, as the paper's
   ColdStart does, without a search (the whole options below may still win);
 * where the cut lands: a cut inside the output puts the hand-off (the second worker ending
@@ -39,18 +46,10 @@ Differences from the paper, and why:
   1 + s, s = `whole_bias` (1.0) × D / (P + D), so a split wins only when its makespan is lower
   by more than s / (1 + s) (P219/D1467: 47%; P2048/D512: 17%; a long prompt with a short
   output: ~0; both whole options are evaluated for every pair, two more probes, so a
-  decision makes at most `max_probes` + 3). The paper's objective (balance) makes
+  decision makes at most `max_probes` + 2 per pair). The paper's objective (balance) makes
   every request a split; for decode-heavy requests the split buys nothing the stream of
   whole requests does not, and costs KV and a hand-off (P219/D1467 at 4.8 req/s: 112
   recomputes, 364 preemptions, 94% attainment; with the bias none, 100%);
-* a cut inside the prompt counts beta's wait for alpha's KV: beta's worker cannot start the
-  rest of the prompt before alpha's part is done, so T2 = max(its backlog, T1 + hand-off) +
-  beta's work. Balancing T1 = T2 without the wait gave alpha the backlog gap plus half of
-  every request, and beta's worker idled before each suffix (P8192/D32 on 14B: 98% split,
-  busy ~100% / ~90% while requests arrived, 0.87× colocation; with the wait the requests run
-  whole on the worker that frees up first, 1.00×): in a pipeline the prompt's two halves
-  run one after the other, so a prompt split shortens nothing, it only balances load, and
-  whole requests balance it as well without the hand-off;
 * the timelines are corrected by what the workers report: an idle worker resets its
   timeline, and a finished request (ReportCompletion) is taken out of both.
 """
@@ -153,8 +152,8 @@ class DynaServePolicy:
         # A decode-heavy request gains little from a split (the stream of requests balances the
         # pair as well whole), while a split costs the decode side the whole sequence's KV for its
         # lifetime and a hand-off: the whole options' makespans count 1 / (1 + slack), slack =
-        # `whole_bias` x its decode share. A long prompt (share ~0) is split as before: there
-        # the split halves its prefill time.
+        # `whole_bias` x its decode share. A long prompt with a short output (share ~0) gets
+        # no bias: it is cut where its prefill ends when that balances the pair better.
         slack = self.whole_bias * output_len / (request.prompt_len + output_len)
         for i, first in enumerate(pool):
             for second in pool[i + 1:]:
@@ -162,11 +161,8 @@ class DynaServePolicy:
                 option, probes = self._search(request, output_len, alpha, beta, loads, now)
                 # No split, on either worker, is always a candidate: the whole options the bias
                 # favours, the fallback when the balanced split does not fit a worker's KV (it
-                # would recompute or preempt there), and for a long prompt with a short output
-                # the request whole on the worker that frees up first (a cut inside the prompt
-                # costs beta's worker a bubble, see `_evaluate`). The bisection assumes T1 - T2
-                # monotone in phi, which the P - 1 cut and that bubble break, so it does not
-                # reliably head for an edge by itself.
+                # would recompute or preempt there), and the answer when one worker is the
+                # bottleneck even with the prompt alone on it (the search stops there).
                 options = [option]
                 a, b = self.timelines[alpha.worker_id], self.timelines[beta.worker_id]
                 la, lb = loads[alpha.worker_id], loads[beta.worker_id]
@@ -211,7 +207,8 @@ class DynaServePolicy:
         load_a, load_b = loads[alpha.worker_id], loads[beta.worker_id]
         if a.drain_time <= now and b.drain_time <= now:  # cold start: both idle
             return self._evaluate(request, output_len, phi, a, b, load_a, load_b, now), 1
-        lo, hi = 0.0, 1.0
+        # Only cuts from the prompt's end on (module docstring): phi never goes below P / L.
+        lo, hi = phi, 1.0
         best: SplitOption | None = None
         probes = 0
         for _ in range(self.max_probes):
@@ -222,22 +219,17 @@ class DynaServePolicy:
             horizon = max(option.makespan, 1e-3)
             if abs(option.t_alpha - option.t_beta) <= self.tolerance * horizon:
                 break  # balanced
+            if option.split == P - 1:
+                break  # a short output: every cut from here on is moved to P - 1 (see `_evaluate`)
             if option.t_alpha > option.t_beta:
-                hi = phi  # alpha's worker is the bottleneck: give it less
+                if phi <= lo:
+                    break  # alpha's worker is the bottleneck with the prompt alone: no earlier cut pays
+                hi = phi  # give alpha less
             else:
                 lo = phi
             phi = (lo + hi) / 2
             if hi - lo < 1.0 / (2 * L):
                 break  # one token's resolution
-        else:
-            # Every probe moved the same way: the pair is out of balance whatever the split;
-            # the edge it was heading to (no split at all) is one more candidate.
-            edge = 0.0 if lo == 0.0 else 1.0 if hi == 1.0 else None
-            if edge is not None:
-                option = self._evaluate(request, output_len, edge, a, b, load_a, load_b, now)
-                probes += 1
-                if option.makespan < best.makespan:
-                    best = option
         return best, probes
 
     def _evaluate(self, request: PlacementRequest, output_len: int, phi: float, a: WorkerTimeline,
@@ -282,15 +274,13 @@ class DynaServePolicy:
         t_alpha = load_a + self._work(alpha)
         beta_start = load_b
         if beta.prefill > 1:
-            # A cut inside the prompt leaves beta's worker prefill it cannot start before alpha's
-            # KV is in: if its own backlog ends earlier, its compute idles until then (a bubble),
-            # which "backlog + work" does not see. Balancing T1 = T2 without it gave alpha the gap
-            # plus half the rest of every request, so beta's worker idled before each suffix:
-            # P8192/D32 (14B), 98% split, 100% / ~90% busy during arrivals, 0.87x colocation.
-            # With it a prompt split never beats the request whole on the worker that frees up
-            # first (same work, one hand-off less) unless it fills beta's idle time exactly.
-            # A cut at P - 1 or in the output leaves beta one token or decodes: memory-bound
-            # work that runs beside the rest, no bubble worth counting.
+            # A cut inside the prompt leaves beta prefill it cannot start before alpha's KV is in
+            # (alpha's committed compute, this part included, done, plus the hand-off): if beta's
+            # own backlog ends earlier, its compute idles until then, which backlog + work does
+            # not see. With the wait such a cut never finishes before the request whole on alpha
+            # (work(alpha) + work(beta) is the whole request's), which is why `_search` does not
+            # go there. A cut at P - 1 or in the output leaves beta one token or decodes:
+            # memory-bound work that runs beside its other work, no idle compute worth counting.
             beta_start = max(load_b, t_alpha + handoff)
         return SplitOption(phi, split, t_alpha, beta_start + self._work(beta), pa.drain_time,
                            pb.drain_time, first_token, gap, alpha, beta, not_before)

@@ -107,8 +107,13 @@ class StepBuilder(Protocol):
 
     @property
     def kv_free_fraction(self) -> float:
-        """Free KV blocks over all blocks, as the step's additions so far left them (blocks
-        only idle session pins hold count as free: they are evicted for any request first)."""
+        """Free KV blocks over all blocks, as the step's additions so far left them (O(1))."""
+
+    @property
+    def kv_reclaimable_fraction(self) -> float:
+        """Blocks that only idle session pins hold, over all blocks: another session's request
+        gets them once the free ones are used up, before any running request is preempted
+        (`SessionPins.evict_lru`). O(pinned blocks): read it only when the free share is low."""
 
     def add(self, key: StageKey, num_tokens: int) -> int:
         """Schedule `num_tokens` of this request's remaining tokens; how many it got (0: none).

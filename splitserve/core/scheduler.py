@@ -533,17 +533,15 @@ class _Step:
     @property
     def kv_free_fraction(self) -> float:
         bm = self._scheduler.block_manager
-        if not bm.num_blocks:
-            return 1.0
-        free = bm.num_free_blocks
-        pins = self._scheduler.session_pins
-        if pins.num_pinned_blocks:
-            # Idle sessions' pinned histories give way to any request that needs their blocks
-            # (`SessionPins.evict_lru`), so they are room, not pressure: a worker full of idle
-            # pins would otherwise run every step at the policy's smallest target. Only blocks
-            # no running request shares count (O(pinned blocks), only while pins exist).
-            free += bm.freeable_if_released(pins.block_ids())
-        return free / bm.num_blocks
+        return bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 1.0
+
+    @property
+    def kv_reclaimable_fraction(self) -> float:
+        bm, pins = self._scheduler.block_manager, self._scheduler.session_pins
+        if not bm.num_blocks or not pins.num_pinned_blocks:
+            return 0.0
+        # Only blocks no running request shares with the pin come free when it goes.
+        return bm.freeable_if_released(pins.block_ids()) / bm.num_blocks
 
     def add(self, key: StageKey, num_tokens: int) -> int:
         scheduler = self._scheduler

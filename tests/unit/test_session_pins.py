@@ -136,14 +136,14 @@ def test_random_sessions_keep_block_accounting_consistent(rounds):
 
 
 class _RecordingFcfs(FcfsPolicy):
-    """fcfs that notes what each step reports as free KV."""
+    """fcfs that notes what each step reports as free KV, idle pins' blocks included."""
 
     def __init__(self) -> None:
         super().__init__()
         self.free_fractions: list[float] = []
 
     def next_batch(self, step, now) -> None:
-        self.free_fractions.append(step.kv_free_fraction)
+        self.free_fractions.append(step.kv_free_fraction + step.kv_reclaimable_fraction)
         super().next_batch(step, now)
 
 

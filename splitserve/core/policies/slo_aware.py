@@ -35,7 +35,8 @@ DynaServe on P2048/D512 at 2.8–4.2 req/s: 5–96 preemptions per probe, the mi
 setting the capacity). Below `kv_pressure_below` (0.4) of the blocks free, after the step's
 decodes, the target shrinks in proportion to the free share, down to `kv_pressure_min_scale`
 (0.5) of it: decodes finish sooner and admission slows until memory frees (the same probes:
-no preemption). 0 turns it off.
+no preemption). Blocks only idle session pins hold count as free (they go to other requests
+before any preemption). 0 turns it off.
 
 **Starvation guard.** M is never below `min_prefill_tokens` (default 16, one block) while
 prefill work is queued, even when the decodes alone leave no room. Without it a loaded
@@ -138,6 +139,10 @@ class SloAwarePolicy:
         scale = 1.0
         if self.kv_pressure_below > 0:
             free = step.kv_free_fraction  # after the decodes and hand-offs took their blocks
+            if free < self.kv_pressure_below:
+                # Idle session pins give way to other requests before any preemption: room, not
+                # pressure (a worker full of them ran every step at the smallest target).
+                free += step.kv_reclaimable_fraction
             if free < self.kv_pressure_below:  # KV pressure: shorter steps (see the module docstring)
                 scale = max(self.kv_pressure_min_scale, free / self.kv_pressure_below)
         budget = self._prefill_budget(step.tokens_left, decodes, context, slo, prefills, waiting, scale)
