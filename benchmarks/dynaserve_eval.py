@@ -219,7 +219,7 @@ ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware")
 
 
 def system_options(system: str) -> dict[str, Any]:
-    """Simulator options of a system name: coloc-<chunk>, 1P1D, DynaServe, DynaServe+fcfs."""
+    """Simulator options of a system name: coloc-<chunk>, 1P1D, DynaServe and the `ABLATIONS`."""
     if system.startswith("coloc-"):
         return {"placement_policy": "round_robin", "max_num_batched_tokens": int(system.split("-")[1])}
     if system == "1P1D":
@@ -229,8 +229,9 @@ def system_options(system: str) -> dict[str, Any]:
                 "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     if system == "DynaServe+fcfs":
         return {"placement_policy": "dynaserve"}
-    if system in ("coloc+slo_aware", "least_loaded+slo_aware"):
-        return {"placement_policy": system.split("+")[0].replace("coloc", "round_robin"), "batch_policy": "slo_aware",
+    placements = {"coloc+slo_aware": "round_robin", "least_loaded+slo_aware": "least_loaded"}
+    if system in placements:
+        return {"placement_policy": placements[system], "batch_policy": "slo_aware",
                 "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     raise ValueError(system)
 
