@@ -578,10 +578,9 @@ def markdown(results: dict[str, Any]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = summary_rows(results)
     for r in rows:
-        fcfs = _ablations(r)
         lines.append(f"| {r['setup']} | {r['workload']} | {r['coloc']:.2f} ({r['best_chunk'].split('-')[1]}) | "
                      + " / ".join(f"{v:.2f}" for v in r["chunks"].values())
-                     + f" | {r['pd']:.2f} | **{r['dyn']:.2f}** | {fcfs} | {r['vs_coloc']:.2f}× | {r['vs_pd']:.2f}× | "
+                     + f" | {r['pd']:.2f} | **{r['dyn']:.2f}** | {_ablations(r)} | {r['vs_coloc']:.2f}× | {r['vs_pd']:.2f}× | "
                      f"{r['coloc_flops']:.0%} / {r['pd_flops']:.0%} / {r['dyn_flops']:.0%} |")
     for setup in sorted({r["setup"] for r in rows}):
         sub = [r for r in rows if r["setup"] == setup and math.isfinite(r["vs_coloc"]) and math.isfinite(r["vs_pd"])]
