@@ -124,14 +124,15 @@ class DecodeRun:
         bm = self.scheduler.block_manager
         bs = bm.block_size
         entries = self.out.entries
-        filled: list[int] = []
-        for e in entries:
-            seq = e.seq
-            if seq.commit_state is not None and seq.commit_state[2]:
-                return False  # a block waits for its hash's holder to be evicted
-            filled += bm.update_block_hashes(seq)[e.start // bs:(e.start + done) // bs]
-        if len(set(filled)) != len(filled) or bm.indexes_any(filled):
-            return False
+        if bm.enable_prefix_caching:  # without a prefix index no block is hashed or waits for a holder
+            filled: list[int] = []
+            for e in entries:
+                seq = e.seq
+                if seq.commit_state is not None and seq.commit_state[2]:
+                    return False  # a block waits for its hash's holder to be evicted
+                filled += bm.update_block_hashes(seq)[e.start // bs:(e.start + done) // bs]
+            if len(set(filled)) != len(filled) or bm.indexes_any(filled):
+                return False
         events = self._grow_events(done)
         taken = bm.reserve(len(events)) if events else []
         for block_id, (_, index) in zip(taken, events):

@@ -1028,6 +1028,25 @@ def test_a_decode_run_indexes_a_waiting_block_once_its_holder_is_evicted():
     assert fast.block_manager.cached_prefix_blocks(probe) == stepped.block_manager.cached_prefix_blocks(probe)
 
 
+def test_a_decode_run_without_prefix_caching_applies_in_bulk_and_hashes_nothing():
+    # Without a prefix index no block is hashed (hashing every block a run fills was a sixth of
+    # the simulator's time with prefix caching off) and nothing can make bulk differ from stepping.
+    def make():
+        sched = Scheduler(SchedulerConfig(64, 8, 256, VOCAB), BlockManager(32, 2, enable_prefix_caching=False),
+                          RecordingPolicy(), lambda: 0.0)
+        for rid, prompt in (("a", [5, 6, 7]), ("b", [5, 6, 7, 7, 2])):
+            sched.add_stage(StageSpec.whole(rid, prompt, SamplingParams(max_tokens=9)))
+        out = sched.schedule()
+        sched.update_from_output(out, {e.seq.key: 1 for e in out.entries if e.samples}, 0.01)
+        return sched
+
+    stepped, fast = _stepped_and_fast_forwarded(make, 6)
+    assert _block_state(fast) == _block_state(stepped)
+    assert all(s.block_hashes == [] for s in fast.sequences.values())
+    run = DecodeRun.find(fast, fast.schedule(), 1)
+    assert run is not None and run._apply_in_bulk(1)  # bulk, not the step-by-step replay
+
+
 def _block_state(sched: Scheduler) -> tuple:
     """Everything of the block manager and sequences a decode run may touch, block ids included."""
     bm = sched.block_manager
@@ -1049,9 +1068,10 @@ def test_a_decode_run_equals_stepping_block_for_block(block_size, data):
     max_tokens = data.draw(st.lists(st.integers(4, 24), min_size=len(running), max_size=len(running)))
     need = sum(-(-(len(p) + m) // block_size) for p, m in zip(running, max_tokens))
     num_blocks = need + data.draw(st.integers(0, 6), label="spare blocks")
+    caching = data.draw(st.booleans(), label="prefix caching")
 
     def make() -> Scheduler:
-        sched = Scheduler(SchedulerConfig(4096, 16, 256, VOCAB), BlockManager(num_blocks, block_size),
+        sched = Scheduler(SchedulerConfig(4096, 16, 256, VOCAB), BlockManager(num_blocks, block_size, caching),
                           RecordingPolicy(), lambda: 0.0)
         for i, prompt in enumerate(finished):  # leave their full blocks cached and free
             if len(prompt) + 1 <= num_blocks * block_size:
