@@ -140,6 +140,20 @@ class BlockManager:
         hashes += [h := hash((h, tokens)) for tokens in zip(*[iter(seq.token_ids[start:end])] * bs)]  # = hash_block
         return hashes
 
+    def seed_block_hashes(self, seq: Sequence, tokens: list[int], hashes: list[int]) -> bool:
+        """Give `seq` the chained hashes this manager computed for `tokens` (a session's history,
+        a prompt hashed for a lease) when its token ids start with them: hashes are a function of
+        the tokens alone, so this is what `update_block_hashes` would compute, without hashing
+        every block again. Checked token for token (one C-level comparison); whether seeded."""
+        n = len(hashes)
+        if n <= len(seq.block_hashes) or len(tokens) < n * self.block_size or len(seq.token_ids) < n * self.block_size:
+            return False
+        end = n * self.block_size
+        if seq.token_ids[:end] != tokens[:end]:
+            return False
+        seq.block_hashes[:] = hashes
+        return True
+
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """Block ids holding this sequence's longest cached prefix (no allocation).
 

@@ -146,6 +146,9 @@ class Scheduler:
         self.session_pins = SessionPins(block_manager)
         # Transferred new KV dropped because the history it continues was no longer cached here.
         self.kv_prefix_misses = 0
+        # Prompts `hold_cached_prefix` hashed, (token ids, block hashes), most recent last: the
+        # stage the lease is for arrives soon after with the same prompt and takes the hashes.
+        self._leased_prompts: deque[tuple[list[int], list[int]]] = deque(maxlen=4)
 
     # ---- stages ------------------------------------------------------------------------
     @property
@@ -180,6 +183,8 @@ class Scheduler:
         )
         if spec.session is not None:
             self.session_pins.note_round(spec.session)
+            self.session_pins.seed_block_hashes(spec.session.session_id, seq)
+        self._seed_from_leased_prompts(seq)
         if isinstance(spec.kv, KvInBlocks):
             self._adopt(seq, spec.kv)
         self.sequences[seq.key] = seq
@@ -282,7 +287,17 @@ class Scheduler:
         probe = Sequence(StageKey("", 0), list(token_ids), len(token_ids), SamplingParams(), 0, 0.0)
         blocks = bm.cached_prefix_blocks(probe)[: max(0, max_tokens) // bm.block_size]
         bm.retain(blocks)
+        if probe.block_hashes:
+            self._leased_prompts.append((probe.token_ids, probe.block_hashes))
         return blocks
+
+    def _seed_from_leased_prompts(self, seq: Sequence) -> None:
+        """A new stage whose prompt a lease hashed takes those hashes (and the lease's entry goes)."""
+        leased = self._leased_prompts
+        for i, (tokens, hashes) in enumerate(leased):
+            if len(tokens) <= len(seq.token_ids) and self.block_manager.seed_block_hashes(seq, tokens, hashes):
+                del leased[i]
+                return
 
     def kv_blocks(self, key: StageKey) -> tuple[list[int], int]:
         """A stage's block table and how many tokens of it hold computed KV."""

@@ -65,6 +65,11 @@ class _Pin:
     num_tokens: int
     expires_at: float
     version: int  # matches the expiry heap entry that is current
+    # The round's token ids (the finished sequence's list, which nothing appends to any more)
+    # and the chained hashes of its pinned blocks: the next round's prompt starts with them,
+    # so it takes them instead of hashing its whole history again (`seed_block_hashes`).
+    token_ids: list[int]
+    block_hashes: list[int]
 
 
 class SessionPins:
@@ -112,6 +117,12 @@ class SessionPins:
         elif hold.history_len > 0:
             self.history_lost += 1
 
+    def seed_block_hashes(self, session_id: str, seq: Sequence) -> bool:
+        """Give a new round's sequence its pinned history's block hashes when its prompt starts
+        with that history (`BlockManager.seed_block_hashes`); whether it did."""
+        pin = self._pins.get(session_id)
+        return pin is not None and self.block_manager.seed_block_hashes(seq, pin.token_ids, pin.block_hashes)
+
     def pin(self, hold: SessionHold, seq: Sequence, now: float) -> int:
         """Pin the indexed prefix of a finished round's KV under its session; tokens pinned."""
         blocks = self.block_manager.indexed_prefix(seq)
@@ -119,7 +130,8 @@ class SessionPins:
         self.release(hold.session_id)
         version = next(self._versions)
         expires_at = now + hold.ttl_s
-        self._pins[hold.session_id] = _Pin(blocks, len(blocks) * self.block_manager.block_size, expires_at, version)
+        self._pins[hold.session_id] = _Pin(blocks, len(blocks) * self.block_manager.block_size, expires_at, version,
+                                           seq.token_ids, seq.block_hashes[:len(blocks)])
         heapq.heappush(self._expiry, (expires_at, version, hold.session_id))
         self.num_pinned_blocks += len(blocks)
         return len(blocks) * self.block_manager.block_size

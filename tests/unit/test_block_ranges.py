@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict, deque
 
+import numpy as np
 import pytest
 from conftest import prefix_sharing_workload
 from hypothesis import HealthCheck, settings
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from loadgen import arrivals
+from loadgen.sessions import ToolDelay, generate_sessions
 from services.planner import sim_worker
 from services.planner.simulator import Simulator
 from splitserve.core import BlockManager, SamplingParams, Sequence, StageKey
@@ -75,6 +77,9 @@ class ReferenceBlockManager:
             parent = hashes[-1] if hashes else _ROOT_HASH
             hashes.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return hashes
+
+    def seed_block_hashes(self, seq: Sequence, tokens, hashes) -> bool:
+        return False  # the reference hashes every block itself: seeding must change nothing
 
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         if not self.enable_prefix_caching:
@@ -411,3 +416,30 @@ def test_whole_simulations_match_the_reference(monkeypatch, policy, roles):
     for key in ("virtual_s", "events", "steps", "kv_transfers", "kv_recomputes", "preemptions"):
         assert ranges[1][key] == reference[1][key], key
     assert reference[1]["preemptions"] > 0  # a small cache: eviction, preemption and re-admission happened
+
+
+def test_whole_session_simulations_match_the_reference(monkeypatch):
+    """AMPD sessions (pinned histories, leases, remote incremental prefills): the core's block
+    manager, which takes a round's hashes from its pin or its lease, against the reference,
+    which hashes every block itself."""
+    made: list = []
+
+    def run(cls):
+        def make(*args):
+            made.append(bm := cls(*args))
+            return bm
+
+        monkeypatch.setattr(sim_worker, "BlockManager", make)
+        sim = Simulator(3, preset("H20", "qwen3-32b", link="rdma-200g"), num_kv_blocks=300, placement_policy="ampd",
+                        roles=("prefill", "decode", "decode"))
+        sessions = generate_sessions("toolbench", 12, np.random.default_rng(3), length_scale=0.25,
+                                     tool_delay=ToolDelay("exponential", 0.5))
+        outcome = sim.run(sessions, arrivals.poisson(4.0), seed=3)
+        stats = dataclasses.asdict(outcome.stats)
+        del stats["wall_s"]
+        return [dataclasses.astuple(r) for r in outcome.results], stats
+
+    reference, core = run(ReferenceBlockManager), run(BlockManager)
+    assert [type(bm) for bm in made] == [ReferenceBlockManager] * 3 + [BlockManager] * 3
+    assert core == reference
+    assert reference[1]["kv_pulls"] > 0 and reference[1]["incremental_prefills_local"] > 0  # both routes taken

@@ -168,3 +168,34 @@ def test_idle_pins_count_as_free_kv_for_the_pressure_signal():
     assert in_use > 8
     sim.step()
     assert policy.free_fractions[-1] == pytest.approx((16 - in_use) / 16)
+
+
+def test_the_next_round_takes_its_history_hashes_from_the_pin_and_they_equal_hashing():
+    # A long history is hashed once per round, not once per round and worker step: the next
+    # round's prompt starts with the pinned history, so its hashes are the pin's (checked token
+    # for token), which are exactly what hashing the prompt gives.
+    sim = Sim(64, 4, 64, 4)
+    first = run_round(sim, "r0", list(range(100, 118)), "s")
+    prompt = first.token_ids + [7, 8, 9]
+    pinned = sim.sched.session_pins.pinned_tokens("s") // 4
+    seq = sim.sched.add_stage(round_spec("r1", prompt, "s", history=len(first.token_ids)))
+    assert pinned == 5 and seq.block_hashes == first.block_hashes[:pinned]  # seeded before anything hashed it
+    fresh = Sim(64, 4, 64, 4).sched.add_stage(round_spec("x", prompt, "t"))
+    assert fresh.block_hashes == [] and sim.bm.update_block_hashes(seq) == Sim(64, 4, 64, 4).bm.update_block_hashes(fresh)
+    # A prompt that does not repeat the history (one token differs) is not seeded.
+    other = sim.sched.add_stage(round_spec("r2", [0] + prompt[1:], "s", history=len(first.token_ids)))
+    assert other.block_hashes == []
+
+
+def test_a_stage_takes_the_hashes_of_the_prompt_its_lease_hashed():
+    sim = Sim(64, 4, 64, 4)
+    run_round(sim, "r0", list(range(100, 118)), "s")
+    prompt = list(range(100, 118)) + [5, 6, 7, 8, 9]
+    held = sim.sched.hold_cached_prefix(prompt, 16)
+    assert len(held) == 4
+    seq = sim.add("lent", prompt, max_tokens=2)
+    assert seq.block_hashes == Sim(64, 4, 64, 4).bm.update_block_hashes(
+        Sim(64, 4, 64, 4).sched.add_stage(StageSpec.whole("y", prompt, SamplingParams(max_tokens=2))))
+    assert len(seq.block_hashes) == 5 and not sim.sched._leased_prompts  # taken once
+    sim.sched.release_lease(held)
+    sim.run()
