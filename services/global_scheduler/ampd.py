@@ -29,7 +29,11 @@ Differences from the paper, and why:
 * with no SLO on the request and none configured (`ttft_slo_ms`, `itl_slo_ms`), steps 1
   and 2 have no threshold to compare with: routing goes straight to the cost rule;
 * `routing="remote"` (always step 1's worker, else the cheapest remote) and
-  `routing="local"` are the ablations of the evaluation (AMPD without adaptive routing).
+  `routing="local"` are the ablations of the evaluation (AMPD without adaptive routing);
+  `routing="share"` prefills a fixed `local_share` of the rounds locally (chosen by a
+  stable hash of the request id, `runs_locally`) and the rest as "remote" does: what the
+  planner (`splitserve plan`) simulates to see a decode worker under the local prefills
+  adaptive routing sends it when the prefill pool is busy.
 
 Pure: the signals (windowed TTFT/ITL, prefill queues) come with the `ClusterView`
 (`WorkerView.signals`), filled by the scheduler from Redis and by the simulator from its
@@ -39,6 +43,7 @@ workers, because this policy asks for them (`view_signals = True`).
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 
 from services.global_scheduler.baselines import colocated_candidates
@@ -48,7 +53,7 @@ from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Pl
 from splitserve.perf_model import PerfModel
 
 DEFAULT_PERF_MODEL = "H100/llama-3-8b"
-ROUTINGS = ("adaptive", "remote", "local")
+ROUTINGS = ("adaptive", "remote", "local", "share")
 
 # Step of Alg. 1 that decided, as recorded in the decision (Prometheus and the request record).
 RULE_TTFT_SLACK, RULE_ITL_SLACK, RULE_COST, RULE_NO_CHOICE, RULE_FIXED = 1.0, 2.0, 3.0, 0.0, 4.0
@@ -73,7 +78,7 @@ class AmpdPolicy:
 
     def __init__(self, perf_model: PerfModel | str | None = None, alpha: float | str = 0.9,
                  beta: float | str = 0.85, ttft_slo_ms: float | str = 0.0, itl_slo_ms: float | str = 0.0,
-                 routing: str = "adaptive", seed: int | str = 0):
+                 routing: str = "adaptive", seed: int | str = 0, local_share: float | str = 0.0):
         if perf_model is None or isinstance(perf_model, str):
             from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
             perf_model = resolve_perf_model(perf_model or DEFAULT_PERF_MODEL)
@@ -85,6 +90,11 @@ class AmpdPolicy:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.routing = routing
+        self.local_share = _nonnegative(local_share, "local_share")
+        if self.local_share > 1:
+            raise ValueError(f"local_share must be in [0, 1], got {local_share!r}")
+        if self.local_share and routing != "share":
+            raise ValueError(f"local_share applies to routing='share' only, got routing={routing!r}")
         # Alg. 1 line 1 tries prefill workers "in random order": seeded, so runs repeat.
         self._rng = random.Random(int(seed))
         # Prefills placed on each worker since its load snapshot (updated_unix): the
@@ -133,7 +143,7 @@ class AmpdPolicy:
                         for w in prefill_pool}
         cheapest = min(prefill_pool, key=lambda w: (remote_costs[w.worker_id], w.worker_id))
         t_cheapest = remote_costs[cheapest.worker_id]
-        if self.routing == "local":
+        if self.routing == "local" or (self.routing == "share" and runs_locally(request.request_id, self.local_share)):
             return Route(None, RULE_FIXED, t_local, t_cheapest)
         if self.routing == "adaptive" and ttft_slo > 0:  # lines 1-3
             order = list(prefill_pool)
@@ -142,7 +152,7 @@ class AmpdPolicy:
                 ttft = worker.signals.ttft_mean_s if worker.signals is not None else None
                 if (ttft is None or ttft <= self.alpha * ttft_slo) and remote_costs[worker.worker_id] <= ttft_slo:
                     return Route(worker, RULE_TTFT_SLACK, t_local, remote_costs[worker.worker_id])
-        if self.routing == "remote":
+        if self.routing in ("remote", "share"):
             return Route(cheapest, RULE_FIXED, t_local, t_cheapest)
         if itl_slo > 0:  # lines 4-5
             itl = decode.signals.itl_mean_s if decode.signals is not None else None
@@ -216,3 +226,9 @@ def _nonnegative(value: float | str, name: str) -> float:
     if not number >= 0 or number == float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return number
+
+
+def runs_locally(request_id: str, local_share: float) -> bool:
+    """Whether `request_id` is among the `local_share` of rounds `routing="share"` prefills
+    locally: a stable hash, so a run repeats and the set is known when reading its results."""
+    return zlib.crc32(request_id.encode()) / 2**32 < local_share

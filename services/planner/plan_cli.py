@@ -63,21 +63,23 @@ def plan_command(
         raise typer.Exit(1)
     table = Table(title=f"{inputs.sessions} at {result.rate:.2f} sessions/s on {gpus} x {gpu}, {inputs.model} "
                         f"(TTFT <= {slo_ttft_ms:g} ms, ITL <= {slo_itl_ms:g} ms)")
-    for column in ("rank", "deployment", "GPUs", "Z", "P95 TTFT (ms)", "P95 ITL (ms)"):
+    for column in ("rank", "deployment", "GPUs", "Z", "P95 TTFT (ms)", "P95 ITL (ms)", "local prefills"):
         table.add_column(column)
     for rank, cand in enumerate(result.candidates, 1):
         table.add_row(str(rank), cand.label, str(cand.gpus), f"{cand.z:.3f}", f"{cand.ttft_p95_ms:.0f}",
-                      f"{cand.itl_p95_ms:.1f}")
+                      f"{cand.itl_p95_ms:.1f}", f"{cand.local_share:.0%}")
     console.print(table)
-    console.print(f"planned in {elapsed:.2f} s ({result.simulate_s:.2f} s simulating load curves, "
-                  f"{result.solve_s:.2f} s in the ILP)")
+    console.print(f"planned in {elapsed:.2f} s ({result.simulate_s:.2f} s simulating {result.simulations} load-curve "
+                  f"points, {result.refined} of them refined; {result.solve_s:.2f} s in the ILP)")
     if check:
         result.checks = check_plan(result, result.candidates, sessions=check, processes=processes)
-        checked = Table(title="whole-cluster simulation (ampd, adaptive routing), by SLO attainment")
-        for column in ("rank", "deployment", "attainment", "planner's rank"):
+        checked = Table(title="whole-cluster simulation (ampd, adaptive routing), by SLO attainment "
+                              "(ties: the lower simulated Z)")
+        for column in ("rank", "deployment", "attainment", "simulated Z", "local prefills", "planner's rank"):
             checked.add_column(column)
         for rank, row in enumerate(result.checks, 1):
-            checked.add_row(str(rank), row["label"], f"{row['attainment']:.1%}", str(row["planner_rank"]))
+            checked.add_row(str(rank), row["label"], f"{row['attainment']:.1%}", f"{row['z']:.3f}",
+                            f"{row['local_share']:.0%}", str(row["planner_rank"]))
         console.print(checked)
     if out is not None:
         payload = result.to_dict()

@@ -4,6 +4,8 @@ incremental prefills pull it and push back only the new KV."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from loadgen import arrivals
 from loadgen.sessions import Round, Session
 from services.global_scheduler.ampd import (RULE_COST, RULE_FIXED, RULE_ITL_SLACK, RULE_NO_CHOICE, RULE_TTFT_SLACK,
-                                            AmpdPolicy)
+                                            AmpdPolicy, runs_locally)
 from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, PlacementRequest, WorkerSignals,
                                               WorkerView, make_policy, orient_kv_transfers)
 from services.planner.sim_run import SimRun
@@ -53,7 +55,9 @@ def place(p: AmpdPolicy, view_workers: list[WorkerView], req: PlacementRequest):
 def test_registered_and_parameters_are_checked_by_name():
     assert isinstance(make_policy("ampd", deployment_perf_model=TOY), AmpdPolicy)
     for bad, field in ((dict(alpha=0), "alpha"), (dict(beta=1.5), "beta"), (dict(ttft_slo_ms=-1), "ttft_slo_ms"),
-                       (dict(routing="sometimes"), "routing"), (dict(itl_slo_ms="x"), "itl_slo_ms")):
+                       (dict(routing="sometimes"), "routing"), (dict(itl_slo_ms="x"), "itl_slo_ms"),
+                       (dict(routing="share", local_share=1.5), "local_share"),
+                       (dict(routing="adaptive", local_share=0.5), "local_share")):
         with pytest.raises(ValueError, match=field):
             policy(**bad)
 
@@ -134,6 +138,14 @@ def test_ablations_and_the_no_choice_cases():
     assert place(policy(routing="remote"), workers, request()).worker_ids == ("p0", "d0")
     placement = place(policy(routing="local"), [worker("p0", "prefill"), worker("d0", "decode")], request())
     assert placement.worker_ids == ("d0",) and placement.decision["rule"] == RULE_FIXED
+    # routing="share": the rounds whose id hashes below the share run locally, the rest remote.
+    ids = [f"s/r{i}" for i in range(40)]
+    local = [place(policy(routing="share", local_share=0.5), workers,
+                   dataclasses.replace(request(), request_id=i)).worker_ids == ("d0",) for i in ids]
+    assert local == [runs_locally(i, 0.5) for i in ids] and 10 < sum(local) < 30
+    assert all(place(policy(routing="share", local_share=share), workers,
+                     dataclasses.replace(request(), request_id=i)).worker_ids == expected
+               for i in ids for share, expected in ((0.0, ("p0", "d0")), (1.0, ("d0",))))
     only_decode = place(policy(), [worker("d0", "decode")], request())
     assert only_decode.worker_ids == ("d0",) and only_decode.decision["rule"] == RULE_NO_CHOICE
     colocated = place(policy(), [worker("b0", "both"), worker("b1", "both", free=99)], request())

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.planner.deploy_plan import LoadCurve, PlanInputs, plan, solve_plan
+from services.planner.deploy_plan import LOCAL_SHARES, REFINE_TOP, LoadCurve, PlanInputs, plan, solve_plan
 from services.planner.simulator import Simulator
 
 INF = math.inf
@@ -82,11 +82,16 @@ def test_a_small_plan_end_to_end_stays_in_budget_and_ranks_by_z():
     inputs = PlanInputs(gpus=6, gpu="H100", model="Llama-3-8B", sessions="toolbench", rate=2.0,
                         tp_degrees=(1, 2), sim_sessions=12, top=3)
     result = plan(inputs, processes=1)
-    assert set(result.curves["prefill"]) == {1, 2} and set(result.curves["decode"]) == {1, 2}
+    assert set(result.curves["prefill"]) == {1, 2}
+    assert set(result.curves["decode"]) == set(result.curves["local_ttft"]) == \
+        {(tp, share) for tp in (1, 2) for share in LOCAL_SHARES}
     assert result.candidates
     zs = [c.z for c in result.candidates]
     assert zs == sorted(zs)
     for cand in result.candidates:
         assert cand.gpus <= 6 and cand.prefill_count >= 1 and cand.decode_count >= 1
+        assert cand.local_share in LOCAL_SHARES
         assert cand.z == pytest.approx(max(cand.ttft_p95_ms / 350, cand.itl_p95_ms / 40))
+    # The refinement pass measured the rates the leading candidates run at, at most two per candidate.
+    assert 0 <= result.refined <= 2 * (3 + REFINE_TOP) and result.simulations > result.refined
     assert result.to_dict()["candidates"][0]["label"] == result.candidates[0].label

@@ -1,0 +1,167 @@
+"""The planner's curve placement (reachable rates, the refinement pass) and its model of the
+coupling between the pools (local shares of prefills on decode workers, one level per ILP)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.planner import deploy_plan as dp
+from services.planner.deploy_plan import (LoadCurve, PlanInputs, cost_tables, grid_rates, initial_points,
+                                          interpolation_bounds, rank_checks, reachable_rates, refinement_points,
+                                          runs_locally, solve_plan)
+from services.planner.simulator import Simulator
+
+INF = math.inf
+
+
+def test_reachable_rates_are_the_rate_shared_by_every_pool_size():
+    assert reachable_rates(6.0, 3) == [2.0, 3.0, 6.0]
+
+
+def test_the_grid_takes_every_usable_rate_when_few_else_both_ends_and_the_middle():
+    assert grid_rates([1.0, 2.0, 6.0], limit=5.0, points=3) == [1.0, 2.0]  # 6 is past the limit
+    rates = [float(r) for r in range(1, 11)]
+    assert grid_rates(rates, limit=100.0, points=3) == [1.0, 5.0, 10.0]
+    assert grid_rates(rates, limit=0.5, points=3) == []
+
+
+def test_every_initial_point_is_a_rate_some_pool_runs_at_and_the_grid_is_bounded():
+    inputs = PlanInputs(gpus=16, gpu="H100", model="Llama-3-8B", sessions="toolbench", rate=3.0, tp_degrees=(1, 2, 4))
+    points = initial_points(inputs, 3.0)
+    for side, tp, share, rate in points:
+        counts = range(1, (16 - 1) // tp + 1)
+        shares = [s for s in dp.LOCAL_SHARES if s < 1] if side == "prefill" else [share]
+        assert any(math.isclose(rate, 3.0 * (1 - s if side == "prefill" else 1) / k) for s in shares for k in counts)
+    for tp in (1, 2, 4):
+        assert 1 <= sum(1 for p in points if p[:2] == ("prefill", tp)) <= dp.PREFILL_POINTS
+        for share in dp.LOCAL_SHARES:
+            assert sum(1 for p in points if p[:3] == ("decode", tp, share)) <= dp.DECODE_POINTS
+
+
+def test_interpolation_bounds_bracket_the_truth_of_a_non_decreasing_curve():
+    curve = LoadCurve((1.0, 2.0, 4.0), (0.1, 0.3, INF))
+    assert interpolation_bounds(curve, 2.0) == (0.3, 0.3)  # measured
+    assert interpolation_bounds(curve, 1.5) == (0.1, 0.3)
+    assert interpolation_bounds(curve, 0.5) == (0.0, 0.1)  # below the grid: anywhere down to 0
+    assert interpolation_bounds(curve, 3.0) == (INF, INF)  # past the last point that kept up
+    assert interpolation_bounds(LoadCurve((), ()), 1.0) == (INF, INF)
+    assert LoadCurve((), ()).at(1.0) == INF
+
+
+def _curves(prefill: LoadCurve, decode: LoadCurve, local: LoadCurve) -> dict:
+    return {"prefill": {4: prefill}, "decode": {(4, 0.0): decode, (4, 0.5): decode},
+            "local_ttft": {(4, 0.0): LoadCurve((1.0,), (0.0,)), (4, 0.5): local}}
+
+
+def test_refinement_measures_the_binding_side_where_its_interpolation_is_loose():
+    prefill = LoadCurve((1.0, 8.0), (0.1, 2.0))  # TTFT: wide bracket between 1 and 8 sessions/s
+    decode = LoadCurve((1.0, 8.0), (0.010, 0.012))  # ITL: nearly flat
+    local = LoadCurve((1.0, 8.0), (0.1, 0.2))
+    curves = _curves(prefill, decode, local)
+    # 8 sessions/s over 2 prefill replicas: 4/s each, between the points; decode pool of one.
+    points = refinement_points([((4, 2, 0.0), (4, 1, 0.0))], 8.0, curves, ttft_slo_s=0.5, itl_slo_s=0.04)
+    assert points == [("prefill", 4, 0.0, 4.0)]
+    # The decode side at 4/s is loose in relative terms only if it can bind: ITL 0.012/0.04 = 0.3
+    # is below the prefill side's ~2.1, so it gets no point even with a wide bracket.
+    loose_decode = LoadCurve((1.0, 8.0), (0.001, 0.012))
+    points = refinement_points([((4, 2, 0.0), (4, 2, 0.0))], 8.0, _curves(prefill, loose_decode, local), 0.5, 0.04)
+    assert points == [("prefill", 4, 0.0, 4.0)]
+    # ... and a local share moves the prefill point (the remote rounds only) and brings the
+    # decode replica's local TTFT in, which binds here.
+    points = refinement_points([((4, 1, 0.5), (4, 2, 0.5))], 8.0, curves, 0.5, 0.04)
+    assert points == [("prefill", 4, 0.0, 4.0)]
+    points = refinement_points([((4, 4, 0.5), (4, 2, 0.5))], 8.0, curves, 0.5, 0.4)
+    assert ("decode", 4, 0.5, 4.0) in points
+
+
+def test_refinement_skips_measured_rates_and_repeats_and_is_bounded():
+    prefill = LoadCurve((1.0, 4.1, 8.0), (0.1, 1.0, 2.0))
+    curves = _curves(prefill, LoadCurve((1.0, 8.0), (0.01, 0.02)), LoadCurve((1.0, 8.0), (0.1, 0.2)))
+    assert refinement_points([((4, 2, 0.0), (4, 1, 0.0))], 8.0, curves, 0.5, 0.04) == []  # 4.1 is within 10%
+    leading = [((4, k, 0.0), (4, 1, 0.0)) for k in (3, 3, 5)]
+    points = refinement_points(leading, 8.0, curves, 0.5, 0.04)
+    assert len(points) == len(set(points)) <= 2 * len(leading)
+
+
+def test_costs_read_the_prefill_curve_at_the_remote_share_and_the_decode_at_its_worst_objective():
+    inputs = PlanInputs(gpus=9, gpu="H100", model="Llama-3-8B", sessions="toolbench", rate=8.0, tp_degrees=(4,),
+                        ttft_slo_ms=500, itl_slo_ms=40)
+    prefill = LoadCurve((1.0, 8.0), (0.1, 0.8))
+    decode = {(4, s): LoadCurve((1.0, 8.0), (0.010, 0.020)) for s in dp.LOCAL_SHARES}
+    local = {(4, s): LoadCurve((1.0, 8.0), (0.2, 0.9)) for s in dp.LOCAL_SHARES}
+    pc, dc = cost_tables(inputs, 8.0, {"prefill": {4: prefill}, "decode": decode, "local_ttft": local})
+    assert pc[(4, 2, 0.0)] == pytest.approx(prefill.at(4.0) / 0.5)
+    assert pc[(4, 2, 0.5)] == pytest.approx(prefill.at(2.0) / 0.5)
+    assert dc[(4, 1, 0.0)] == pytest.approx(0.020 / 0.040)  # no local prefills: ITL only
+    assert dc[(4, 1, 0.5)] == pytest.approx(max(0.020 / 0.040, 0.9 / 0.5))
+
+
+keys = st.tuples(st.sampled_from([1, 2, 4]), st.integers(1, 5), st.sampled_from([0.0, 0.5, 0.75]))
+costs = st.dictionaries(keys, st.one_of(st.just(INF), st.floats(0.01, 5.0)), min_size=1, max_size=12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(costs, costs, st.integers(2, 24))
+def test_both_pools_take_the_same_local_share_and_runners_up_are_other_deployments(prefill, decode, gpus):
+    found = solve_plan(prefill, decode, gpus, top=3)
+    pairs = [(p, d, max(prefill[p], decode[d])) for p, d in itertools.product(prefill, decode)
+             if p[2] == d[2] and math.isfinite(max(prefill[p], decode[d])) and p[0] * p[1] + d[0] * d[1] <= gpus]
+    if not pairs:
+        assert found == []
+        return
+    assert found[0][2] == pytest.approx(min(z for _, _, z in pairs), rel=1e-6, abs=1e-6)
+    deployments = [(p[:2], d[:2]) for p, d, _ in found]
+    assert len(set(deployments)) == len(deployments)
+    for p, d, z in found:
+        assert p[2] == d[2] and z == max(prefill[p], decode[d])
+    # The runner-up is the best deployment other than the first, at its best share.
+    if len(found) > 1:
+        best_other = min(z for p, d, z in pairs if (p[:2], d[:2]) != deployments[0])
+        assert found[1][2] == pytest.approx(best_other, rel=1e-6, abs=1e-6)
+
+
+def test_a_local_share_is_a_stable_fraction_of_request_ids():
+    ids = [f"s{i}/r{j}" for i in range(400) for j in range(5)]
+    assert runs_locally("s1/r2", 0.5) == runs_locally("s1/r2", 0.5)
+    assert not any(runs_locally(i, 0.0) for i in ids) and all(runs_locally(i, 1.0) for i in ids)
+    assert abs(np.mean([runs_locally(i, 0.5) for i in ids]) - 0.5) < 0.05
+
+
+def test_the_local_share_policy_prefills_exactly_those_rounds_on_the_decode_worker():
+    from loadgen import arrivals
+    from loadgen.sessions import ToolDelay, generate_sessions
+
+    sim = Simulator.from_pools([("prefill", 1, 1), ("decode", 1, 1)], "H100", "Llama-3-8B",
+                               placement_policy="ampd", policy_params={"routing": "share", "local_share": 0.5})
+    sessions = generate_sessions("toolbench", 10, np.random.default_rng(0), tool_delay=ToolDelay("exponential", 0.2))
+    outcome = sim.run(sessions, arrivals.poisson(2.0), seed=0)
+    later = [r for r in outcome.results if r.round_index > 0]
+    assert later
+    assert outcome.stats.incremental_prefills_local == sum(runs_locally(r.request_id, 0.5) for r in later)
+    assert outcome.stats.incremental_prefills_remote == len(later) - outcome.stats.incremental_prefills_local
+
+
+def test_whole_cluster_ties_in_attainment_go_to_the_lower_simulated_z():
+    rows = [{"label": "a", "attainment": 0.5, "z": 3.0, "planner_rank": 1},
+            {"label": "b", "attainment": 0.5, "z": 2.0, "planner_rank": 2},
+            {"label": "c", "attainment": 0.6, "z": 9.0, "planner_rank": 3}]
+    assert [r["label"] for r in rank_checks(rows)] == ["c", "b", "a"]
+
+
+def test_a_deployment_counts_once_at_its_better_share_and_level_ties_follow_the_common_tie_break():
+    prefill = {(4, 1, 0.0): 2.0, (4, 1, 0.5): 1.0, (2, 1, 0.0): 1.5, (2, 1, 0.5): 3.0}
+    decode = {(4, 1, 0.0): 0.5, (4, 1, 0.5): 1.5, (2, 2, 0.0): 1.5, (2, 2, 0.5): 3.0}
+    found = solve_plan(prefill, decode, 8, top=4)
+    deployments = [(p[:2], d[:2]) for p, d, _ in found]
+    assert len(set(deployments)) == len(deployments) == 4
+    # P4 + D4: Z 2.0 at share 0, 1.5 at share 0.5 -> listed once, at 0.5.
+    assert [(p, d) for p, d, _ in found if (p[:2], d[:2]) == ((4, 1), (4, 1))] == [((4, 1, 0.5), (4, 1, 0.5))]
+    # Three deployments at Z 1.5, from both levels: P4+D4 (costs 1.0 + 1.5, 8 GPUs), P2+D4
+    # (1.5 + 0.5, 6 GPUs), P2+D2 (1.5 + 1.5, 6 GPUs): the better served other side first.
+    assert [(p[:2], d[:2]) for p, d, z in found if z == 1.5] == [((2, 1), (4, 1)), ((4, 1), (4, 1)), ((2, 1), (2, 2))]
