@@ -149,7 +149,10 @@ class BlockManager:
         if n <= len(seq.block_hashes) or len(tokens) < n * self.block_size or len(seq.token_ids) < n * self.block_size:
             return False
         end = n * self.block_size
-        if seq.token_ids[:end] != tokens[:end]:
+        token_ids = seq.token_ids
+        # The ends first: a prompt that is not this one differs there almost always, and the full
+        # comparison copies both slices.
+        if token_ids[end - 1] != tokens[end - 1] or token_ids[0] != tokens[0] or token_ids[:end] != tokens[:end]:
             return False
         seq.block_hashes[:] = hashes
         return True

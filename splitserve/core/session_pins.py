@@ -130,8 +130,9 @@ class SessionPins:
         self.release(hold.session_id)
         version = next(self._versions)
         expires_at = now + hold.ttl_s
+        # Nothing to seed from a pin of no blocks (e.g. prefix caching off): keep no token list then.
         self._pins[hold.session_id] = _Pin(blocks, len(blocks) * self.block_manager.block_size, expires_at, version,
-                                           seq.token_ids, seq.block_hashes[:len(blocks)])
+                                           seq.token_ids if blocks else [], seq.block_hashes[:len(blocks)])
         heapq.heappush(self._expiry, (expires_at, version, hold.session_id))
         self.num_pinned_blocks += len(blocks)
         return len(blocks) * self.block_manager.block_size

@@ -126,6 +126,55 @@ def test_both_pools_take_the_same_local_share_and_runners_up_are_other_deploymen
         assert found[1][2] == pytest.approx(best_other, rel=1e-6, abs=1e-6)
 
 
+def _best_objectives(prefill: dict, decode: dict, gpus: int, top: int = 3) -> list[float]:
+    """By brute force: the `top` best objectives (Z plus the tie-break) over distinct deployments."""
+    finite = [v for v in (*prefill.values(), *decode.values()) if math.isfinite(v)]
+    scale = max([1.0, *finite])
+    best: dict = {}
+    for p, d in itertools.product(prefill, decode):
+        z = max(prefill[p], decode[d])
+        if p[2] != d[2] or not math.isfinite(z) or p[0] * p[1] + d[0] * d[1] > gpus:
+            continue
+        objective = z + dp._tie_break(prefill[p] + decode[d], p[0] * p[1] + d[0] * d[1], scale, gpus)
+        best[(p[:2], d[:2])] = min(best.get((p[:2], d[:2]), INF), objective)
+    return sorted(best.values())[:top]
+
+
+def _objectives(found: list, prefill: dict, decode: dict, gpus: int) -> list[float]:
+    finite = [v for v in (*prefill.values(), *decode.values()) if math.isfinite(v)]
+    scale = max([1.0, *finite])
+    return [z + dp._tie_break(prefill[p] + decode[d], p[0] * p[1] + d[0] * d[1], scale, gpus) for p, d, z in found]
+
+
+def test_a_tie_in_z_goes_to_the_better_tie_break_exactly():
+    # Found by brute force over random tables (a single solve picked, at Z = 1.3, a deployment
+    # whose tie-break is 2.9e-7 worse: HiGHS stops within an absolute gap of 1e-6).
+    prefill = {(1, 2, 0.0): 1.3, (4, 5, 0.0): 1.3, (4, 3, 0.75): 1.0, (2, 1, 0.0): 2.6, (1, 1, 0.75): 1.8,
+               (2, 3, 0.5): 1.8, (1, 2, 0.75): 2.4, (1, 4, 0.5): 0.9, (1, 5, 0.0): 1.7, (4, 2, 0.5): 0.3,
+               (2, 3, 0.0): 3.1, (1, 5, 0.5): 1.2, (2, 4, 0.0): 0.9, (2, 2, 0.75): 3.0, (1, 1, 0.5): 0.1}
+    decode = {(4, 3, 0.0): 4.7, (4, 4, 0.0): 0.3, (2, 4, 0.5): 4.6, (1, 2, 0.5): 3.3, (4, 2, 0.0): 3.8,
+              (4, 4, 0.75): 2.6, (1, 4, 0.0): 0.2, (4, 3, 0.75): 1.2, (2, 3, 0.0): 0.1, (1, 3, 0.0): 3.7,
+              (2, 2, 0.75): 4.2, (2, 5, 0.5): 2.0, (1, 4, 0.5): 4.0, (1, 1, 0.5): 1.5}
+    found = solve_plan(prefill, decode, 22, top=3)
+    assert _objectives(found, prefill, decode, 22) == pytest.approx(_best_objectives(prefill, decode, 22), rel=0,
+                                                                    abs=1e-12)
+
+
+tied_costs = st.dictionaries(st.tuples(st.sampled_from([1, 2, 4, 8]), st.integers(1, 31), st.sampled_from([0.0, 0.5])),
+                             st.sampled_from([INF, 0.5, 1.0, 1.5]), min_size=1, max_size=24)  # ties in Z: the tie-break decides
+
+
+@settings(max_examples=80, deadline=None)
+@given(tied_costs, tied_costs, st.sampled_from([12, 24, 256]))
+def test_every_candidate_is_the_exact_optimum_tie_break_included(prefill, decode, gpus):
+    """Each of the top 3 has the best objective (Z, then the tie-break) of what is left after the
+    ones before it, to 1e-12: the tie-break terms (a GPU at 256 weighs ~4e-8) are below HiGHS's
+    absolute gap of 1e-6, so a single solve does not decide them."""
+    found = solve_plan(prefill, decode, gpus, top=3)
+    assert _objectives(found, prefill, decode, gpus) == pytest.approx(_best_objectives(prefill, decode, gpus),
+                                                                      rel=0, abs=1e-12)
+
+
 def test_a_local_share_is_a_stable_fraction_of_request_ids():
     ids = [f"s{i}/r{j}" for i in range(400) for j in range(5)]
     assert runs_locally("s1/r2", 0.5) == runs_locally("s1/r2", 0.5)
