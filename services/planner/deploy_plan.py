@@ -185,16 +185,22 @@ class LoadCurve:
     rates: tuple[float, ...]
     p95_s: tuple[float, ...]  # inf: it did not keep up
 
-    def at(self, rate: float) -> float:
-        """P95 at `rate`: the lowest point below the grid, linear between points (made
-        non-decreasing), infeasible past the last point that kept up."""
+    def feasible_points(self, rate: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The points that kept up, made non-decreasing (rates, P95s), or None when `rate` is past
+        the last of them (or there is none: no reachable rate was below the replica's limit)."""
         if not self.rates:
-            return INFEASIBLE  # no reachable rate was below the replica's limit
+            return None
         rates, values = np.asarray(self.rates), np.maximum.accumulate(np.asarray(self.p95_s))
         finite = np.isfinite(values)
         if not finite.any() or rate > rates[finite][-1] * (1 + 1e-9):
-            return INFEASIBLE
-        return float(np.interp(rate, rates[finite], values[finite]))
+            return None
+        return rates[finite], values[finite]
+
+    def at(self, rate: float) -> float:
+        """P95 at `rate`: the lowest point below the grid, linear between points (made
+        non-decreasing), infeasible past the last point that kept up."""
+        points = self.feasible_points(rate)
+        return INFEASIBLE if points is None else float(np.interp(rate, *points))
 
 
 def _p95(values: Sequence[float]) -> float:
@@ -284,13 +290,10 @@ def interpolation_bounds(curve: LoadCurve, rate: float) -> tuple[float, float]:
     non-decreasing, so between two points it lies between their values, below the first
     point anywhere from 0 to the first value; on a point, at it. (inf, inf) past the last
     point that kept up (infeasible: nothing to interpolate)."""
-    if not curve.rates:
+    points = curve.feasible_points(rate)
+    if points is None:
         return INFEASIBLE, INFEASIBLE
-    rates, values = np.asarray(curve.rates), np.maximum.accumulate(np.asarray(curve.p95_s))
-    finite = np.isfinite(values)
-    rates, values = rates[finite], values[finite]
-    if not len(rates) or rate > rates[-1] * (1 + 1e-9):
-        return INFEASIBLE, INFEASIBLE
+    rates, values = points
     above = int(np.searchsorted(rates, rate * (1 - 1e-9)))
     if math.isclose(rates[above], rate, rel_tol=1e-9):
         return float(values[above]), float(values[above])

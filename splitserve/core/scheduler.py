@@ -295,7 +295,7 @@ class Scheduler:
         """A new stage whose prompt a lease hashed takes those hashes (and the lease's entry goes)."""
         leased = self._leased_prompts
         for i, (tokens, hashes) in enumerate(leased):
-            if len(tokens) <= len(seq.token_ids) and self.block_manager.seed_block_hashes(seq, tokens, hashes):
+            if self.block_manager.seed_block_hashes(seq, tokens, hashes):
                 del leased[i]
                 return
 
