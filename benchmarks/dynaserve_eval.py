@@ -1,7 +1,8 @@
 """DynaServe's evaluation (arXiv 2504.09285 §6) in the simulator: serving capacity, goodput, sensitivity.
 
-Systems, on A100 80GB with the roofline presets (`splitserve/perf_presets.py`), KV over NVLink
-(the paper's GPUs share a server):
+Systems, on A100 80GB, step times from `--perf-backend` (default: aiconfigurator's measured
+A100 vLLM kernel tables, `splitserve/perf_aiconfigurator.py`; before issue 34 the datasheet
+roofline of `splitserve/perf_presets.py`), KV over NVLink (the paper's GPUs share a server):
 
 * **colocated**: DP=2, `round_robin` placement, local `fcfs` with chunked prefill; the chunk
   (`max_num_batched_tokens`) tuned per workload from {256, 512, 1024, 2048} as the paper
@@ -215,7 +216,7 @@ SETUPS = {"14B": Setup("Qwen2.5-14B, 2 x A100 (2 workers x TP1)", "Qwen2.5-14B",
           "32B": Setup("Qwen2.5-32B, 4 x A100 (2 workers x TP2)", "Qwen2.5-32B", 2)}
 
 
-ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware")
+ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware", "DynaServe+prompt_cuts")
 
 
 def system_options(system: str) -> dict[str, Any]:
@@ -229,6 +230,9 @@ def system_options(system: str) -> dict[str, Any]:
                 "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     if system == "DynaServe+fcfs":
         return {"placement_policy": "dynaserve"}
+    if system == "DynaServe+prompt_cuts":  # the paper's search range: cuts inside the prompt too
+        return {"placement_policy": "dynaserve", "policy_params": {"prompt_cuts": True},
+                "batch_policy": "slo_aware", "batch_policy_options": {"itl_slo_ms": ITL_SLO_MS}}
     placements = {"coloc+slo_aware": "round_robin", "least_loaded+slo_aware": "least_loaded"}
     if system in placements:
         return {"placement_policy": placements[system], "batch_policy": "slo_aware",
@@ -246,7 +250,8 @@ class Bench:
     def sim(self, system: str) -> Simulator:
         if system not in self.sims:
             self.sims[system] = Simulator.from_preset(self.setup.workers, GPU, self.setup.model, self.setup.tp,
-                                                      link=LINK, **COMMON, **system_options(system))
+                                                      link=LINK, perf_backend=self.args.perf_backend,
+                                                      **COMMON, **system_options(system))
         return self.sims[system]
 
     def window_s(self, workload: Workload) -> float:
@@ -427,6 +432,9 @@ def sensitivity(bench: Bench, workload: Workload, modes: Sequence[tuple[str, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--perf-backend", default="auto", help="step times: auto (measured GPU data where covered: "
+                    "aiconfigurator's A100 vLLM tables) | aiconfigurator | roofline | datasheet (the model of every "
+                    "result before issue 34)")
     ap.add_argument("--quick", action="store_true", help="14B, P2048/D512 and Azure code, 30 s windows, "
                     "few probes, no sweep: a smoke run of a few minutes")
     ap.add_argument("--setups", default="14B,32B", help="comma list of 14B, 32B")
@@ -479,7 +487,10 @@ def main() -> None:
     results: dict[str, Any] = {
         "command": " ".join(sys.argv), "machine": {"cpu": platform.processor() or platform.machine(),
                                                    "cores": os.cpu_count(), "python": platform.python_version()},
-        "gpu": GPU, "link": LINK, "slo": {"ttft_s": SLO.ttft_s, "tbt_p99_s": SLO.itl_s, "max_gap_s": SLO.max_gap_s},
+        "gpu": GPU, "link": LINK, "perf_backend": args.perf_backend,
+        "step_times": {key: Simulator.from_preset(setup.workers, GPU, setup.model, setup.tp, link=LINK,
+                                                  perf_backend=args.perf_backend).config.perf_model.timing_note
+                       for key, setup in SETUPS.items()}, "slo": {"ttft_s": SLO.ttft_s, "tbt_p99_s": SLO.itl_s, "max_gap_s": SLO.max_gap_s},
         "target_attainment": TARGET_ATTAINMENT, "args": {k: str(v) for k, v in vars(args).items()},
         "rows": [], "sensitivity": [], "paper": PAPER,
     }
@@ -536,7 +547,7 @@ def report(results: dict[str, Any], console: Any) -> None:
     table = Table(title="Serving capacity (req/s at >= 99% of requests with p99 TBT <= 100 ms), DynaServe ratios",
                   header_style="bold")
     for col in ("model", "workload", "coloc (best chunk)", "chunks 256/512/1024/2048", "1P1D", "DynaServe",
-                "Dyn+fcfs / RR+slo / LL+slo", "Dyn/coloc", "Dyn/1P1D", "% peak FLOPs coloc/1P1D/Dyn"):
+                "Dyn+fcfs / RR+slo / LL+slo / +prompt cuts", "Dyn/coloc", "Dyn/1P1D", "% peak FLOPs coloc/1P1D/Dyn"):
         table.add_column(col, justify="left" if col in ("model", "workload") else "right")
     rows = summary_rows(results)
     for r in rows:
@@ -573,7 +584,7 @@ def report(results: dict[str, Any], console: Any) -> None:
 def markdown(results: dict[str, Any]) -> str:
     """The capacity and sensitivity tables as Markdown (for docs/benchmarks.md)."""
     lines = ["| model | workload | colocated, best chunk | chunks 256 / 512 / 1024 / 2048 | 1P1D | DynaServe | "
-             "DynaServe+fcfs / coloc+slo_aware / least_loaded+slo_aware | Dyn / coloc | Dyn / 1P1D | "
+             "DynaServe+fcfs / coloc+slo_aware / least_loaded+slo_aware / DynaServe+prompt_cuts | Dyn / coloc | Dyn / 1P1D | "
              "% peak FLOPs coloc / 1P1D / Dyn |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = summary_rows(results)

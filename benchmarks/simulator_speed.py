@@ -61,18 +61,19 @@ def configurations(workers: list[int], stepping: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def run_row(row: dict[str, Any], items: list, arrival: Any, repeat: int = 1) -> dict[str, Any]:
+def run_row(row: dict[str, Any], items: list, arrival: Any, repeat: int = 1, perf_backend: str = "auto") -> dict[str, Any]:
     walls = []
     for _ in range(repeat):  # every repetition simulates exactly the same thing; only wall times differ
         started = time.perf_counter()
-        sim = Simulator.from_preset(row["workers"], "H100", "Llama-3-8B", **row["options"])
+        sim = Simulator.from_preset(row["workers"], "H100", "Llama-3-8B", perf_backend=perf_backend, **row["options"])
         outcome = sim.run(items, arrival)
         walls.append(time.perf_counter() - started)
     wall = statistics.median(walls)
     summary = summarize(outcome.results, SLO)
     s = outcome.stats
     return {
-        "label": row["label"], "workers": row["workers"],
+        "label": row["label"], "workers": row["workers"], "perf_backend": sim.config.perf_model.backend,
+        "step_times": sim.config.perf_model.timing_note,
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in row["options"].items()},
         "requests": len(outcome.results), "wall_s": wall, "wall_s_runs": walls, "event_loop_wall_s": s.wall_s,
         "setup_and_results_wall_s": walls[-1] - s.wall_s, "requests_per_wall_s": len(outcome.results) / wall,
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], metavar="LABEL",
                     help="run only the configuration with this label (repeatable; default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; wall s is their median")
+    ap.add_argument("--perf-backend", default="auto", help="step times: auto | aiconfigurator | roofline; a comma "
+                    "list runs every row with each, alternating (A B B A ...) over --repeat")
     ap.add_argument("--no-floor", action="store_true", help="skip the prefix-cache floor measurement")
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "simulator_speed.json")
     args = ap.parse_args()
@@ -132,7 +135,7 @@ def main() -> None:
         "workload": {"trace": args.trace.name, "requests": len(rows), "span_s": rows[-1].arrival_s,
                      "prompt_tokens": sum(r.prompt_len for r in rows),
                      "output_tokens": sum(r.output_len for r in rows)},
-        "preset": "H100 x Llama-3-8B, TP1, bf16, rdma-400g", "slo": {"ttft_s": SLO.ttft_s, "itl_s": SLO.itl_s},
+        "preset": "H100 x Llama-3-8B, TP1, bf16, rdma-400g", "command": " ".join(sys.argv), "slo": {"ttft_s": SLO.ttft_s, "itl_s": SLO.itl_s},
         "runs": [],
     }
     rows_to_run = configurations([int(w) for w in args.workers.split(",")], args.stepping)
@@ -142,11 +145,28 @@ def main() -> None:
             ap.error(f"--only: no configuration labelled {sorted(unknown)} "
                      f"(have: {[row['label'] for row in rows_to_run]})")
         rows_to_run = [row for row in rows_to_run if row["label"] in args.only]
+    backends = [b.strip() for b in args.perf_backend.split(",") if b.strip()]
     for row in rows_to_run:
-        result = run_row(row, items, arrival, max(1, args.repeat))
-        console.print(f"{result['label']}: {result['wall_s']:.1f} s wall, "
-                      f"{result['requests_per_wall_s']:,.0f} requests/s")
-        results["runs"].append(result)
+        if len(backends) == 1:
+            runs = [run_row(row, items, arrival, max(1, args.repeat), backends[0])]
+        else:  # side by side, alternating, so the machine's drift hits every backend alike
+            walls: dict[str, list] = {b: [] for b in backends}
+            last: dict[str, dict] = {}
+            for i in range(max(1, args.repeat)):
+                for b in (backends if i % 2 == 0 else backends[::-1]):
+                    last[b] = run_row(row, items, arrival, 1, b)
+                    walls[b].append(last[b]["wall_s"])
+            runs = []
+            for b in backends:
+                r = last[b]
+                r["wall_s_runs"], r["wall_s"] = walls[b], statistics.median(walls[b])
+                r["requests_per_wall_s"] = r["requests"] / r["wall_s"]
+                r["virtual_per_wall"] = r["virtual_s"] / r["wall_s"]
+                runs.append(r)
+        for result in runs:
+            console.print(f"{result['label']} [{result['perf_backend']}]: {result['wall_s']:.1f} s wall, "
+                          f"{result['requests_per_wall_s']:,.0f} requests/s")
+            results["runs"].append(result)
     if not args.no_floor:
         floors = [prefix_cache_floor(items, 64, preset_kv_blocks("H100", "Llama-3-8B"), 16)
                   for _ in range(max(1, args.repeat))]
@@ -154,9 +174,10 @@ def main() -> None:
                                        "wall_s_runs": [f["wall_s"] for f in floors], "blocks": floors[0]["blocks"]}
         console.print(f"floor (tokens, hashes, index insert and evict; 64 workers): "
                       f"{results['floor_64_workers']['wall_s']:.1f} s wall")
-    default = next((r for r in results["runs"] if r["workers"] == 64 and not r["options"]), None)
-    if default is not None:
-        results["one_hour_of_trace_on_64_workers_wall_s"] = default["wall_s"] * 3600 / default["virtual_s"]
+    for r in results["runs"]:
+        if r["workers"] == 64 and not r["options"]:
+            results.setdefault("one_hour_of_trace_on_64_workers_wall_s", {})[r["perf_backend"]] = \
+                r["wall_s"] * 3600 / r["virtual_s"]
     _report(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -167,18 +188,18 @@ def _report(results: dict[str, Any]) -> None:
     w = results["workload"]
     table = Table(title=f"simulator speed: {w['trace']} ({w['requests']:,} requests, {w['span_s']:,.0f} s), "
                         f"{results['preset']}", header_style="bold")
-    for col in ("configuration", "wall s", "of which setup", "requests / wall s", "virtual / wall",
+    for col in ("configuration", "step times", "wall s", "of which setup", "requests / wall s", "virtual / wall",
                 "engine steps", "events", "TTFT p50 s", "ok"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in results["runs"]:
-        table.add_row(r["label"], f"{r['wall_s']:.1f}", f"{r['setup_and_results_wall_s']:.1f}",
+        table.add_row(r["label"], r["perf_backend"], f"{r['wall_s']:.1f}", f"{r['setup_and_results_wall_s']:.1f}",
                       f"{r['requests_per_wall_s']:,.0f}", f"{r['virtual_per_wall']:,.0f}x",
                       f"{r['engine_steps']:,}", f"{r['events']:,}", f"{r['ttft_p50_s']:.3f}",
                       f"{r['n_ok']:,}/{r['requests']:,}")
     console.print(table)
     if "one_hour_of_trace_on_64_workers_wall_s" in results:
-        console.print(f"one hour of the trace on 64 workers: "
-                      f"{results['one_hour_of_trace_on_64_workers_wall_s']:.1f} s wall")
+        for backend, wall in results["one_hour_of_trace_on_64_workers_wall_s"].items():
+            console.print(f"one hour of the trace on 64 workers ({backend}): {wall:.1f} s wall")
     if "floor_64_workers" in results:
         floor = results["floor_64_workers"]
         console.print(f"prefix-cache floor on 64 workers ({floor['blocks']:,} blocks hashed, indexed, evicted; "

@@ -279,8 +279,10 @@ def up(
     kv_transport: str = typer.Option("auto", help="KV transfer between workers: auto | nixl | grpc."),
     http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP API port."),
     grpc_port: int = typer.Option(50051, help="gRPC Gateway port."),
-    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SPLITSERVE_REDIS_URL",
-                                  help="Redis to use; a private redis-server is started when it does not answer."),
+    redis_url: Optional[str] = typer.Option(
+        None, envvar="SPLITSERVE_REDIS_URL", show_default=False,
+        help="Redis to use, any URL redis-py reads (redis://, rediss://, unix://, user:password@); it must answer. "
+             "Unset: redis://127.0.0.1:6379/0, or a private redis-server started when that does not answer."),
     redis_prefix: str = typer.Option("ss:", help="Prefix of this cluster's Redis keys."),
     host: str = typer.Option("127.0.0.1", help="Address every service listens on."),
     log_dir: Path = typer.Option(Path(".splitserve/logs"), help="Where each service's log goes."),
@@ -296,6 +298,9 @@ def up(
     gpu: str = typer.Option("H100", help="emulated: GPU preset (A100 | H100 | H200 | L40S | RTX4090)."),
     model_preset: str = typer.Option("llama-3-8b", help="emulated: model preset (Llama-3-8B | Qwen2.5-14B | ...)."),
     tp: int = typer.Option(1, help="emulated: tensor-parallel degree of the preset."),
+    perf_backend: str = typer.Option("auto", envvar="SPLITSERVE_PERF_BACKEND", help="emulated: what times the "
+                                     "steps: aiconfigurator (measured GPU data) | roofline (fitted to it) | datasheet "
+                                     "| auto (measured where covered, else the roofline with a warning)."),
     coordinator: str = typer.Option("embedded", help="embedded: inside the gateway process (one gRPC hop and one "
                                     "Python relay less per request and token; the one-machine default) | process: "
                                     "its own service, as deployed when the services run on their own hosts."),
@@ -330,6 +335,7 @@ def up(
     import signal as _signal
 
     from splitserve.launcher import ClusterSpec, default_placement, start_cluster, threads_per_worker
+    from splitserve.redis_server import DEFAULT_REDIS_URL, mask_url
 
     _quiet_hf()
     if model_cache is not None:  # the workers and the gateway read the cache location from the environment
@@ -360,11 +366,11 @@ def up(
     if itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
         worker_args["itl_slo_ms"] = itl_slo_ms
     if backend == "emulated":
-        worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp)
+        worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp, perf_backend=perf_backend)
     policy_params = _key_value_options(policy_param, "--policy-param")
     if policy in ("dynaserve", "laps") and backend == "emulated":
         # The scheduler predicts with the times the emulated workers sleep.
-        policy_params.setdefault("perf_model", f"{gpu}/{model_preset}/{tp}")
+        policy_params.setdefault("perf_model", f"{perf_backend}:{gpu}/{model_preset}/{tp}")
     elif policy == "dynaserve" and "perf_model" not in policy_params:
         console.print("dynaserve predicts load with the H100/llama-3-8b preset: its split points balance by that "
                       "model's shape, not this machine's; `splitserve profile` fits one (--policy-param perf_model=...)")
@@ -374,7 +380,8 @@ def up(
         placement = default_placement(policy)
     spec = ClusterSpec(
         model=str(model_dir), workers=workers, policy=policy, http_port=http_port, grpc_port=grpc_port,
-        redis_url=redis_url, redis_prefix=redis_prefix, host=host, log_dir=log_dir,
+        redis_url=redis_url or DEFAULT_REDIS_URL, redis_fallback=not redis_url,  # one configured must answer
+        redis_prefix=redis_prefix, host=host, log_dir=log_dir,
         prefill_workers=prefill_workers,
         worker_args=worker_args,
         scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
@@ -419,7 +426,7 @@ def up(
                   + (", placing in the coordinator)" if placement == "local" else ")"))
     for i, address in enumerate(cluster.worker_addresses):
         table.add_row(f"worker-{i}", address)
-    table.add_row("redis", f"{cluster.redis_url} (prefix {cluster.redis_prefix!r})"
+    table.add_row("redis", f"{mask_url(cluster.redis_url)} (prefix {cluster.redis_prefix!r})"
                   + (" [private]" if cluster.private_redis else ""))
     console.print(table)
     try:

@@ -74,6 +74,13 @@ class WorkerConfig(CommonConfig):
     model_preset: str = opt("llama-3-8b", "emulated: model of the preset (Llama-3-8B | Qwen2.5-14B | Qwen2.5-32B | "
                             "Llama-3.1-70B).")
     tp: int = opt(1, "emulated: tensor-parallel degree of the preset (1 | 2 | 4 | 8).")
+    perf_backend: str = opt("auto", "emulated: what times the steps: aiconfigurator (NVIDIA's per-op timings measured "
+                            "on real GPUs) | roofline (kernel classes, constants fitted to those measurements) | "
+                            "datasheet (the whole-step roofline of earlier results) | auto (measured where the GPU x "
+                            "model x framework is covered, else the roofline with a warning).")
+    perf_framework: str = opt("vllm", "emulated: the framework whose measured kernels time the steps: vllm | sglang | "
+                              "trtllm.")
+    perf_database_version: str = opt("", "emulated: aiconfigurator database version (empty: its current one).")
     dtype: str = opt("auto", "auto | float32 | bfloat16 | float16")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     block_size: int = opt(0, "Tokens per KV block; 0: 256 on CUDA with flash-attn (its paged kernels need a "

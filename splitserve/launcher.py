@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.redis_server import PrivateRedis, ensure_redis, redis_reachable
+from splitserve.redis_server import DEFAULT_REDIS_URL, PrivateRedis, ensure_redis, redis_reachable
 from splitserve.redis_server import free_port as pick_free_port
 from splitserve.tls import ClientTls, TlsConfigError
 
@@ -28,7 +28,10 @@ class ClusterSpec:
     policy: str = "least_loaded"
     http_port: int = 8000
     grpc_port: int = 50051
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
+    # Whether a private redis-server may stand in for `redis_url` when it does not answer; None:
+    # only for DEFAULT_REDIS_URL. `splitserve up` passes False for a URL its user configured.
+    redis_fallback: bool | None = None
     redis_prefix: str = ""  # default: a fresh prefix per cluster
     host: str = "127.0.0.1"
     prefill_workers: int = 0  # > 0: the first N workers get role prefill, the others decode
@@ -276,7 +279,8 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     if spec.coordinator not in ("process", "embedded"):
         raise ValueError(f"coordinator must be process or embedded, got {spec.coordinator!r}")
     internal_tls, gateway_tls = spec.internal_tls(), spec.gateway_tls()  # a bad option before anything starts
-    redis_url, private = ensure_redis(spec.redis_url)
+    fallback = spec.redis_url == DEFAULT_REDIS_URL if spec.redis_fallback is None else spec.redis_fallback
+    redis_url, private = ensure_redis(spec.redis_url, fallback=fallback)  # RedisUnreachableError names it
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
     common = {"redis_url": redis_url, "redis_prefix": prefix, "host": spec.host, "log_json": spec.log_json}
     if spec.otlp_endpoint:

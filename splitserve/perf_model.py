@@ -18,6 +18,11 @@ decode `d.c0`, `d.m0`): fixed overhead and the weight read are paid once per ste
 regime changes where the two lines cross (`prefill_boundary`, `decode_breakpoint`).
 All coefficients are >= 0, so every time is non-decreasing in every argument.
 KV transfer: `latency + per_token * tokens` (0 for no tokens).
+
+A model may also carry measured kernel tables (`tables`, `splitserve.perf_tables`; made by
+`splitserve.perf_aiconfigurator` from GPU measurements). Then every step time comes from
+the tables (a sum over kernel classes, not the max above) and the coefficients serve the
+closed forms that need one (the regimes, `LengthBoundary`'s rescaling) and KV transfer.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from splitserve.perf_tables import StepTables
 
 if TYPE_CHECKING:  # numpy and scipy are imported only by the fitting code
     import numpy as np
@@ -41,7 +48,7 @@ __all__ = [
 
 FORMAT = "splitserve.perf_model"
 VERSION = 1
-SAMPLE_KINDS = ("prefill", "decode", "transfer")
+SAMPLE_KINDS = ("prefill", "decode", "transfer", "mixed")
 
 
 def _check_nonneg(obj: Any) -> None:
@@ -118,10 +125,11 @@ class FitReport:
     prefill: FitError | None = None
     decode: FitError | None = None
     transfer: FitError | None = None
+    mixed: FitError | None = None  # profiled mixed steps (prefill chunk beside decodes)
 
     @property
     def overall(self) -> FitError | None:
-        parts = [e for e in (self.prefill, self.decode, self.transfer) if e is not None]
+        parts = [e for e in (self.prefill, self.decode, self.transfer, self.mixed) if e is not None]
         if not parts:
             return None
         n = sum(e.n for e in parts)
@@ -142,6 +150,27 @@ class PerfModel:
     label: str = ""
     diffusion: bool = False  # a diffusion LM (LLaDA): use diffusion_step_time for its steps
     fit: FitReport | None = None
+    # Measured kernel tables: when present, every step time comes from them (see the module docstring).
+    tables: StepTables | None = None
+
+    @property
+    def backend(self) -> str:
+        """What times this model's steps: `aiconfigurator` (measured GPU tables), `roofline`
+        (kernel-class tables fitted to them, `splitserve.perf_roofline`), `fit` (fitted to
+        profiles of a real engine) or `datasheet` (the whole-step roofline at datasheet peaks)."""
+        if self.tables is not None:
+            return str(self.tables.source.get("backend", "tables"))
+        return "fit" if self.fit is not None else "datasheet"
+
+    @property
+    def timing_note(self) -> str:
+        """One line for a report: what timed the steps, in words, and the model's label."""
+        what = {"aiconfigurator": "virtual time on measured GPU data (NVIDIA aiconfigurator)",
+                "fit": "virtual time on a model fitted to profiled engine steps",
+                "roofline": "virtual time on the kernel-class roofline fitted to measured GPU data (not measured "
+                            "for this GPU x model)",
+                "datasheet": "virtual time on the datasheet roofline (not measured)"}.get(self.backend, self.backend)
+        return f"step times: {what}: {self.label or 'unlabelled'}"
 
     def __post_init__(self) -> None:
         k = self.kv_bytes_per_token
@@ -173,6 +202,11 @@ class PerfModel:
                   decode_ctx: float = 0.0) -> float:
         """One engine step: prefill chunks `(l_hist, l_incr)` plus `decode_batch` decodes."""
         self._nonneg(decode_batch=decode_batch, decode_ctx=decode_ctx)
+        if self.tables is not None:
+            chunks = tuple(prefills)
+            for h, n in chunks:
+                self._nonneg(l_hist=h, l_incr=n)
+            return self.tables.step_s(chunks, decode_batch, decode_ctx)
         tok = pairs = hist = 0.0
         for h, n in prefills:
             self._nonneg(l_hist=h, l_incr=n)
@@ -194,6 +228,9 @@ class PerfModel:
 
         tok = np.asarray(prefill_tokens, dtype=np.float64)
         hist = np.asarray(prefill_history, dtype=np.float64)
+        if self.tables is not None:
+            pairs = tok * (hist + tok / 2) if prefill_pairs is None else prefill_pairs
+            return self.tables.step_array(tok, pairs, decode_batch, decode_context_tokens)
         b = np.asarray(decode_batch, dtype=np.float64)
         bctx = np.asarray(decode_context_tokens, dtype=np.float64)
         p, d = self.prefill, self.decode
@@ -210,6 +247,8 @@ class PerfModel:
                      decode_context_tokens: float, prefill_pairs: float) -> float:
         """`step_times` of one step in plain floats, the same arithmetic bit for bit, without
         numpy's per-call cost (the scheduler's timelines hold a handful of segments)."""
+        if self.tables is not None:
+            return self.tables.aggregate_step_s(prefill_tokens, prefill_pairs, decode_batch, decode_context_tokens)
         hist = prefill_history if prefill_tokens > 0 else 0.0
         return max(self._lines(prefill_tokens, prefill_pairs, hist, decode_batch, decode_context_tokens))
 
@@ -217,12 +256,16 @@ class PerfModel:
         """Seconds to prefill `l_incr` new tokens on `l_hist` cached ones:
         max(c0 + c_tok*L + c_attn*L*(H + L/2), m0 + m_tok*L + m_hist*H); 0 if L == 0."""
         self._nonneg(l_hist=l_hist, l_incr=l_incr)
+        if self.tables is not None:
+            return self.tables.step_s(((l_hist, l_incr),), 0, 0.0)
         return max(self._lines(l_incr, l_incr * (l_hist + l_incr / 2), l_hist, 0, 0.0))
 
     def decode_time(self, batch: int, ctx: float) -> float:
         """Seconds for one decode step of `batch` sequences with mean context `ctx`:
         max(c0 + c_seq*B + c_ctx*B*C, m0 + m_seq*B + m_ctx*B*C); 0 if B == 0."""
         self._nonneg(batch=batch, ctx=ctx)
+        if self.tables is not None:
+            return self.tables.step_s((), batch, ctx)
         return max(self._lines(0, 0.0, 0, batch, batch * ctx))
 
     def decode_run_times(self, batch: int, decode_context_tokens: int, steps: int) -> np.ndarray:
@@ -233,6 +276,8 @@ class PerfModel:
         recomputed step by step where a model of another form disagrees."""
         import numpy as np
 
+        if self.tables is not None:
+            return self.tables.decode_run(batch, decode_context_tokens, steps)
         ctx = (decode_context_tokens + batch * np.arange(steps, dtype=np.int64)) / batch
         d = self.decode
         bctx = batch * ctx  # as step_time computes it: batch * mean context
@@ -285,7 +330,10 @@ class PerfModel:
 
     def prefill_boundary(self, l_hist: int = 0) -> float:
         """LAPS' L_m: the smallest new-token count at which a prefill on `l_hist` cached
-        tokens is compute-bound (root of compute = memory); inf if never."""
+        tokens is compute-bound (root of compute = memory); inf if never. With measured
+        tables, read off their curves (`StepTables.prefill_boundary`)."""
+        if self.tables is not None:
+            return self.tables.prefill_boundary(l_hist)
         p = self.prefill
         a = p.c_attn / 2
         b = p.c_tok + p.c_attn * l_hist - p.m_tok
@@ -298,6 +346,8 @@ class PerfModel:
 
     def decode_breakpoint(self, ctx: float) -> float:
         """Batch size at which a decode step of mean context `ctx` turns compute-bound."""
+        if self.tables is not None:
+            return self.tables.decode_breakpoint(ctx)
         d = self.decode
         gap = d.m0 - d.c0
         slope = d.c_seq + d.c_ctx * ctx - d.m_seq - d.m_ctx * ctx
@@ -336,10 +386,13 @@ class PerfModel:
             fit = {k: (asdict(e) if e is not None else None)
                    for k, e in (("prefill", self.fit.prefill), ("decode", self.fit.decode),
                                 ("transfer", self.fit.transfer))}
+            if self.fit.mixed is not None:  # only then: documents without mixed samples stay as they were
+                fit["mixed"] = asdict(self.fit.mixed)
         return {
             "format": FORMAT, "version": VERSION, "label": self.label, "diffusion": self.diffusion,
             "kv_bytes_per_token": self.kv_bytes_per_token, "prefill": asdict(self.prefill),
             "decode": asdict(self.decode), "transfer": asdict(self.transfer), "fit": fit,
+            "tables": self.tables.to_dict() if self.tables is not None else None,
         }
 
     @classmethod
@@ -373,10 +426,20 @@ class PerfModel:
         label, diffusion = data.get("label", ""), data.get("diffusion", False)
         if not isinstance(label, str) or not isinstance(diffusion, bool):
             raise ValueError("label must be a string and diffusion a boolean")
+        tables = StepTables.from_dict(data["tables"]) if data.get("tables") is not None else None
         return cls(prefill=group("prefill", PrefillCoeffs), decode=group("decode", DecodeCoeffs),
                    transfer=group("transfer", TransferCoeffs),
                    kv_bytes_per_token=data.get("kv_bytes_per_token", 0.0), label=label,
-                   diffusion=diffusion, fit=fit)
+                   diffusion=diffusion, fit=fit, tables=tables)
+
+    def describe(self) -> dict[str, Any]:
+        """What a report prints about the model: `to_dict` with measured tables replaced by
+        what measured them and their digest (the full tables are in `to_dict`)."""
+        data = self.to_dict()
+        data["backend"] = self.backend
+        if self.tables is not None:
+            data["tables"] = {"source": dict(self.tables.source), "digest": self.tables.digest}
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -399,7 +462,9 @@ class PerfModel:
 class ProfileSample:
     """One measured step. prefill: `batch` (>= 1, 0 means 1) identical chunks of l_incr new
     tokens on l_hist cached ones; decode: `batch` sequences of mean context `ctx`;
-    transfer: `tokens` tokens of KV moved. `seconds` is the measured time (> 0)."""
+    mixed: ONE step holding a prefill chunk of l_incr new tokens on l_hist cached ones and a
+    decode batch of `batch` sequences of context `ctx`; transfer: `tokens` tokens of KV
+    moved. `seconds` is the measured time (> 0)."""
 
     kind: str
     l_hist: int = 0
@@ -417,10 +482,11 @@ class ProfileSample:
                 raise ValueError(f"{name} must be >= 0")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"seconds must be a finite number > 0, got {self.seconds!r}")
-        needed = {"prefill": ("l_incr", self.l_incr), "decode": ("batch", self.batch),
-                  "transfer": ("tokens", self.tokens)}[self.kind]
-        if needed[1] <= 0:
-            raise ValueError(f"a {self.kind} sample needs {needed[0]} > 0")
+        needed = {"prefill": ("l_incr",), "decode": ("batch",), "transfer": ("tokens",),
+                  "mixed": ("l_incr", "batch")}[self.kind]
+        for name in needed:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"a {self.kind} sample needs {name} > 0")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileSample:
@@ -503,6 +569,83 @@ def _fit_max_affine(Xc: np.ndarray, Xm: np.ndarray, y: np.ndarray, keys: Sequenc
     return best
 
 
+def _step_features(samples: Sequence[ProfileSample]) -> dict[str, np.ndarray]:
+    """The formula's T, A, R, B, B*C of prefill, decode and mixed samples, as `step_time` counts
+    them (a prefill sample of `batch` b is b identical chunks; a mixed sample one chunk)."""
+    import numpy as np
+
+    def col(f) -> np.ndarray:
+        return np.array([float(f(x)) for x in samples], dtype=float)
+
+    chunks = col(lambda x: max(x.batch, 1) if x.kind == "prefill" else (1 if x.kind == "mixed" else 0))
+    L, H = col(lambda x: x.l_incr), col(lambda x: x.l_hist)
+    B = col(lambda x: x.batch if x.kind != "prefill" else 0)
+    return {"y": col(lambda x: x.seconds), "T": chunks * L, "A": chunks * L * (H + L / 2), "R": chunks * H,
+            "B": B, "BC": B * col(lambda x: x.ctx), "has_p": chunks > 0, "has_d": B > 0}
+
+
+def _joint_polish(prefill: PrefillCoeffs, decode: DecodeCoeffs, samples: Sequence[ProfileSample],
+                  free_prefill: bool, free_decode: bool) -> tuple[PrefillCoeffs, DecodeCoeffs]:
+    """Refine the twelve step coefficients (those of the kinds marked free) on prefill, decode
+    and mixed samples at once: bounded least squares of the relative residuals of the
+    formula's max, with the analytic Jacobian of the active line (and of the larger
+    intercept in a mixed step). Returns the start when it does not lower the error."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    F = _step_features(samples)
+    y, T, A, R, B, BC, hp, hd = (F[k] for k in ("y", "T", "A", "R", "B", "BC", "has_p", "has_d"))
+    start = np.array([*(getattr(prefill, f.name) for f in fields(prefill)),
+                      *(getattr(decode, f.name) for f in fields(decode))], dtype=float)
+    free = np.array([free_prefill] * 6 + [free_decode] * 6)
+    if not free.any():
+        return prefill, decode
+
+    def lines(th: np.ndarray) -> tuple[np.ndarray, ...]:
+        pc0, pct, pca, pm0, pmt, pmh, dc0, dcs, dcc, dm0, dms, dmc = th
+        p_c0 = hp & (~hd | (pc0 >= dc0))  # whose intercept the step pays (the larger one)
+        p_m0 = hp & (~hd | (pm0 >= dm0))
+        c0 = np.where(p_c0, pc0, np.where(hd, dc0, 0.0))
+        m0 = np.where(p_m0, pm0, np.where(hd, dm0, 0.0))
+        compute = c0 + pct * T + pca * A + dcs * B + dcc * BC
+        memory = m0 + pmt * T + pmh * R + dms * B + dmc * BC
+        return compute, memory, p_c0, p_m0
+
+    def full(z: np.ndarray) -> np.ndarray:
+        th = start.copy()
+        th[free] = z
+        return th
+
+    def resid(z: np.ndarray) -> np.ndarray:
+        compute, memory, _, _ = lines(full(z))
+        return np.maximum(compute, memory) / y - 1.0
+
+    def jac(z: np.ndarray) -> np.ndarray:
+        compute, memory, p_c0, p_m0 = lines(full(z))
+        on_c = compute >= memory
+        c, m = on_c.astype(float), (~on_c).astype(float)
+        J = np.column_stack([
+            c * p_c0, c * T, c * A, m * p_m0, m * T, m * R,
+            c * (hd & ~p_c0), c * B, c * BC, m * (hd & ~p_m0), m * B, m * BC,
+        ]) / y[:, None]
+        return J[:, free]
+
+    def loss(z: np.ndarray) -> float:
+        r = resid(z)
+        return float(r @ r)
+
+    z0 = start[free]
+    try:
+        sol = least_squares(resid, z0, jac=jac, bounds=(0.0, np.inf), x_scale="jac", method="trf", max_nfev=300)
+    except (ValueError, np.linalg.LinAlgError):
+        return prefill, decode
+    z = np.clip(sol.x, 0.0, None)
+    if not loss(z) < loss(z0):
+        return prefill, decode
+    th = full(z)
+    return PrefillCoeffs(*map(float, th[:6])), DecodeCoeffs(*map(float, th[6:]))
+
+
 def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None = None,
                    kv_bytes_per_token: float | None = None, label: str = "fitted",
                    diffusion: bool | None = None) -> PerfModel:
@@ -511,20 +654,35 @@ def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None =
     prefill samples fit max(compute, memory) of PrefillCoeffs, decode samples
     DecodeCoeffs, transfer samples TransferCoeffs. A kind with no samples is taken from
     `base` (ValueError without one). The returned model's `fit` holds each kind's
-    relative error. Needs >= 3 samples per fitted step kind, >= 2 for transfer."""
+    relative error. Needs >= 3 samples per fitted step kind, >= 2 for transfer.
+
+    Mixed samples (a prefill chunk beside a decode batch in one step, which the formula
+    times as the max of the summed lines) are fitted too, in the same form: they settle what
+    prefill-only and decode-only steps cannot, namely how the two kinds' lines add up.
+    A decode's two lines have the same features, so a decode profile in one regime may call
+    it "compute" or "memory", or split it into two near-equal lines (each with the weight
+    read as its intercept); a prefill profile in one regime leaves its other line free; the
+    sum then depends on that arbitrary choice. So, for each kind fitted here, the fit also
+    tries its single-line fits (all on the compute line, all on the memory line) and, for
+    the decode, its two lines swapped; keeps the combination with the least relative squared
+    error over the prefill, decode and mixed samples together; then refines the twelve
+    coefficients on all of them at once (`_joint_polish`). `fit.mixed` reports the error on
+    the mixed samples. Without mixed samples the fit is exactly the separate one."""
     import numpy as np
 
     by_kind: dict[str, list[ProfileSample]] = {k: [] for k in SAMPLE_KINDS}
     for smp in samples:
         by_kind[smp.kind].append(smp)
-    for kind, minimum in (("prefill", 3), ("decode", 3), ("transfer", 2)):
+    for kind, minimum in (("prefill", 3), ("decode", 3), ("transfer", 2), ("mixed", 3)):
         n = len(by_kind[kind])
-        if n == 0 and base is None:
+        if n == 0 and base is None and kind != "mixed":
             raise ValueError(f"no {kind} samples and no base model to take {kind} coefficients from")
         if 0 < n < minimum:
             raise ValueError(f"need at least {minimum} {kind} samples, got {n}")
 
     report: dict[str, FitError] = {}
+    # The fits the mixed samples choose from, per step kind fitted here, the separate fit first.
+    options: dict[str, list[Any]] = {}
     prefill = base.prefill if base else None
     if by_kind["prefill"]:
         s = by_kind["prefill"]
@@ -538,6 +696,10 @@ def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None =
         tc, tm = _fit_max_affine(Xc, Xm, y, (L, H))
         prefill = PrefillCoeffs(*map(float, tc), *map(float, tm))
         report["prefill"] = FitError.of(np.maximum(Xc @ tc, Xm @ tm), y)
+        if by_kind["mixed"]:
+            c1, m1 = _rel_nnls(Xc, y), _rel_nnls(Xm, y)
+            options["prefill"] = [prefill, PrefillCoeffs(*map(float, c1)),
+                                  PrefillCoeffs(0.0, 0.0, 0.0, *map(float, m1))]
     decode = base.decode if base else None
     if by_kind["decode"]:
         s = by_kind["decode"]
@@ -548,6 +710,10 @@ def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None =
         tc, tm = _fit_max_affine(X, X, y, (B, C))
         decode = DecodeCoeffs(*map(float, tc), *map(float, tm))
         report["decode"] = FitError.of(np.maximum(X @ tc, X @ tm), y)
+        if by_kind["mixed"]:
+            one_line = tuple(map(float, _rel_nnls(X, y)))
+            options["decode"] = [decode, DecodeCoeffs(*map(float, tm), *map(float, tc)),
+                                 DecodeCoeffs(*one_line), DecodeCoeffs(0.0, 0.0, 0.0, *one_line)]
     transfer = base.transfer if base else None
     if by_kind["transfer"]:
         s = by_kind["transfer"]
@@ -558,6 +724,33 @@ def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None =
         report["transfer"] = FitError.of(X @ coef, y)
 
     assert prefill is not None and decode is not None and transfer is not None
+    if by_kind["mixed"]:
+        steps = by_kind["prefill"] + by_kind["decode"] + by_kind["mixed"]
+        y = np.array([x.seconds for x in steps], dtype=float)
+
+        def predict(p: PrefillCoeffs, d: DecodeCoeffs) -> np.ndarray:
+            m = PerfModel(prefill=p, decode=d, transfer=transfer)
+            return np.array([m.step_time([(x.l_hist, x.l_incr)] * max(x.batch, 1)) if x.kind == "prefill"
+                             else m.step_time([(x.l_hist, x.l_incr)] if x.kind == "mixed" else [], x.batch, x.ctx)
+                             for x in steps])
+
+        def sse(pred: np.ndarray) -> float:
+            r = pred / y - 1.0
+            return float(r @ r)
+
+        best = None
+        for p_opt in options.get("prefill", [prefill]):
+            for d_opt in options.get("decode", [decode]):
+                err = sse(predict(p_opt, d_opt))
+                if best is None or err < best[0] * (1 - 1e-9):
+                    best = (err, p_opt, d_opt)
+        assert best is not None
+        prefill, decode = _joint_polish(best[1], best[2], steps, bool(by_kind["prefill"]), bool(by_kind["decode"]))
+        pred = predict(prefill, decode)
+        kinds = np.array([x.kind for x in steps])
+        for kind in ("prefill", "decode", "mixed"):
+            if by_kind[kind]:
+                report[kind] = FitError.of(pred[kinds == kind], y[kinds == kind])
     if kv_bytes_per_token is None:
         kv_bytes_per_token = base.kv_bytes_per_token if base else 0.0
     if diffusion is None:

@@ -56,17 +56,23 @@ def read_stored_perf_model(worker_id: str, redis_url: str, redis_prefix: str) ->
 
 def resolve_perf_model(spec: str) -> PerfModel:
     """A model named the way every `--perf-model`-like option names one: a JSON path,
-    `redis:WORKER_ID` (what `splitserve profile` stored), or a roofline preset `GPU/MODEL[/TP]`
-    (e.g. `A100/qwen2.5-14b/2`). ValueError names what was expected."""
+    `redis:WORKER_ID` (what `splitserve profile` stored), or a preset `[BACKEND:]GPU/MODEL[/TP]`
+    (e.g. `A100/qwen2.5-14b/2`, `datasheet:A100/qwen2.5-14b`): BACKEND is `auto` (the default:
+    measured GPU data where covered, else the kernel-class roofline), `aiconfigurator`,
+    `roofline` or `datasheet` (`splitserve.perf_aiconfigurator.perf_model_for`). ValueError names what was expected."""
     if spec.startswith(REDIS_SOURCE_PREFIX) or spec.endswith(".json") or os.path.isfile(spec):
         return load_perf_model(spec)
-    parts = spec.split("/")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"perf model: expected a JSON file, redis:WORKER_ID or GPU/MODEL[/TP], got {spec!r}")
-    from splitserve.perf_presets import preset
+    from splitserve.perf_aiconfigurator import BACKENDS, perf_model_for
 
+    backend, colon, rest = spec.partition(":")
+    if not colon:
+        backend, rest = "auto", spec
+    parts = rest.split("/")
+    if backend not in BACKENDS or len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"perf model: expected a JSON file, redis:WORKER_ID or [BACKEND:]GPU/MODEL[/TP] with BACKEND "
+                         f"one of {', '.join(BACKENDS)}, got {spec!r}")
     try:
         tp = int(parts[2]) if len(parts) == 3 else 1
     except ValueError:
         raise ValueError(f"perf model {spec!r}: TP must be an integer, got {parts[2]!r}") from None
-    return preset(parts[0], parts[1], tp)
+    return perf_model_for(parts[0], parts[1], tp, backend=backend)

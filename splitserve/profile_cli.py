@@ -4,16 +4,18 @@
     splitserve simulate --perf-model perf.json ...            # the simulator on the fitted times
     SPLITSERVE_WORKER_PERF_MODEL=perf.json splitserve serve worker --backend emulated ...
 
-1. `Worker.Profile` times real engine steps of synthetic prefill (l_hist x l_incr) and
-   decode (batch x ctx) shapes on the worker's own engine (`workers/profiling.py`).
+1. `Worker.Profile` times real engine steps of synthetic prefill (l_hist x l_incr), decode
+   (batch x ctx) and mixed (a prefill chunk l_hist x l_incr beside a decode batch batch x
+   ctx, one step) shapes on the worker's own engine (`workers/profiling.py`).
 2. KV transfer: `Worker.PullKv` of the first n KV blocks, streamed from the worker to
    this process over the gRPC transport (read-only: other requests' KV is not touched),
    timed end to end for each size; the payload size gives the KV bytes per token. An
    emulated worker holds no KV bytes (its transfers are the preset's sleeps), so its
    transfer coefficients come from the base model instead.
-3. `fit_perf_model` fits the piecewise alpha-beta model (kinds not measured come from
-   `--base`, a preset like H100/llama-3-8b or a model JSON; an emulated worker's own
-   preset by default), and the result goes to a JSON file and to Redis under
+3. `fit_perf_model` fits the piecewise alpha-beta model to all of them, mixed steps
+   included: they settle how the prefill and decode lines add up in one step (kinds not
+   measured come from `--base`, a preset like H100/llama-3-8b or a model JSON; an emulated
+   worker's own preset by default), and the result goes to a JSON file and to Redis under
    `perf:{worker_id}` (`StateStore.put_perf`), both in `PerfModel.to_dict` form plus a
    "profile" section with the raw samples, so either loads with `PerfModel.from_dict`
    (`splitserve.perf_store.load_perf_model` reads either back).
@@ -57,6 +59,11 @@ class ProfileOptions:
     history_lens: tuple[int, ...] = (0, 256, 1024)
     decode_batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     decode_context_lens: tuple[int, ...] = (64, 256, 1024)
+    # Mixed steps: chunk x history x decode batch x decode context (workers/profiling.py's defaults).
+    mixed_prefill_lens: tuple[int, ...] = (32, 128, 384)
+    mixed_history_lens: tuple[int, ...] = (0, 256)
+    mixed_decode_batch_sizes: tuple[int, ...] = (1, 8, 24)
+    mixed_decode_context_lens: tuple[int, ...] = (64, 512)
     repeats: int = 3
     transfer_tokens: tuple[int, ...] = DEFAULT_TRANSFER_TOKENS
     base: str = ""  # GPU/MODEL[/TP] preset or a perf-model JSON; "" = the emulated worker's preset, else none
@@ -97,6 +104,9 @@ def samples_from_response(response: Any) -> list[ProfileSample]:
             out.append(ProfileSample("prefill", l_hist=s.l_hist, l_incr=s.l_incr, batch=1, seconds=s.seconds))
         elif s.kind == "decode":
             out.append(ProfileSample("decode", batch=s.batch, ctx=s.ctx, seconds=s.seconds))
+        elif s.kind == "mixed":
+            out.append(ProfileSample("mixed", l_hist=s.l_hist, l_incr=s.l_incr, batch=s.batch, ctx=s.ctx,
+                                     seconds=s.seconds))
     return out
 
 
@@ -154,6 +164,8 @@ def _predict(model: PerfModel, s: ProfileSample) -> float:
         return model.step_time([(s.l_hist, s.l_incr)] * max(s.batch, 1))
     if s.kind == "decode":
         return model.decode_time(s.batch, s.ctx)
+    if s.kind == "mixed":
+        return model.mixed_step_time(s.l_incr, s.l_hist, s.batch, s.ctx)
     return model.kv_transfer_time(s.tokens)
 
 
@@ -200,12 +212,19 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
 
     grid = {"prefill_lens": list(opts.prefill_lens), "history_lens": list(opts.history_lens),
             "decode_batch_sizes": list(opts.decode_batch_sizes), "decode_context_lens": list(opts.decode_context_lens),
+            "mixed_prefill_lens": list(opts.mixed_prefill_lens), "mixed_history_lens": list(opts.mixed_history_lens),
+            "mixed_decode_batch_sizes": list(opts.mixed_decode_batch_sizes),
+            "mixed_decode_context_lens": list(opts.mixed_decode_context_lens),
             "repeats": opts.repeats, "transfer_tokens": list(opts.transfer_tokens)}
     request = worker_pb2.ProfileRequest(prefill_lens=opts.prefill_lens, history_lens=opts.history_lens,
                                         decode_batch_sizes=opts.decode_batch_sizes,
-                                        decode_context_lens=opts.decode_context_lens, repeats=opts.repeats)
-    if not opts.prefill_lens and not opts.decode_batch_sizes:
-        raise ValueError("nothing to measure: give --prefill-lens or --decode-batch")
+                                        decode_context_lens=opts.decode_context_lens, repeats=opts.repeats,
+                                        mixed_prefill_lens=opts.mixed_prefill_lens,
+                                        mixed_history_lens=opts.mixed_history_lens,
+                                        mixed_decode_batch_sizes=opts.mixed_decode_batch_sizes,
+                                        mixed_decode_context_lens=opts.mixed_decode_context_lens)
+    if not opts.prefill_lens and not opts.decode_batch_sizes and not opts.mixed_prefill_lens:
+        raise ValueError("nothing to measure: give --prefill-lens, --decode-batch or --mixed-chunk")
     # An empty list in the request means the worker's default grid: shapes of a kind not asked
     # for are measured by the worker but dropped here.
     from splitserve.tls import channel_credentials, open_channel
@@ -222,7 +241,8 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
         response = stub.Profile(request, timeout=opts.timeout_s)
         samples = samples_from_response(response)
         samples = [s for s in samples if (s.kind != "prefill" or opts.prefill_lens)
-                   and (s.kind != "decode" or opts.decode_batch_sizes)]
+                   and (s.kind != "decode" or opts.decode_batch_sizes)
+                   and (s.kind != "mixed" or opts.mixed_prefill_lens)]
         emulated = response.device.startswith("emulated:")
         transfer, bytes_per_token, skipped = [], None, []
         if opts.transfer_tokens and not emulated:
@@ -261,15 +281,18 @@ def _report(doc: dict[str, Any]) -> None:
                   f"({prof['engine_kind']} on {prof['device']})", header_style="bold")
     for s, pred in zip(prof["samples"], prof["predicted_s"]):
         shape = {"prefill": f"l_hist={s['l_hist']} l_incr={s['l_incr']}", "decode": f"batch={s['batch']} ctx={s['ctx']}",
+                 "mixed": f"l_hist={s['l_hist']} l_incr={s['l_incr']} + batch={s['batch']} ctx={s['ctx']}",
                  "transfer": f"{s['tokens']} tokens"}[s["kind"]]
         err = (pred - s["seconds"]) / s["seconds"]
         table.add_row(s["kind"], shape, f"{s['seconds'] * 1e3:.3f}", f"{pred * 1e3:.3f}", f"{err:+.1%}")
     console.print(table)
     fit = doc.get("fit") or {}
-    for kind in ("prefill", "decode", "transfer"):
+    for kind in ("prefill", "decode", "transfer", "mixed"):
         e = fit.get(kind)
         if e:
             console.print(f"{kind}: {e['n']} samples, mean error {e['mean_rel']:.1%}, max {e['max_rel']:.1%}")
+        elif kind == "mixed":
+            console.print("mixed: not measured; mixed steps are predicted from the prefill and decode fits")
         else:
             console.print(f"{kind}: not measured; coefficients from {prof['base'] or 'zero (no base model)'}")
     for line in prof.get("skipped", []):
@@ -282,6 +305,11 @@ def profile_command(
     history_lens: str = typer.Option("0,256,1024", "--history-lens", help="l_hist values, crossed with --prefill-lens."),
     decode_batch: str = typer.Option("1,4,16,32", "--decode-batch", help="Decode batch sizes (comma list; none)."),
     decode_ctx: str = typer.Option("64,256,1024", "--decode-ctx", help="Decode contexts, crossed with --decode-batch."),
+    mixed_chunk: str = typer.Option("32,128,384", "--mixed-chunk",
+                                    help="Mixed steps: prefill chunk lengths l_incr beside a decode batch (comma list; none)."),
+    mixed_history: str = typer.Option("0,256", "--mixed-history", help="Mixed steps: the chunk's cached tokens l_hist."),
+    mixed_batch: str = typer.Option("1,8,24", "--mixed-batch", help="Mixed steps: decode batch sizes beside the chunk."),
+    mixed_ctx: str = typer.Option("64,512", "--mixed-ctx", help="Mixed steps: decode contexts (all four lists crossed)."),
     transfer_tokens: str = typer.Option(",".join(map(str, DEFAULT_TRANSFER_TOKENS)), "--transfer-tokens",
                                         help="KV transfer sizes in tokens, pulled over gRPC (comma list; none)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per shape after one warm-up (median kept)."),
@@ -310,6 +338,10 @@ def profile_command(
             history_lens=parse_ints(history_lens, "--history-lens", allow_zero=True),
             decode_batch_sizes=parse_ints(decode_batch, "--decode-batch"),
             decode_context_lens=parse_ints(decode_ctx, "--decode-ctx"), repeats=repeats,
+            mixed_prefill_lens=parse_ints(mixed_chunk, "--mixed-chunk"),
+            mixed_history_lens=parse_ints(mixed_history, "--mixed-history", allow_zero=True),
+            mixed_decode_batch_sizes=parse_ints(mixed_batch, "--mixed-batch"),
+            mixed_decode_context_lens=parse_ints(mixed_ctx, "--mixed-ctx"),
             transfer_tokens=parse_ints(transfer_tokens, "--transfer-tokens"), base=base, out=out,
             redis_url=redis_url, redis_prefix=redis_prefix, store_redis=store_redis, worker_id=worker_id,
             label=label, timeout_s=timeout_s, mtls_ca_file=mtls_ca_file, mtls_cert_file=mtls_cert_file,

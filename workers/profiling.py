@@ -1,7 +1,8 @@
 """Worker.Profile: time real engine steps of synthetic shapes on a live worker's engine.
 
-`splitserve profile` asks a worker for prefill times over a grid of (l_hist, l_incr) and
-decode times over a grid of (batch, ctx); the CLI fits `splitserve.perf_model` to them.
+`splitserve profile` asks a worker for prefill times over a grid of (l_hist, l_incr), decode
+times over a grid of (batch, ctx) and mixed-step times over a grid of (l_hist, l_incr, batch,
+ctx); the CLI fits `splitserve.perf_model` to them.
 
 Every measurement is one real forward pass of the worker's own runner (`runner.execute`:
 the CPU/CUDA model, or the emulated runner's paced sleep), run on the engine thread
@@ -18,14 +19,17 @@ through `EngineLoop.call`, between two steps of whatever else the worker is serv
 * a decode step of `batch` sequences at context `ctx` runs one token per sequence at
   position ctx - 1 (so each attends to `ctx` tokens: the perf model's decode context,
   `ScheduledEntry.start + 1`, as the emulated runner and the simulator count it);
+* a mixed step (l_hist, l_incr, batch, ctx) is both in ONE forward pass: the prefill chunk
+  above beside the decode batch above (the chunked-prefill step a scheduler builds when a
+  prompt arrives while others decode); it holds the blocks of both;
 * one `EngineLoop.call` per shape (a warm-up run, then `repeats` timed runs), so the
   worker's other requests wait at most one shape's runs between their steps; a shape
   needing more free KV blocks than there are (or beyond the model's length, or more
   sequences than the worker runs at once) is skipped and reported.
 
 The measured time of a shape is the median of its timed runs. Pure helpers (`ProfileGrid`,
-`prefill_shapes`, `decode_shapes`, `median`) take plain data; `profile_engine` is the
-engine-thread function and takes its clock.
+`prefill_shapes`, `decode_shapes`, `mixed_shapes`, `median`) take plain data;
+`profile_engine` is the engine-thread function and takes its clock.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from splitserve.core import SamplingParams, ScheduledEntry, SchedulerOutput, Seq
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_GRID", "MeasuredShape", "ProfileGrid", "ProfileResult", "decode_shapes", "measure_decode",
-           "measure_prefill", "prefill_shapes", "profile_engine", "profile_on_loop"]
+           "measure_mixed", "measure_prefill", "mixed_shapes", "prefill_shapes", "profile_engine", "profile_on_loop"]
 
 REQUEST_PREFIX = "__profile__"
 MAX_REPEATS = 50
@@ -50,31 +54,46 @@ MAX_SHAPES = 400
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    """The shapes to measure: prefill_lens x history_lens, decode_batch_sizes x decode_context_lens."""
+    """The shapes to measure: prefill_lens x history_lens, decode_batch_sizes x decode_context_lens,
+    and mixed steps mixed_prefill_lens x mixed_history_lens x mixed_decode_batch_sizes x
+    mixed_decode_context_lens (a chunk of L tokens on H cached ones beside B decodes at
+    context C, in one step; an empty mixed_prefill_lens measures none)."""
 
     prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
     history_lens: tuple[int, ...] = (0, 256, 1024)
     decode_batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
     decode_context_lens: tuple[int, ...] = (64, 256, 1024)
+    mixed_prefill_lens: tuple[int, ...] = (32, 128, 384)
+    mixed_history_lens: tuple[int, ...] = (0, 256)
+    mixed_decode_batch_sizes: tuple[int, ...] = (1, 8, 24)
+    mixed_decode_context_lens: tuple[int, ...] = (64, 512)
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("prefill_lens", "history_lens", "decode_batch_sizes", "decode_context_lens"):
+        for name in ("prefill_lens", "history_lens", "decode_batch_sizes", "decode_context_lens",
+                     "mixed_prefill_lens", "mixed_history_lens", "mixed_decode_batch_sizes",
+                     "mixed_decode_context_lens"):
             values = tuple(int(v) for v in getattr(self, name))
             object.__setattr__(self, name, values)
-            low = 0 if name == "history_lens" else 1
+            low = 0 if name in ("history_lens", "mixed_history_lens") else 1
             if any(v < low for v in values):
                 raise ValueError(f"{name}: every value must be >= {low}, got {list(values)}")
-        if not self.prefill_lens and not self.decode_batch_sizes:
-            raise ValueError("nothing to measure: prefill_lens and decode_batch_sizes are both empty")
+        if not self.prefill_lens and not self.decode_batch_sizes and not self.mixed_prefill_lens:
+            raise ValueError("nothing to measure: prefill_lens, decode_batch_sizes and mixed_prefill_lens are all empty")
         if self.prefill_lens and not self.history_lens:
             raise ValueError("history_lens: give at least one value (0 for prefills without history)")
         if self.decode_batch_sizes and not self.decode_context_lens:
             raise ValueError("decode_context_lens: give at least one value with decode_batch_sizes")
+        if self.mixed_prefill_lens:
+            for name in ("mixed_history_lens", "mixed_decode_batch_sizes", "mixed_decode_context_lens"):
+                if not getattr(self, name):
+                    raise ValueError(f"{name}: give at least one value with mixed_prefill_lens")
         if not 1 <= self.repeats <= MAX_REPEATS:
             raise ValueError(f"repeats must be in [1, {MAX_REPEATS}], got {self.repeats}")
-        n = len(self.prefill_lens) * len(self.history_lens) + len(self.decode_batch_sizes) * len(
-            self.decode_context_lens)
+        n = (len(self.prefill_lens) * len(self.history_lens)
+             + len(self.decode_batch_sizes) * len(self.decode_context_lens)
+             + len(self.mixed_prefill_lens) * len(self.mixed_history_lens) * len(self.mixed_decode_batch_sizes)
+             * len(self.mixed_decode_context_lens))
         if n > MAX_SHAPES:
             raise ValueError(f"{n} shapes: at most {MAX_SHAPES} per profile")
 
@@ -87,6 +106,10 @@ class ProfileGrid:
             history_lens=tuple(request.history_lens) or d.history_lens,
             decode_batch_sizes=tuple(request.decode_batch_sizes) or d.decode_batch_sizes,
             decode_context_lens=tuple(request.decode_context_lens) or d.decode_context_lens,
+            mixed_prefill_lens=tuple(request.mixed_prefill_lens) or d.mixed_prefill_lens,
+            mixed_history_lens=tuple(request.mixed_history_lens) or d.mixed_history_lens,
+            mixed_decode_batch_sizes=tuple(request.mixed_decode_batch_sizes) or d.mixed_decode_batch_sizes,
+            mixed_decode_context_lens=tuple(request.mixed_decode_context_lens) or d.mixed_decode_context_lens,
             repeats=request.repeats or d.repeats,
         )
 
@@ -98,7 +121,7 @@ DEFAULT_GRID = ProfileGrid()
 class MeasuredShape:
     """One shape's median time (seconds), or why it was skipped (seconds 0)."""
 
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "mixed" (l_hist, l_incr: the chunk; batch, ctx: the decodes)
     l_hist: int = 0
     l_incr: int = 0
     batch: int = 0
@@ -126,18 +149,26 @@ def decode_shapes(grid: ProfileGrid) -> list[tuple[int, int]]:
     return [(b, c) for b in grid.decode_batch_sizes for c in grid.decode_context_lens]
 
 
+def mixed_shapes(grid: ProfileGrid) -> list[tuple[int, int, int, int]]:
+    """(l_hist, l_incr, batch, ctx) of the mixed steps, history-major then chunk, batch, context."""
+    return [(h, n, b, c) for h in grid.mixed_history_lens for n in grid.mixed_prefill_lens
+            for b in grid.mixed_decode_batch_sizes for c in grid.mixed_decode_context_lens]
+
+
 def median(values: Seq[float]) -> float:
     return float(statistics.median(values))
 
 
-def _why_not(engine, tokens_per_seq: int, seqs: int) -> str:
-    """Why a shape cannot run on this engine now ("" when it can)."""
-    if tokens_per_seq > engine.max_model_len:
-        return f"{tokens_per_seq} tokens exceed max_model_len {engine.max_model_len}"
-    if seqs > engine.config.max_num_seqs:
-        return f"batch {seqs} exceeds max_num_seqs {engine.config.max_num_seqs}"
+def _why_not(engine, tokens_per_seq: int, seqs: int, also: Seq[int] = ()) -> str:
+    """Why a shape cannot run on this engine now ("" when it can): `seqs` sequences of
+    `tokens_per_seq` tokens, plus one sequence of each length in `also`."""
+    for tokens in (tokens_per_seq, *also):
+        if tokens > engine.max_model_len:
+            return f"{tokens} tokens exceed max_model_len {engine.max_model_len}"
+    if seqs + len(also) > engine.config.max_num_seqs:
+        return f"batch {seqs + len(also)} exceeds max_num_seqs {engine.config.max_num_seqs}"
     bm = engine.scheduler.block_manager
-    need = seqs * bm.blocks_for_tokens(tokens_per_seq)
+    need = seqs * bm.blocks_for_tokens(tokens_per_seq) + sum(bm.blocks_for_tokens(t) for t in also)
     if need > bm.num_free_blocks:
         return f"needs {need} free KV blocks, {bm.num_free_blocks} free"
     return ""
@@ -170,13 +201,16 @@ def _timed_runs(engine, entries: list[ScheduledEntry], repeats: int, clock: Call
     return runs
 
 
-def _with_blocks(engine, seqs: list[Sequence], tokens_per_seq: int, body: Callable[[], list[float]]) -> list[float]:
-    """Give each synthetic sequence reserved blocks for `tokens_per_seq` tokens, run `body`, give them back."""
+def _with_blocks(engine, seqs: list[Sequence], tokens_per_seq: int | Seq[int],
+                 body: Callable[[], list[float]]) -> list[float]:
+    """Give each synthetic sequence reserved blocks for `tokens_per_seq` tokens (one count for
+    all, or one per sequence), run `body`, give them back."""
     scheduler = engine.scheduler
+    counts = [tokens_per_seq] * len(seqs) if isinstance(tokens_per_seq, int) else list(tokens_per_seq)
     taken: list[int] = []
     try:
-        for seq in seqs:
-            blocks = scheduler.reserve_kv(tokens_per_seq)
+        for seq, tokens in zip(seqs, counts):
+            blocks = scheduler.reserve_kv(tokens)
             taken.extend(blocks)
             seq.block_table = blocks
             seq.status = SequenceStatus.RUNNING
@@ -187,6 +221,22 @@ def _with_blocks(engine, seqs: list[Sequence], tokens_per_seq: int, body: Callab
         scheduler.release_reserved(taken)
 
 
+def _prefill_seq(engine, l_hist: int, l_incr: int, name: str) -> tuple[Sequence, ScheduledEntry]:
+    """A synthetic prompt of l_hist + l_incr tokens and its last chunk [l_hist, l_hist + l_incr)."""
+    total = l_hist + l_incr
+    seq = Sequence(StageKey(f"{REQUEST_PREFIX}/{name}"), _token_ids(engine, total, total), total,
+                   SamplingParams(max_tokens=1, temperature=0.0), seed=0, arrival_time=0.0)
+    return seq, ScheduledEntry(seq, l_hist, l_incr)
+
+
+def _decode_seqs(engine, batch: int, ctx: int, name: str) -> tuple[list[Sequence], list[ScheduledEntry]]:
+    """`batch` synthetic sequences decoding one token each at position ctx - 1."""
+    seqs = [Sequence(StageKey(f"{REQUEST_PREFIX}/{name}", i), _token_ids(engine, ctx, i), ctx - 1,
+                     SamplingParams(max_tokens=2, temperature=0.0), seed=i, arrival_time=0.0)
+            for i in range(batch)]
+    return seqs, [ScheduledEntry(s, ctx - 1, 1) for s in seqs]
+
+
 def measure_prefill(engine, l_hist: int, l_incr: int, repeats: int,
                     clock: Callable[[], float] = time.perf_counter) -> MeasuredShape:
     """On the engine thread: time prefilling `l_incr` tokens on `l_hist` cached ones."""
@@ -194,10 +244,8 @@ def measure_prefill(engine, l_hist: int, l_incr: int, repeats: int,
     why = _why_not(engine, total, 1)
     if why:
         return MeasuredShape("prefill", l_hist=l_hist, l_incr=l_incr, skipped=why)
-    seq = Sequence(StageKey(f"{REQUEST_PREFIX}/p{l_hist}x{l_incr}"), _token_ids(engine, total, total), total,
-                   SamplingParams(max_tokens=1, temperature=0.0), seed=0, arrival_time=0.0)
-    entries = [ScheduledEntry(seq, l_hist, l_incr)]
-    runs = _with_blocks(engine, [seq], total, lambda: _timed_runs(engine, entries, repeats, clock))
+    seq, entry = _prefill_seq(engine, l_hist, l_incr, f"p{l_hist}x{l_incr}")
+    runs = _with_blocks(engine, [seq], total, lambda: _timed_runs(engine, [entry], repeats, clock))
     return MeasuredShape("prefill", l_hist=l_hist, l_incr=l_incr, seconds=median(runs), runs=tuple(runs))
 
 
@@ -207,12 +255,27 @@ def measure_decode(engine, batch: int, ctx: int, repeats: int,
     why = _why_not(engine, ctx, batch) if ctx >= 2 else "ctx must be >= 2 (a prompt token and the decoded one)"
     if why:
         return MeasuredShape("decode", batch=batch, ctx=ctx, skipped=why)
-    seqs = [Sequence(StageKey(f"{REQUEST_PREFIX}/d{batch}x{ctx}", i), _token_ids(engine, ctx, i), ctx - 1,
-                     SamplingParams(max_tokens=2, temperature=0.0), seed=i, arrival_time=0.0)
-            for i in range(batch)]
-    entries = [ScheduledEntry(s, ctx - 1, 1) for s in seqs]
+    seqs, entries = _decode_seqs(engine, batch, ctx, f"d{batch}x{ctx}")
     runs = _with_blocks(engine, seqs, ctx, lambda: _timed_runs(engine, entries, repeats, clock))
     return MeasuredShape("decode", batch=batch, ctx=ctx, seconds=median(runs), runs=tuple(runs))
+
+
+def measure_mixed(engine, l_hist: int, l_incr: int, batch: int, ctx: int, repeats: int,
+                  clock: Callable[[], float] = time.perf_counter) -> MeasuredShape:
+    """On the engine thread: time one step holding a prefill chunk of `l_incr` tokens on
+    `l_hist` cached ones and a decode batch of `batch` sequences each attending to `ctx` tokens."""
+    total = l_hist + l_incr
+    why = (_why_not(engine, ctx, batch, also=(total,)) if ctx >= 2
+           else "ctx must be >= 2 (a prompt token and the decoded one)")
+    if why:
+        return MeasuredShape("mixed", l_hist=l_hist, l_incr=l_incr, batch=batch, ctx=ctx, skipped=why)
+    name = f"m{l_hist}x{l_incr}+{batch}x{ctx}"
+    seq, entry = _prefill_seq(engine, l_hist, l_incr, name + "/p")
+    seqs, entries = _decode_seqs(engine, batch, ctx, name + "/d")
+    runs = _with_blocks(engine, [seq, *seqs], [total] + [ctx] * batch,
+                        lambda: _timed_runs(engine, [entry, *entries], repeats, clock))
+    return MeasuredShape("mixed", l_hist=l_hist, l_incr=l_incr, batch=batch, ctx=ctx, seconds=median(runs),
+                         runs=tuple(runs))
 
 
 def profile_engine(engine, grid: ProfileGrid, clock: Callable[[], float] = time.perf_counter) -> ProfileResult:
@@ -222,6 +285,8 @@ def profile_engine(engine, grid: ProfileGrid, clock: Callable[[], float] = time.
         _add(result, measure_prefill(engine, h, n, grid.repeats, clock))
     for b, c in decode_shapes(grid):
         _add(result, measure_decode(engine, b, c, grid.repeats, clock))
+    for h, n, b, c in mixed_shapes(grid):
+        _add(result, measure_mixed(engine, h, n, b, c, grid.repeats, clock))
     return result
 
 
@@ -233,6 +298,9 @@ async def profile_on_loop(loop, grid: ProfileGrid, clock: Callable[[], float] = 
         _add(result, await loop.call(lambda e, h=h, n=n: measure_prefill(e, h, n, grid.repeats, clock)))
     for b, c in decode_shapes(grid):
         _add(result, await loop.call(lambda e, b=b, c=c: measure_decode(e, b, c, grid.repeats, clock)))
+    for h, n, b, c in mixed_shapes(grid):
+        _add(result, await loop.call(
+            lambda e, h=h, n=n, b=b, c=c: measure_mixed(e, h, n, b, c, grid.repeats, clock)))
     log.info("profiled %d shapes (%d skipped) on %s", len(result.samples), len(result.skipped), result.device)
     return result
 

@@ -506,8 +506,10 @@ class WorkerServer:
         if self.config.backend == "emulated":
             from workers.engine.emulated import Emulation, build_emulated_engine
 
-            return build_emulated_engine(cfg, Emulation(self.config.gpu, self.config.model_preset, self.config.tp,
-                                                        perf_model_path=self.config.perf_model))
+            return build_emulated_engine(cfg, Emulation(
+                self.config.gpu, self.config.model_preset, self.config.tp, perf_model_path=self.config.perf_model,
+                perf_backend=self.config.perf_backend, perf_framework=self.config.perf_framework,
+                perf_database_version=self.config.perf_database_version))
         return Engine(cfg)
 
     async def _start_kv_transfer(self) -> None:

@@ -17,7 +17,9 @@ Differences from the paper, and why:
   among pairs, the one whose best probe meets the request's TTFT/ITL objectives, then the
   smallest makespan max(T1, T2) (the paper picks by "balance and SLO");
 * the probes keep the best split seen (by makespan), not only the last, and φ = 0 or 1
-  (no split) is a legal answer: both are evaluated beside the search for every pair;
+  (no split) is a legal answer: both are evaluated beside the search for every pair
+  (with `always_split=true`, only where the split would overflow a worker's KV: the paper's
+  search alone, for ablations of the whole options and to exercise splits whatever the load);
 * the search never cuts before P − 1 (see `_evaluate`): beta's worker cannot start the rest
   of a prompt before alpha's KV is in, and alpha's and beta's work add up to the whole
   request's, so such a cut finishes no earlier than the request whole on alpha (one
@@ -104,7 +106,7 @@ class DynaServePolicy:
                  max_probes: int | str = 6, tolerance: float | str = 0.02, candidate_workers: int | str = 2,
                  kv_chunk_tokens: int | str = 64, output_len_prior: int | str = 128, output_len_margin: int | str = 20,
                  output_len_quantile: float | str = 0.75, min_output_split_tokens: int | str = 128,
-                 whole_bias: float | str = 1.0):
+                 whole_bias: float | str = 1.0, always_split: bool | str = False, prompt_cuts: bool | str = False):
         if perf_model is None or isinstance(perf_model, str):
             from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
 
@@ -123,6 +125,14 @@ class DynaServePolicy:
         self.whole_bias = float(whole_bias)
         if self.whole_bias < 0:
             raise ValueError(f"whole_bias must be >= 0, got {whole_bias!r}")
+        # Every request with two eligible workers split where the search lands (φ strictly inside
+        # (0, 1)), unless that split would overflow a worker's KV: no whole options but that fallback.
+        self.always_split = _flag(always_split, "always_split")
+        # The paper's Alg. 1 search: all of [0, 1], cuts inside the prompt included, balancing
+        # T2 = load + work(beta) without beta's wait for alpha's KV (which, counted, makes such
+        # a cut never win: see `_evaluate`). The experiment of whether they pay in the simulator
+        # on a given timing model (benchmarks/dynaserve_prompt_cuts.py).
+        self.prompt_cuts = _flag(prompt_cuts, "prompt_cuts")
         # D when the client gives no hint: learned from finished requests (paper: a length
         # predictor plus a 20-token margin).
         self.length_predictor = OutputLengthPredictor(prior=_positive_int(output_len_prior, "output_len_prior"),
@@ -172,7 +182,8 @@ class DynaServePolicy:
                         probes += 1
                 for option in options:
                     whole = option.split <= 0 or option.split >= request.total_len
-                    key = (self._overflows(option, alpha, beta, now), not self._meets_slo(request, option, now),
+                    key = (self._overflows(option, alpha, beta, now), whole and self.always_split,
+                           not self._meets_slo(request, option, now),
                            option.makespan / (1 + slack) if whole else option.makespan)
                     if best is None or key < best[0]:
                         best = (key, option, alpha, beta, probes)
@@ -207,8 +218,9 @@ class DynaServePolicy:
         load_a, load_b = loads[alpha.worker_id], loads[beta.worker_id]
         if a.drain_time <= now and b.drain_time <= now:  # cold start: both idle
             return self._evaluate(request, output_len, phi, a, b, load_a, load_b, now), 1
-        # Only cuts from the prompt's end on (module docstring): phi never goes below P / L.
-        lo, hi = phi, 1.0
+        # Only cuts from the prompt's end on (module docstring): phi never goes below P / L,
+        # unless `prompt_cuts` asks for the paper's whole range.
+        lo, hi = (0.0 if self.prompt_cuts else phi), 1.0
         best: SplitOption | None = None
         probes = 0
         for _ in range(self.max_probes):
@@ -273,7 +285,7 @@ class DynaServePolicy:
             gap = max(gap, pb.first_token_time - pa.finish_time)
         t_alpha = load_a + self._work(alpha)
         beta_start = load_b
-        if beta.prefill > 1:
+        if beta.prefill > 1 and not self.prompt_cuts:
             # A cut inside the prompt leaves beta prefill it cannot start before alpha's KV is in
             # (alpha's committed compute, this part included, done, plus the hand-off): if beta's
             # own backlog ends earlier, its compute idles until then, which backlog + work does
@@ -419,6 +431,18 @@ class KvFootprints:
         self.tokens.clear()
         self.total = 0
         self._ends.clear()
+
+
+def _flag(value: bool | str, name: str) -> bool:
+    """A boolean parameter, given as one or as a string (policy parameters arrive as strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off", ""):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _positive_int(value: int | str, name: str) -> int:

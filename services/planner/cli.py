@@ -19,14 +19,31 @@ import typer
 
 from loadgen.bench_config import BenchOptions, describe_arrival
 from loadgen.metrics import RequestResult
-from loadgen.options import build_slo, check_rate_options, report_run, run_command, run_rates, with_shared_options
+from loadgen.options import (build_slo, check_rate_options, console, report_run, run_command, run_rates,
+                             with_shared_options)
 from services.planner.sim_config import NetworkLatency
 from services.planner.sim_workload import SimWorkload, build_sim_workload
 from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
-from splitserve.perf_presets import preset
+from splitserve.perf_aiconfigurator import (PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP,
+                                            perf_model_for)
 from splitserve.perf_store import load_perf_model
 
 __all__ = ["simulate_app", "ClusterOptions", "build_simulator", "run_simulation"]
+
+# --perf-backend / --perf-framework / --perf-database-version, shared by `simulate` and `plan`.
+PERF_BACKEND_OPTION = ("auto", "--perf-backend")
+PERF_FRAMEWORK_OPTION = ("vllm", "--perf-framework")
+PERF_DATABASE_VERSION_OPTION = (None, "--perf-database-version")
+PERF_OPTION_KW = {"--perf-backend": dict(help=PERF_BACKEND_HELP, envvar="SPLITSERVE_PERF_BACKEND"),
+                  "--perf-framework": dict(help=PERF_FRAMEWORK_HELP, envvar="SPLITSERVE_PERF_FRAMEWORK"),
+                  "--perf-database-version": dict(help=PERF_DATABASE_VERSION_HELP,
+                                                  envvar="SPLITSERVE_PERF_DATABASE_VERSION")}
+
+
+def perf_option(default_and_flag: tuple) -> Any:
+    """The typer option of one of the three perf-backend flags."""
+    return typer.Option(default_and_flag[0], default_and_flag[1], **PERF_OPTION_KW[default_and_flag[1]])
+
 
 simulate_app = typer.Typer(help="Simulate a splitserve cluster in virtual time: the real policies, "
                                 "step times from the performance model.", add_completion=False)
@@ -43,6 +60,9 @@ class ClusterOptions:
     dtype: str = "bf16"
     link: str = "rdma-400g"
     perf_model: Path | None = None
+    perf_backend: str = "auto"
+    perf_framework: str = "vllm"
+    perf_database_version: str | None = None
     policy: str = "least_loaded"
     policy_params: dict[str, str] = field(default_factory=dict)
     batch_policy: str = "fcfs"
@@ -66,11 +86,14 @@ class ClusterOptions:
 
 
 def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: int = 0) -> Simulator:
-    """The Simulator for `cluster`: a preset's (or a fitted model's) times, the preset's KV memory."""
+    """The Simulator for `cluster`: the preset's KV memory; step times from a fitted model when
+    given, else from `--perf-backend` (measured GPU data where covered, else the roofline)."""
     if cluster.perf_model is not None:  # a JSON file, or redis:WORKER_ID: what `splitserve profile` stored
         perf_model = load_perf_model(str(cluster.perf_model))
     else:
-        perf_model = preset(cluster.gpu, cluster.model_preset, cluster.tp, dtype=cluster.dtype, link=cluster.link)
+        perf_model = perf_model_for(cluster.gpu, cluster.model_preset, cluster.tp, backend=cluster.perf_backend,
+                                    framework=cluster.perf_framework, database_version=cluster.perf_database_version,
+                                    dtype=cluster.dtype, link=cluster.link)
     blocks = cluster.kv_blocks or preset_kv_blocks(cluster.gpu, cluster.model_preset, cluster.tp, cluster.block_size,
                                                    dtype=cluster.dtype)
     roles = pd_roles(cluster.workers, cluster.prefill_workers) if cluster.prefill_workers else None
@@ -105,7 +128,9 @@ def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any
     arrival = workload.arrival
     send = opts.send_slo
     sim = build_simulator(cluster, round(opts.slo_ttft_ms) if send else 0, round(opts.slo_itl_ms) if send else 0)
-    target = {"kind": "simulator", "cluster": cluster.to_dict(), "simulator": sim.config.to_dict()}
+    console.print(sim.config.perf_model.timing_note)
+    target = {"kind": "simulator", "cluster": cluster.to_dict(), "simulator": sim.config.to_dict(),
+              "step_times": sim.config.perf_model.timing_note}
     config = {"options": opts.to_dict(), "target": target, "vocab_size": None,
               "workload_kind": workload.workload.kind, "workload": workload.workload.description,
               "arrival": describe_arrival(arrival, opts.concurrency)}
@@ -150,6 +175,9 @@ def simulate(
                                               "profile`): a JSON file, or redis:WORKER_ID (SPLITSERVE_REDIS_URL, "
                                               "SPLITSERVE_REDIS_PREFIX), instead of the preset's times; memory stays "
                                               "the preset's."),
+    perf_backend: str = perf_option(PERF_BACKEND_OPTION),
+    perf_framework: str = perf_option(PERF_FRAMEWORK_OPTION),
+    perf_database_version: Optional[str] = perf_option(PERF_DATABASE_VERSION_OPTION),
     policy: str = typer.Option("least_loaded", "--policy", help="Placement policy (round_robin | least_loaded | "
                                "pd_disaggregated | split | any registered)."),
     policy_param: Optional[List[str]] = typer.Option(None, "--policy-param", help="Placement policy parameter "
@@ -186,6 +214,7 @@ def simulate(
     opts = dataclasses.replace(opts, target="simulator", progress=False)
     cluster = ClusterOptions(
         workers=workers, gpu=gpu, model_preset=model_preset, tp=tp, dtype=dtype, link=link, perf_model=perf_model,
+        perf_backend=perf_backend, perf_framework=perf_framework, perf_database_version=perf_database_version,
         policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
         batch_policy_options=_key_values(batch_policy_option, "--batch-policy-option"), prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,

@@ -75,7 +75,9 @@ from loadgen import arrivals
 from loadgen.sessions import PRESETS, ToolDelay, generate_sessions
 from services.global_scheduler.ampd import runs_locally
 from services.planner.simulator import Simulator
-from splitserve.perf_presets import TP_DEGREES, fits_in_memory, max_kv_tokens, preset
+from splitserve.perf_aiconfigurator import perf_model_for
+from splitserve.perf_model import PerfModel
+from splitserve.perf_presets import TP_DEGREES, fits_in_memory, max_kv_tokens
 
 __all__ = ["PlanInputs", "LoadCurve", "Candidate", "solve_plan", "plan", "check_plan", "default_rate",
            "prefill_capacity"]
@@ -111,6 +113,10 @@ class PlanInputs:
     itl_slo_ms: float = 40.0
     tp_degrees: tuple[int, ...] = TP_DEGREES
     link: str = "rdma-400g"
+    # What times the simulated steps (splitserve.perf_aiconfigurator.perf_model_for).
+    perf_backend: str = "auto"
+    perf_framework: str = "vllm"
+    perf_database_version: str | None = None
     tool_delay_s: float = 1.0
     sim_sessions: int = 48  # sessions per load-curve point (the curve's resolution vs the plan's time)
     seed: int = 0
@@ -145,17 +151,28 @@ def _session_means(inputs: PlanInputs) -> tuple[float, float, float, float]:
     return spec.mean_rounds, spec.mean_prefill_tokens, spec.mean_decode_tokens, mean_history
 
 
+def step_model(inputs: PlanInputs, tp: int) -> PerfModel:
+    """The step-time model of a TP-`tp` replica (measured GPU data or the roofline, per `inputs`)."""
+    return perf_model_for(inputs.gpu, inputs.model, tp, **perf_options(inputs), link=inputs.link)
+
+
+def perf_options(inputs: PlanInputs) -> dict[str, Any]:
+    """`inputs`' perf backend as the keyword arguments of `perf_model_for` / `Simulator.from_pools`."""
+    return {"backend": inputs.perf_backend, "framework": inputs.perf_framework,
+            "database_version": inputs.perf_database_version}
+
+
 def prefill_capacity(inputs: PlanInputs, tp: int) -> float:
     """Sessions/s one TP-`tp` prefill worker computes at the session's mean history, doing nothing else."""
     rounds, new, _, history = _session_means(inputs)
-    model = preset(inputs.gpu, inputs.model, tp, link=inputs.link)
+    model = step_model(inputs, tp)
     return 1.0 / (rounds * model.prefill_time(int(history), int(new)))
 
 
 def session_lifetime_s(inputs: PlanInputs, tp: int) -> float:
     """A session's mean lifetime on a lightly loaded TP-`tp` decode worker (decodes and tool calls)."""
     rounds, new, out, _ = _session_means(inputs)
-    model = preset(inputs.gpu, inputs.model, tp, link=inputs.link)
+    model = step_model(inputs, tp)
     return rounds * (out * model.decode_time(16, rounds * (new + out) / 2) + inputs.tool_delay_s)
 
 
@@ -227,6 +244,7 @@ def _simulate_point(job: tuple[PlanInputs, PointKey]) -> tuple[float, float]:
         helpers = max(1, math.ceil(remote_rate / (0.75 * prefill_capacity(inputs, PREFILL_HELPER_TP))))
         pools = [("prefill", PREFILL_HELPER_TP, helpers), ("decode", tp, 1)]
     sim = Simulator.from_pools(pools, inputs.gpu, inputs.model, link=inputs.link, placement_policy="ampd",
+                               **{f"perf_{k}": v for k, v in perf_options(inputs).items()},
                                policy_params={"routing": "share", "local_share": share}, slo_ttft_ms=int(inputs.ttft_slo_ms),
                                slo_itl_ms=int(inputs.itl_slo_ms))
     count = inputs.sim_sessions
@@ -591,6 +609,7 @@ def _check_one(job: tuple[PlanInputs, float, Candidate, int]) -> dict[str, Any]:
     sim = Simulator.from_pools([("prefill", cand.prefill_tp, cand.prefill_count),
                                 ("decode", cand.decode_tp, cand.decode_count)], inputs.gpu, inputs.model,
                                link=inputs.link, placement_policy="ampd", slo_ttft_ms=int(inputs.ttft_slo_ms),
+                               **{f"perf_{k}": v for k, v in perf_options(inputs).items()},
                                slo_itl_ms=int(inputs.itl_slo_ms))
     items = generate_sessions(inputs.sessions, sessions, np.random.default_rng([inputs.seed, 99]),
                               tool_delay=ToolDelay("exponential", inputs.tool_delay_s))

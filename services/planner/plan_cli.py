@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from splitserve.perf_aiconfigurator import PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP
+
 __all__ = ["plan_command"]
 
 
@@ -30,6 +32,9 @@ def plan_command(
     tp_degrees: str = _option("1,2,4,8", "--tp-degrees", help="TP degrees to consider (those the model fits at are "
                                                                 "used)."),
     link: str = _option("rdma-400g", "--link", help="KV transfer link preset."),
+    perf_backend: str = _option("auto", "--perf-backend", help=PERF_BACKEND_HELP),
+    perf_framework: str = _option("vllm", "--perf-framework", help=PERF_FRAMEWORK_HELP),
+    perf_database_version: Optional[str] = _option(None, "--perf-database-version", help=PERF_DATABASE_VERSION_HELP),
     top: int = _option(3, "--top", help="Configurations to list."),
     sim_sessions: int = _option(48, "--sim-sessions", help="Sessions per load-curve simulation (resolution vs "
                                                             "planning time)."),
@@ -52,6 +57,8 @@ def plan_command(
         degrees = tuple(int(x) for x in tp_degrees.split(",") if x.strip())
         inputs = PlanInputs(gpus=gpus, gpu=gpu, model=model_preset, sessions=sessions.lower(), rate=rate,
                             ttft_slo_ms=slo_ttft_ms, itl_slo_ms=slo_itl_ms, tp_degrees=degrees, link=link,
+                            perf_backend=perf_backend, perf_framework=perf_framework,
+                            perf_database_version=perf_database_version,
                             sim_sessions=sim_sessions, seed=seed, top=top)
         result = plan(inputs, processes=processes)
     except ValueError as err:

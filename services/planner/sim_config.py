@@ -108,14 +108,14 @@ class SimulatorConfig:
         return self.roles if self.roles is not None else ("both",) * self.num_workers
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able view, the performance model by its label and coefficients."""
+        """JSON-able view, the performance model by its label, backend and coefficients (`PerfModel.describe`)."""
         data = {name: getattr(self, name) for name in self.__dataclass_fields__
                 if name not in ("perf_model", "worker_perf_models")}
         if self.worker_perf_models is not None:
-            data["worker_perf_models"] = [m.to_dict() for m in self.worker_perf_models]
+            data["worker_perf_models"] = [m.describe() for m in self.worker_perf_models]
             data["worker_kv_blocks"] = list(self.worker_kv_blocks) if self.worker_kv_blocks is not None else None
         data["roles"] = list(self.worker_roles)
         data["latency"] = asdict(self.latency)
-        data["perf_model"] = self.perf_model.to_dict()
+        data["perf_model"] = self.perf_model.describe()
         data["kv_capacity_tokens_per_worker"] = self.num_kv_blocks * self.block_size
         return data

@@ -38,7 +38,8 @@ from services.planner.sim_run import SimRun, SimStats, gc_paused
 from services.planner.sim_workload import SimItem
 from splitserve.core import build_batch_policy
 from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import max_kv_tokens, preset
+from splitserve.perf_aiconfigurator import perf_model_for
+from splitserve.perf_presets import max_kv_tokens
 
 __all__ = ["Simulator", "SimulationOutcome", "NetworkLatency", "SimStats", "pd_roles", "preset_kv_blocks"]
 
@@ -110,16 +111,21 @@ class Simulator:
     @classmethod
     def from_preset(cls, num_workers: int, gpu: str = "H100", model: str = "Llama-3-8B", tp: int = 1, *,
                     dtype: str = "bf16", link: str = "rdma-400g", mem_util: float = 0.9, block_size: int = 16,
-                    **options: Any) -> Simulator:
-        """Workers of `tp` x `gpu` serving `model`: the roofline preset's times and KV memory."""
-        perf_model = preset(gpu, model, tp, dtype=dtype, link=link)
+                    perf_backend: str = "auto", perf_framework: str = "vllm",
+                    perf_database_version: str | None = None, **options: Any) -> Simulator:
+        """Workers of `tp` x `gpu` serving `model`: step times from `perf_backend`
+        (`splitserve.perf_aiconfigurator.perf_model_for`: measured GPU data where covered, else
+        the roofline), the preset's KV memory."""
+        perf_model = perf_model_for(gpu, model, tp, backend=perf_backend, framework=perf_framework,
+                                    database_version=perf_database_version, dtype=dtype, link=link)
         blocks = preset_kv_blocks(gpu, model, tp, block_size, dtype=dtype, mem_util=mem_util)
         return cls(num_workers, perf_model, num_kv_blocks=blocks, block_size=block_size, **options)
 
     @classmethod
     def from_pools(cls, pools: Sequence[tuple[str, int, int]], gpu: str = "H100", model: str = "Llama-3-8B", *,
                    dtype: str = "bf16", link: str = "rdma-400g", mem_util: float = 0.9, block_size: int = 16,
-                   **options: Any) -> Simulator:
+                   perf_backend: str = "auto", perf_framework: str = "vllm",
+                   perf_database_version: str | None = None, **options: Any) -> Simulator:
         """A heterogeneous deployment: `pools` of (role, tp, count), e.g. prefill workers at TP 4
         and decode workers at TP 8, each worker with its own TP's preset times and KV memory.
         The placement policy's deployment model is the first pool's (AMPD's prefill costs)."""
@@ -127,7 +133,8 @@ class Simulator:
         for role, tp, count in pools:
             if count <= 0:
                 raise ValueError(f"pools: {role} at TP {tp} has {count} workers; give counts > 0")
-            models += [preset(gpu, model, tp, dtype=dtype, link=link)] * count
+            models += [perf_model_for(gpu, model, tp, backend=perf_backend, framework=perf_framework,
+                                      database_version=perf_database_version, dtype=dtype, link=link)] * count
             blocks += [preset_kv_blocks(gpu, model, tp, block_size, dtype=dtype, mem_util=mem_util)] * count
             roles += [role] * count
         if not models:

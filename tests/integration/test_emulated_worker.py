@@ -22,7 +22,7 @@ import pytest
 
 from splitserve.client import AsyncClient, Client
 from splitserve.launcher import ClusterSpec, start_cluster, wait_port_healthy
-from splitserve.perf_model import preset
+from splitserve.perf_aiconfigurator import perf_model_for
 from splitserve.perf_presets import max_kv_tokens
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
@@ -31,7 +31,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.emulated import Emulation, EmulatedRunner, StepPacer, emulated_spec
 
 GPU, MODEL = "H100", "llama-3-8b"
-PERF = preset(GPU, MODEL)
+PERF = perf_model_for(GPU, MODEL)  # what the worker times its steps with by default (--perf-backend auto)
 EMULATED = {"backend": "emulated", "gpu": GPU, "model_preset": MODEL}
 TOLERANCE, SLACK_S = 0.20, 0.004  # "within 20% + a few ms" (gRPC, wake-ups, a shared 2-core box)
 

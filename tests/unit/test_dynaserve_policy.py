@@ -122,8 +122,10 @@ def test_a_worker_that_reports_itself_idle_is_idle():
 def test_registered_and_built_with_the_deployments_perf_model():
     built = make_policy("dynaserve", deployment_perf_model=PERF, max_probes="4")
     assert isinstance(built, DynaServePolicy) and built.perf_model is PERF and built.max_probes == 4
-    named = make_policy("dynaserve", deployment_perf_model=None, perf_model="A100/qwen2.5-14b")
+    named = make_policy("dynaserve", deployment_perf_model=None, perf_model="datasheet:A100/qwen2.5-14b")
     assert named.perf_model == PERF  # the same preset, named
+    measured = make_policy("dynaserve", deployment_perf_model=None, perf_model="aiconfigurator:A100/qwen2.5-14b")
+    assert measured.perf_model.backend == "aiconfigurator" and measured.perf_model.tables is not None
     with pytest.raises(ValueError, match="max_probes"):
         make_policy("dynaserve", deployment_perf_model=PERF, max_probes="0")
     with pytest.raises(ValueError, match="perf model"):
@@ -338,3 +340,31 @@ def test_a_lost_completion_report_stops_counting_after_its_grace():
     assert p.footprints["w1"].held(NOW) >= 2500 and "w1" in first.worker_ids
     # No report ever comes (its coordinator died): gone after twice its predicted life and a minute.
     assert p.footprints["w1"].held(NOW + 10_000) == 0
+
+
+def test_prompt_cuts_open_the_papers_whole_range_and_still_count_betas_wait():
+    """`prompt_cuts=true` (the experiment of benchmarks/dynaserve_prompt_cuts.py) is the paper's
+    search: below P - 1 when alpha is the busier worker, T2 without beta's wait for alpha's KV."""
+    found = []
+    for n0 in range(0, 6):
+        p = policy(prompt_cuts="true", always_split=True)
+        load(p, "w0", n0, prefill=1024, decode=256)
+        placement = p.place(request(prompt=2048, max_tokens=512, hint=512), view("w0", "w1"), NOW)
+        assert placement.decision["probes"] <= p.max_probes + 2
+        found += [cut for cut in _cut_points(placement) if cut < 2047]
+    assert found, "no load made the search cut inside the prompt"
+    p = policy(prompt_cuts=True)
+    option = p._evaluate(request(prompt=2048, max_tokens=512, hint=512), 512, 0.3, *_pair(p))
+    assert 0 < option.split < 2047 and option.beta_request.prefill > 1
+    assert option.t_beta == pytest.approx(p._work(option.beta_request))  # load 0, no wait counted
+    waited = policy()._evaluate(request(prompt=2048, max_tokens=512, hint=512), 512, 0.3, *_pair(policy()))
+    assert waited.t_beta >= waited.t_alpha + p._work(waited.beta_request) - 1e-12
+    with pytest.raises(ValueError, match="prompt_cuts"):
+        policy(prompt_cuts="sometimes")
+
+
+def _pair(p: DynaServePolicy):
+    """Two idle timelines and zero loads, as `_evaluate` takes them."""
+    a = p.timelines.setdefault("w0", WorkerTimeline(PERF, p.token_budget, NOW))
+    b = p.timelines.setdefault("w1", WorkerTimeline(PERF, p.token_budget, NOW))
+    return a, b, 0.0, 0.0, NOW

@@ -29,7 +29,8 @@ class VirtualTime:
         self.now_s += max(0.0, seconds)
 
 
-def emulated(config: EngineConfig, emulation: Emulation = Emulation("A100", "Qwen2.5-14B")) -> EmulatedEngine:
+def emulated(config: EngineConfig, emulation: Emulation = Emulation("A100", "Qwen2.5-14B",
+                                                                                 perf_backend="datasheet")) -> EmulatedEngine:
     time_ = VirtualTime()
     pacer = StepPacer(clock=time_.now, sleep=time_.sleep, cpu_clock=time_.now)
     return EmulatedEngine(config, emulation, clock=time_.now, pacer=pacer)

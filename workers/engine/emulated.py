@@ -40,7 +40,8 @@ from typing import Callable
 from prometheus_client import Counter, Histogram
 
 from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import gpu_spec, max_kv_tokens, model_spec, preset
+from splitserve.perf_aiconfigurator import perf_model_for
+from splitserve.perf_presets import gpu_spec, max_kv_tokens, model_spec
 from splitserve.core import SamplingParams, SchedulerOutput, StageKey, StageSpec, TokenEvent, step_time
 from splitserve.core.sampling import mix_seed
 from workers.engine.config import EngineConfig
@@ -82,11 +83,17 @@ class Emulation:
     # A fitted model's JSON (`splitserve profile --out`) for the step and transfer times
     # instead of the preset's; KV memory and model shape stay the preset's.
     perf_model_path: str = ""
+    # Without a fitted model: what times the steps (splitserve.perf_aiconfigurator.perf_model_for).
+    perf_backend: str = "auto"
+    perf_framework: str = "vllm"
+    perf_database_version: str = ""
 
     def perf_model(self) -> PerfModel:
         if self.perf_model_path:
             return PerfModel.load(self.perf_model_path)
-        return preset(self.gpu, self.model_preset, self.tp, link=self.link)
+        return perf_model_for(self.gpu, self.model_preset, self.tp, backend=self.perf_backend,
+                              framework=self.perf_framework, database_version=self.perf_database_version or None,
+                              link=self.link)
 
     @property
     def label(self) -> str:
@@ -216,6 +223,7 @@ class EmulatedRunner:
         self.emulation = emulation
         self.spec = spec
         self.perf = emulation.perf_model()
+        log.info("emulated %s: %s", emulation.label, self.perf.timing_note)
         self.pacer = pacer or StepPacer()
         self.block_size = config.block_size
         self.device = f"emulated:{emulation.label}"

@@ -154,18 +154,26 @@ class DrainResponse(_message.Message):
     def __init__(self, in_flight: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("prefill_lens", "history_lens", "decode_batch_sizes", "decode_context_lens", "repeats")
+    __slots__ = ("prefill_lens", "history_lens", "decode_batch_sizes", "decode_context_lens", "repeats", "mixed_prefill_lens", "mixed_history_lens", "mixed_decode_batch_sizes", "mixed_decode_context_lens")
     PREFILL_LENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_LENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     DECODE_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
     REPEATS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_PREFILL_LENS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_HISTORY_LENS_FIELD_NUMBER: _ClassVar[int]
+    MIXED_DECODE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MIXED_DECODE_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
     prefill_lens: _containers.RepeatedScalarFieldContainer[int]
     history_lens: _containers.RepeatedScalarFieldContainer[int]
     decode_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     decode_context_lens: _containers.RepeatedScalarFieldContainer[int]
     repeats: int
-    def __init__(self, prefill_lens: _Optional[_Iterable[int]] = ..., history_lens: _Optional[_Iterable[int]] = ..., decode_batch_sizes: _Optional[_Iterable[int]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., repeats: _Optional[int] = ...) -> None: ...
+    mixed_prefill_lens: _containers.RepeatedScalarFieldContainer[int]
+    mixed_history_lens: _containers.RepeatedScalarFieldContainer[int]
+    mixed_decode_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    mixed_decode_context_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefill_lens: _Optional[_Iterable[int]] = ..., history_lens: _Optional[_Iterable[int]] = ..., decode_batch_sizes: _Optional[_Iterable[int]] = ..., decode_context_lens: _Optional[_Iterable[int]] = ..., repeats: _Optional[int] = ..., mixed_prefill_lens: _Optional[_Iterable[int]] = ..., mixed_history_lens: _Optional[_Iterable[int]] = ..., mixed_decode_batch_sizes: _Optional[_Iterable[int]] = ..., mixed_decode_context_lens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProfileSample(_message.Message):
     __slots__ = ("kind", "l_hist", "l_incr", "batch", "ctx", "seconds")

@@ -1,0 +1,343 @@
+"""GPU step times from measured data: NVIDIA aiconfigurator's per-op database, tabulated.
+
+`aiconfigurator-core` (PyPI, Apache-2.0) ships per-op timings measured on A100, H100, H200,
+L40S, B200, ... with vLLM, SGLang and TensorRT-LLM (GEMMs, context attention, generation
+attention, all-reduce), and a compiled estimator over them. One of its calls costs a few
+microseconds to ~0.1 ms, far too slow per simulated step, so a model is tabulated once at
+start (`tabulate`): each kernel class of `splitserve.perf_tables` on a grid, about 3,500
+op evaluations, ~0.5 s plus loading the database. Tables are cached in memory and on disk
+(`$SPLITSERVE_PERF_CACHE`, else `~/.cache/splitserve/perf`), keyed by everything that
+changes them; a cached file is a plain `PerfModel` JSON and loads without aiconfigurator.
+
+`perf_model_for(gpu, model, tp, backend=...)` is how every simulator, emulated worker and
+planner gets its model:
+
+* `aiconfigurator`: the measured tables; an uncovered GPU x model x framework is a
+  `ValueError` naming what is covered;
+* `roofline`: the kernel-class roofline (`splitserve.perf_roofline`: the same sum of kernel
+  classes, each max(compute, memory), with constants fitted to the measured database per GPU
+  generation) — for GPUs and models the database lacks (H20, RTX 4090);
+* `datasheet`: the whole-step roofline at datasheet peaks (`splitserve.perf_presets.preset`)
+  that timed every result before issue 34, kept to compare with them;
+* `auto` (the default): the measured tables where covered, else the kernel-class roofline
+  with a warning saying why (never a silent guess).
+
+Either way the model's `backend` and `label` say which timed it, and every report prints
+them. The coefficients of a measured model are the datasheet preset's: they serve only the
+closed forms the tables do not (regimes, KV transfer).
+
+Models the database lacks (Qwen2.5) are compiled from the presets' own config fields
+(`splitserve.perf_presets.ModelSpec`), written as a Hugging Face config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from splitserve.perf_model import PerfModel
+from splitserve.perf_presets import ModelSpec, gpu_spec, model_spec, preset
+from splitserve.perf_tables import StepTables
+
+__all__ = ["BACKENDS", "FRAMEWORKS", "SYSTEMS", "Coverage", "coverage", "perf_model_for", "tabulate"]
+
+log = logging.getLogger(__name__)
+
+# roofline: the kernel-class roofline fitted to the measured database (splitserve.perf_roofline);
+# datasheet: the whole-step roofline at datasheet peaks (splitserve.perf_presets.preset), which
+# timed every result before issue 34 and stays reachable to reproduce them.
+BACKENDS = ("auto", "aiconfigurator", "roofline", "datasheet")
+FRAMEWORKS = ("vllm", "sglang", "trtllm")
+# Our GPU presets (splitserve.perf_presets.GPU_SPECS) -> aiconfigurator's system names.
+SYSTEMS = {"A100-SXM4-80GB": "a100_sxm", "H100-SXM5-80GB": "h100_sxm", "H200-SXM-141GB": "h200_sxm",
+           "L40S-48GB": "l40s"}
+SCHEMA = 3  # bump when the grids or the composition change: old cache files are ignored
+
+# The grids (see perf_tables). GEMM times are staircases (a step wherever the token count
+# crosses a tile boundary: Qwen2.5-14B on an A100 costs 24 ms at 128 tokens, 35 ms at 160),
+# so the token axes are dense: every 16 tokens to 512, 64 to 2,048, 256 to 8,192. Context
+# axes follow powers of two and their midpoints up to the model's context length.
+def _steps(*spans: tuple[int, int, int]) -> tuple[int, ...]:
+    return tuple(sorted({x for lo, hi, step in spans for x in range(lo, hi + 1, step)}))
+
+
+_POW = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+        4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072]
+TOKEN_GRID = _steps((1, 16, 1), (16, 512, 16), (512, 2048, 64), (2048, 8192, 256), (8192, 32768, 1024),
+                    (32768, 65536, 4096))
+CHUNK_GRID = _steps((1, 16, 1), (16, 128, 16), (128, 1024, 64), (1024, 4096, 256), (4096, 32768, 2048))
+BATCH_GRID = _steps((1, 64, 1), (64, 256, 8), (256, 2048, 64))
+LOGITS_GRID = BATCH_GRID
+_ATTENTION = 3  # index of context_attention / generation_attention in aiconfigurator's dense op lists
+
+
+def _context_grid(max_len: int) -> tuple[int, ...]:
+    return tuple(x for x in _POW if x < max_len) + (max_len,)
+
+
+def _history_grid(max_len: int) -> tuple[int, ...]:
+    return (0,) + _context_grid(max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """What the installed aiconfigurator database covers."""
+
+    version: str | None  # aiconfigurator-core's version; None when it is not installed
+    systems: dict[str, tuple[str, ...]]  # system -> frameworks with GEMM and attention data
+
+    def describe(self) -> str:
+        if self.version is None:
+            return "aiconfigurator-core is not installed (pip install aiconfigurator-core)"
+        ours = {name: sys for name, sys in SYSTEMS.items()}
+        parts = [f"{name} ({sys}): {', '.join(self.systems.get(sys, ())) or 'no data'}" for name, sys in ours.items()]
+        return f"aiconfigurator-core {self.version} covers " + "; ".join(parts)
+
+
+@lru_cache(maxsize=1)
+def coverage() -> Coverage:
+    try:
+        import aiconfigurator_core
+        from importlib.metadata import version
+    except ImportError:
+        return Coverage(None, {})
+    data = Path(aiconfigurator_core.__file__).parent / "systems" / "data"
+    systems = {}
+    for sys_dir in sorted(p for p in data.iterdir() if p.is_dir()):
+        frameworks = tuple(f for f in FRAMEWORKS
+                           if (sys_dir / "gemm" / f).is_dir() and (sys_dir / "attention" / f).is_dir())
+        if frameworks:
+            systems[sys_dir.name] = frameworks
+    return Coverage(version("aiconfigurator-core"), systems)
+
+
+def _architecture(m: ModelSpec) -> tuple[str, str]:
+    hf = m.hf_id.lower()
+    if hf.startswith("qwen/qwen3"):
+        return "Qwen3ForCausalLM", "qwen3"
+    if hf.startswith("qwen/qwen2"):
+        return "Qwen2ForCausalLM", "qwen2"
+    return "LlamaForCausalLM", "llama"
+
+
+def hf_config(m: ModelSpec) -> dict[str, Any]:
+    """A Hugging Face config.json of the preset's shape (what aiconfigurator compiles)."""
+    arch, kind = _architecture(m)
+    return {"architectures": [arch], "model_type": kind, "hidden_size": m.hidden,
+            "intermediate_size": m.intermediate, "num_attention_heads": m.heads,
+            "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "num_hidden_layers": m.layers,
+            "vocab_size": m.vocab, "max_position_embeddings": m.context_len,
+            "tie_word_embeddings": m.tied_embeddings, "torch_dtype": "bfloat16", "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+
+
+def _check_covered(gpu_name: str, m: ModelSpec, framework: str) -> str:
+    """aiconfigurator's system name for the GPU; ValueError naming what is covered if not."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"perf framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    cov = coverage()
+    if cov.version is None:
+        raise ValueError(cov.describe())
+    system = SYSTEMS.get(gpu_name)
+    if system is None or framework not in cov.systems.get(system, ()):
+        raise ValueError(f"no measured {framework} data for {gpu_name}: {cov.describe()}")
+    if m.kind != "ar":
+        raise ValueError(f"{m.name} is a diffusion LM: aiconfigurator measures autoregressive serving only "
+                         "(dLLM-Serve's steps use splitserve.diffusion_perf)")
+    return system
+
+
+_LOCK = threading.Lock()
+
+
+def tabulate(gpu: str, model: str, tp: int = 1, *, framework: str = "vllm", database_version: str | None = None,
+             link: str = "rdma-400g", cache_dir: str | Path | None = None) -> PerfModel:
+    """The measured-data `PerfModel` of `model` on `tp` x `gpu` under `framework`'s kernels
+    (aiconfigurator database `database_version`, default its current one). Cached."""
+    g, m = gpu_spec(gpu), model_spec(model)
+    system = _check_covered(g.name, m, framework)
+    key = _cache_key(system, m, tp, framework, database_version)
+    with _LOCK:
+        memory_key = f"{key}|{link}|{cache_dir or ''}"  # a cache_dir asked for is written even if in memory
+        cached = _MEMORY.get(memory_key)
+        if cached is not None:
+            return cached
+        base = preset(g, m, tp, link=link, check_memory=False)
+        tables = _read_cache(key, cache_dir)
+        if tables is None:
+            tables = _measure(system, m, tp, framework, database_version)
+            _write_cache(key, tables, cache_dir)
+        src = tables.source
+        model_obj = dataclasses.replace(
+            base, tables=tables,
+            label=f"aiconfigurator:{g.name}/{m.name}/tp{tp}/{src['framework']}-{src['database_version']}")
+        _MEMORY[memory_key] = model_obj
+        return model_obj
+
+
+_MEMORY: dict[str, PerfModel] = {}
+
+
+def _cache_key(system: str, m: ModelSpec, tp: int, framework: str, version: str | None) -> str:
+    cov = coverage()
+    shape = json.dumps(hf_config(m), sort_keys=True)
+    raw = f"{SCHEMA}|{cov.version}|{system}|{framework}|{version or 'current'}|tp{tp}|{shape}"
+    return f"{system}-{m.name}-tp{tp}-{framework}-" + hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def _cache_path(key: str, cache_dir: str | Path | None) -> Path:
+    root = cache_dir or os.environ.get("SPLITSERVE_PERF_CACHE") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitserve" / "perf"
+    return Path(root) / f"{key}.json"
+
+
+def _read_cache(key: str, cache_dir: str | Path | None) -> StepTables | None:
+    path = _cache_path(key, cache_dir)
+    try:
+        return StepTables.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None  # absent or unreadable: measure again
+
+
+def _write_cache(key: str, tables: StepTables, cache_dir: str | Path | None) -> None:
+    path = _cache_path(key, cache_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(tables.to_dict(), tmp)
+        os.chmod(tmp.name, 0o644)
+        os.replace(tmp.name, path)  # atomic: concurrent simulators never read half a file
+    except OSError as exc:
+        log.warning("could not cache the measured perf tables at %s: %s", path, exc)
+
+
+def _measure(system: str, m: ModelSpec, tp: int, framework: str, version: str | None) -> StepTables:
+    """Evaluate aiconfigurator's ops on the grids (the slow part: ~1-2 s with the database load)."""
+    logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)  # its fallback-row notices
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(hf_config(m)))
+        try:
+            handle = EngineHandle.compile(model_dir, system, framework, tp_size=tp, backend_version=version)
+        except Exception as exc:  # the database's own words: which version, which op lacks data
+            raise ValueError(f"aiconfigurator cannot model {m.name} tp{tp} on {system}/{framework}"
+                             f"{'/' + version if version else ''}: {exc}") from exc
+    context_ops, generation_ops = handle.run_static_per_op(batch_size=1, isl=16, osl=2)
+    ctx_names, gen_names = [op[0] for op in context_ops], [op[0] for op in generation_ops]
+    if ctx_names[_ATTENTION] != "context_attention" or gen_names[_ATTENTION] != "generation_attention":
+        raise ValueError(f"aiconfigurator's op list for {m.name} is not the dense layout this backend reads: "
+                         f"{ctx_names}")
+    ctx_linear = [i for i, n in enumerate(ctx_names) if i != _ATTENTION and not n.endswith("logits_gemm")]
+    gen_linear = [i for i, n in enumerate(gen_names) if i != _ATTENTION and not n.endswith("logits_gemm")]
+    logits = gen_names.index(next(n for n in gen_names if n.endswith("logits_gemm")))
+
+    def ms(values: list) -> float:
+        return sum(v[1] for v in values) / 1e3
+
+    max_len = m.context_len
+    context_grid, history_grid = _context_grid(max_len), _history_grid(max_len)
+    raw = dict(
+        tokens=TOKEN_GRID,
+        context_linear=[ms(handle.evaluate_context_ops(ctx_linear, batch_size=1, s=t, x=t)) for t in TOKEN_GRID],
+        generation_linear=[ms(handle.evaluate_generation_ops(gen_linear, batch_size=t, s=1)) for t in TOKEN_GRID],
+        logits_rows=LOGITS_GRID,
+        logits=[ms(handle.evaluate_generation_ops([logits], batch_size=r, s=1)) for r in LOGITS_GRID],
+        chunk_tokens=CHUNK_GRID, chunk_history=history_grid,
+        prefill_attention=[[ms(handle.evaluate_context_ops([_ATTENTION], batch_size=1, s=n, prefix=h))
+                            for h in history_grid] for n in CHUNK_GRID],
+        decode_batch=BATCH_GRID, decode_context=context_grid,
+        decode_attention=[[ms(handle.evaluate_generation_ops([_ATTENTION], batch_size=b, s=c))
+                           for c in context_grid] for b in BATCH_GRID],
+    )
+    from importlib.metadata import version as dist_version
+
+    resolved = version or _current_version(system, framework)
+    source = {"backend": "aiconfigurator", "system": system, "framework": framework,
+              "database_version": resolved, "aiconfigurator_core": dist_version("aiconfigurator-core"),
+              "model": m.name, "tp": tp}
+    tables, fixes = StepTables.from_raw(**raw, source=source)
+    return dataclasses.replace(tables, source={**source, "monotone_fix": {k: round(v, 4) for k, v in fixes.items()}})
+
+
+def _current_version(system: str, framework: str) -> str:
+    """The database version aiconfigurator serves as `current` for (system, framework)."""
+    try:
+        import aiconfigurator_core
+        import yaml
+
+        path = Path(aiconfigurator_core.__file__).parent / "systems" / "query_versions.yaml"
+        doc = yaml.safe_load(path.read_text())
+        slot = (doc.get("overrides", {}).get(system, {}) or {}).get(framework) or doc["defaults"][framework]
+        return str(slot["current"])
+    except Exception:  # the label only: never fail a model over it
+        return "current"
+
+
+def perf_model_for(gpu: str, model: str, tp: int = 1, *, backend: str = "auto", framework: str = "vllm",
+                   database_version: str | None = None, dtype: str = "bf16", link: str = "rdma-400g",
+                   check_memory: bool = True) -> PerfModel:
+    """The step-time model every simulator, emulated worker and planner uses:
+
+    * `aiconfigurator`: the measured tables (ValueError where not covered);
+    * `roofline`: the kernel-class roofline (`splitserve.perf_roofline.roofline_model`: a step is
+      the sum of its kernel classes, with constants fitted to the measured database per GPU
+      generation);
+    * `datasheet`: the whole-step datasheet roofline (`splitserve.perf_presets.preset`);
+    * `auto`: measured where covered, else the kernel-class roofline with a warning.
+
+    A diffusion LM (LLaDA) is timed by the datasheet preset under `roofline` and `auto` (its
+    denoising steps use `PerfModel.diffusion_step_time` and `splitserve.diffusion_perf`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"perf backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    datasheet = preset(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)
+    if backend == "datasheet":
+        return datasheet
+    from splitserve.perf_roofline import roofline_model
+
+    def roofline() -> PerfModel:
+        return roofline_model(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)
+
+    if backend == "roofline":
+        return roofline()
+    if dtype != "bf16":
+        reason = f"the measured backend tabulates bf16 only, not {dtype}"
+        if backend == "aiconfigurator":
+            raise ValueError(reason)
+        fallback = roofline()
+        _warn_fallback(gpu, model, reason, fallback.label)
+        return fallback
+    try:
+        return tabulate(gpu, model, tp, framework=framework, database_version=database_version, link=link)
+    except ValueError as exc:
+        if backend == "aiconfigurator":
+            raise
+        fallback = roofline()
+        _warn_fallback(gpu, model, str(exc), fallback.label)
+        return fallback
+
+
+# The three options every command that times GPU steps takes (simulate, plan, emulated workers'
+# `WorkerConfig`), as (default, flags..., help=, envvar=) for typer.Option.
+PERF_BACKEND_HELP = ("Step times: aiconfigurator (NVIDIA's per-op timings measured on real GPUs, tabulated) | "
+                     "roofline (a sum of kernel classes, each max(compute, memory), with constants fitted to the "
+                     "measured database per GPU generation) | datasheet (the whole-step roofline at datasheet peaks "
+                     "that timed results before issue 34) | auto (measured where the GPU x model x framework is "
+                     "covered, else the roofline with a warning).")
+PERF_FRAMEWORK_HELP = "The serving framework whose measured kernels time the steps: vllm | sglang | trtllm."
+PERF_DATABASE_VERSION_HELP = ("aiconfigurator database version of --perf-framework (default: the one it serves "
+                              "as current for the GPU).")
+
+
+@lru_cache(maxsize=64)
+def _warn_fallback(gpu: str, model: str, reason: str, label: str = "") -> None:
+    what = ("the datasheet roofline" if label.startswith("preset:") else "the kernel-class roofline")
+    log.warning("perf backend auto: %s times %s on %s (%s): %s", what, model, gpu, reason, label)

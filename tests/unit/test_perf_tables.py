@@ -1,0 +1,126 @@
+"""splitserve.perf_tables: measured kernel-class tables, interpolated, as a PerfModel's step times."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitserve.perf_model import PerfModel
+from splitserve.perf_presets import preset
+from splitserve.perf_tables import StepTables, monotone_grid
+
+TOKENS = (1.0, 16.0, 256.0, 4096.0)
+HIST = (0.0, 64.0, 1024.0, 8192.0)
+BATCH = (1.0, 8.0, 64.0)
+CTX = (1.0, 512.0, 8192.0)
+
+
+def tables(**over) -> StepTables:
+    raw = dict(
+        tokens=TOKENS, context_linear=(5e-3, 6e-3, 9e-3, 0.1), generation_linear=(5e-3, 5.5e-3, 9e-3, 0.1),
+        logits_rows=(1.0, 64.0, 1024.0), logits=(3e-4, 3.5e-4, 2e-3),
+        chunk_tokens=TOKENS, chunk_history=HIST,
+        prefill_attention=[[1e-4 * (1 + t / 64) * (1 + h / 1024) for h in HIST] for t in TOKENS],
+        decode_batch=BATCH, decode_context=CTX,
+        decode_attention=[[2e-5 * b * (1 + c / 256) for c in CTX] for b in BATCH],
+        overhead_s=1e-4, source={"backend": "test"})
+    raw.update(over)
+    made, _ = StepTables.from_raw(**raw)
+    return made
+
+
+T = tables()
+
+
+def test_grid_points_are_returned_exactly_and_a_step_is_the_sum_of_its_kernel_classes():
+    assert T.linear_s(256, True) == 9e-3 and T.linear_s(256, False) == 9e-3 and T.linear_s(16, False) == 5.5e-3
+    assert T.prefill_attention_s(256, 1024) == pytest.approx(1e-4 * 5 * 2)
+    assert T.decode_attention_s(8, 512) == pytest.approx(2e-5 * 8 * 3)
+    want = 1e-4 + T.linear_s(256 + 8, True) + T.logits_s(1 + 8) + T.prefill_attention_s(256, 1024) \
+        + T.decode_attention_s(8, 512)
+    assert T.step_s(((1024, 256),), 8, 512) == pytest.approx(want, rel=1e-12)
+    # Two chunks: both attentions, one linear pass over all tokens, a logits row each.
+    two = T.step_s(((0, 16), (64, 16)), 0, 0)
+    assert two == pytest.approx(1e-4 + T.linear_s(32, True) + T.logits_s(2) + T.prefill_attention_s(16, 0)
+                                + T.prefill_attention_s(16, 64), rel=1e-12)
+    assert T.step_s((), 0, 0) == 0.0 and T.step_s(((5, 0),), 0, 0) == 0.0
+
+
+def test_interpolation_is_linear_between_points_and_extends_the_last_slope():
+    assert T.linear_s(136, True) == pytest.approx((6e-3 + 9e-3) / 2)
+    slope = (0.1 - 9e-3) / (4096 - 256)
+    assert T.linear_s(8192, True) == pytest.approx(0.1 + slope * 4096)
+    assert T.linear_s(0.5, True) == 5e-3  # below the first point: the first point's value
+
+
+def test_running_maxima_make_every_table_non_decreasing_and_report_the_fix():
+    raw = {k: v for k, v in T.to_dict().items() if k not in ("format", "source", "overhead_s")}
+    raw["context_linear"] = (5e-3, 4e-3, 9e-3, 0.1)
+    made, fixes = StepTables.from_raw(**raw)
+    assert made.context_linear == (5e-3, 5e-3, 9e-3, 0.1) and fixes["context_linear"] == pytest.approx(0.2)
+    assert monotone_grid([[3, 1], [2, 5]]) == ((3, 3), (3, 5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(h=st.floats(0, 20000), n=st.floats(1, 10000), dn=st.floats(0, 3000), dh=st.floats(0, 3000),
+       b=st.integers(0, 200), db=st.integers(0, 50), c=st.floats(1, 20000), dc=st.floats(0, 5000))
+def test_more_work_never_takes_less_time(h, n, dn, dh, b, db, c, dc):
+    base = T.step_s(((h, n),), b, c)
+    assert T.step_s(((h, n + dn),), b, c) >= base - 1e-12
+    assert T.step_s(((h + dh, n),), b, c) >= base - 1e-12
+    assert T.step_s(((h, n),), b + db, c) >= base - 1e-12
+    assert T.step_s(((h, n),), b, c + dc) >= base - 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(h=st.integers(0, 20000), n=st.integers(0, 10000), b=st.integers(0, 300), c=st.floats(1, 20000))
+def test_the_aggregate_and_vector_forms_equal_one_chunk(h, n, b, c):
+    one = T.step_s(((h, n),), b, c)
+    pairs = n * (h + n / 2)
+    assert T.aggregate_step_s(n, pairs, b, b * c) == pytest.approx(one, rel=1e-9, abs=1e-15)
+    vec = T.step_array([n, n], [pairs, pairs], [b, b], [b * c, b * c])
+    assert vec[0] == pytest.approx(one, rel=1e-9, abs=1e-15)
+
+
+def test_decode_runs_equal_their_steps():
+    run = T.decode_run(8, 8 * 300, 5)
+    assert np.allclose(run, [T.step_s((), 8, 300 + i) for i in range(5)], rtol=1e-12)
+
+
+def test_a_perf_model_with_tables_times_every_step_from_them_and_round_trips():
+    base = preset("H100", "Llama-3-8B")
+    model = dataclasses.replace(base, tables=T, label="measured")
+    assert model.backend == "test" and base.backend == "datasheet"
+    assert model.prefill_time(64, 256) == T.step_s(((64, 256),), 0, 0)
+    assert model.decode_time(8, 512) == T.step_s((), 8, 512)
+    assert model.mixed_step_time(256, 64, 8, 512) == T.step_s(((64, 256),), 8, 512)
+    assert model.step_seconds(256, 64, 8, 8 * 512, 256 * (64 + 128)) == pytest.approx(model.mixed_step_time(256, 64, 8, 512))
+    assert np.allclose(model.decode_run_times(8, 8 * 300, 3), T.decode_run(8, 8 * 300, 3))
+    assert model.step_times([256], [64], [8], [8 * 512])[0] == pytest.approx(model.mixed_step_time(256, 64, 8, 512))
+    assert model.kv_transfer_time(1000) == base.kv_transfer_time(1000)  # transfers stay the coefficients'
+    again = PerfModel.from_json(model.to_json())
+    assert again == model and again.tables.digest == T.digest and hash(again) == hash(model)
+    assert model.describe()["tables"] == {"source": {"backend": "test"}, "digest": T.digest}
+    assert "test" in model.timing_note and "datasheet" in base.timing_note
+    # L_m from the curves: a one-token prefill over the GEMMs' per-token seconds at large sizes.
+    assert model.prefill_boundary(0) == pytest.approx(T.step_s(((0, 1),), 0, 0) / ((0.1 - 9e-3) / (4096 - 256)))
+    assert model.max_prefill_tokens(0.02) == max(n for n in range(1, 5000) if model.prefill_time(0, n) <= 0.02)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("tokens", (1.0, 1.0, 2.0, 3.0), "strictly increasing"),
+    ("context_linear", (1.0, 2.0), "one value per tables.tokens"),
+    ("decode_attention", ((1.0, 2.0, 3.0),), "decode_batch x decode_context"),
+    ("overhead_s", -1.0, "overhead_s"),
+])
+def test_bad_tables_are_refused_naming_the_field(field, value, message):
+    data = dict(T.to_dict())
+    data[field] = value
+    with pytest.raises(ValueError, match=message):
+        StepTables.from_dict(data)
+    with pytest.raises(ValueError, match="format"):
+        StepTables.from_dict({**T.to_dict(), "format": 99})
