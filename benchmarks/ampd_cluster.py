@@ -34,8 +34,10 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -163,6 +165,109 @@ def run_system(system: System, mode: Mode, model_path: Path, args, out_dir: Path
     finally:
         cluster.stop()
     return rows
+
+
+EMULATED_COUNTERS = ("steps", "model_seconds", "overhead_seconds", "late_seconds", "lost_seconds", "overrun_steps")
+
+
+def _emulated_counters(cluster) -> dict[str, dict[str, float]]:
+    """Each worker's pacing counters (`splitserve_emulated_*_total`, workers/engine/emulated.py)."""
+    out = {}
+    for child in cluster.children:
+        if child.name.startswith("worker") and child.metrics_port:
+            text = httpx.get(f"http://127.0.0.1:{child.metrics_port}/metrics", timeout=5).text
+            values = {}
+            for name in EMULATED_COUNTERS:
+                match = re.search(rf"^splitserve_emulated_{name}_total (\S+)$", text, re.M)
+                values[name] = float(match.group(1)) if match else 0.0
+            out[child.name] = values
+    return out
+
+
+def faithfulness(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """How faithfully the emulated workers kept the model's timeline over a run: per worker and
+    in all, the time steps fell behind it and never made up (`lost`) and the wake-up lateness,
+    over the model time; and the share of steps whose control-plane work alone overran the step."""
+    per_worker = {}
+    for name, end in after.items():
+        start = before.get(name, {})
+        d = {k: end[k] - start.get(k, 0.0) for k in end}
+        per_worker[name] = {"steps": d["steps"], "model_s": d["model_seconds"], "lost_s": d["lost_seconds"],
+                            "late_s": d["late_seconds"], "overhead_s": d["overhead_seconds"],
+                            "overruns": d["overrun_steps"],
+                            "lost_share": d["lost_seconds"] / d["model_seconds"] if d["model_seconds"] else 0.0}
+    model = sum(w["model_s"] for w in per_worker.values())
+    steps = sum(w["steps"] for w in per_worker.values())
+    return {"workers": per_worker, "model_s": model, "steps": steps,
+            "lost_share": sum(w["lost_s"] for w in per_worker.values()) / model if model else 0.0,
+            "late_share": sum(w["late_s"] for w in per_worker.values()) / model if model else 0.0,
+            "overrun_share": sum(w["overruns"] for w in per_worker.values()) / steps if steps else 0.0,
+            "worst_lost_share": max((w["lost_share"] for w in per_worker.values()), default=0.0)}
+
+
+@contextmanager
+def decode_pool_tp(tp: int | None):
+    """Start decode workers at TP `tp` while the launcher gives every worker the same options
+    (a deployment whose prefill and decode pools differ in TP): the worker command is rewritten
+    for role=decode only. Restored on exit."""
+    from splitserve import launcher
+
+    original = launcher._serve_cmd
+
+    def serve_cmd(service: str, options: dict[str, object]) -> list[str]:
+        if tp is not None and service == "worker" and options.get("role") == "decode":
+            options = {**options, "tp": tp}
+        return original(service, options)
+
+    launcher._serve_cmd = serve_cmd
+    try:
+        yield
+    finally:
+        launcher._serve_cmd = original
+
+
+def run_emulated_deployment(*, gpu: str, model_preset: str, perf_backend: str, prefill_tp: int, prefill_count: int,
+                            decode_tp: int, decode_count: int, rate: float, sessions: int, seed: int,
+                            slo_ttft_ms: float, slo_itl_ms: float, out_dir: Path, redis_url: str,
+                            policy: str = "ampd", batch_policy: str = "fcfs", timeout_s: float = 900.0,
+                            preset: str = "toolbench", tool_delay: str = "exponential:mean=1") -> dict[str, Any]:
+    """One deployment (prefill_count x TP prefill_tp prefill workers, decode_count x TP decode_tp
+    decode workers) of emulated `gpu` x `model_preset` workers behind the real services, `sessions`
+    `preset` sessions at `rate` through the gateway: per-request results (`--per-request`), the
+    bench summary and the workers' pacing (`faithfulness`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        model_path = model_dir("emulated", Path(work), max_model_len=32768)
+        worker_args = {"backend": "emulated", "gpu": gpu, "model_preset": model_preset, "perf_backend": perf_backend,
+                       "tp": prefill_tp, "max_model_len": 32768, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                       "batch_policy": batch_policy}
+        params = {"perf_model": f"{perf_backend}:{gpu}/{model_preset}/{prefill_tp}"} if policy == "ampd" else {}
+        spec = ClusterSpec(
+            model=str(model_path), workers=prefill_count + decode_count, policy=policy, prefill_workers=prefill_count,
+            http_port=free_port(), grpc_port=free_port(), redis_url=redis_url,
+            redis_prefix=f"ss:ampdplan-{uuid.uuid4().hex[:8]}:", log_dir=out_dir / "logs", worker_args=worker_args,
+            scheduler_args={"policy_params": json.dumps(params)}, coordinator_args={"kv_chunk_tokens": 256})
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with decode_pool_tp(decode_tp):
+            cluster = start_cluster(spec)
+        startup_s = time.monotonic() - started
+        try:
+            before = _emulated_counters(cluster)
+            run_dir = out_dir / "bench"
+            started = time.monotonic()
+            summary = run_bench(cluster.gateway_grpc, [
+                "--sessions", preset, "--num-sessions", str(sessions), "--tool-delay", tool_delay,
+                "--arrival", f"poisson:rate={rate}", "--seed", str(seed), "--slo-ttft-ms", str(slo_ttft_ms),
+                "--slo-itl-ms", str(slo_itl_ms), "--per-request"], run_dir, timeout_s,
+                f"emulated P:TP{prefill_tp}x{prefill_count} D:TP{decode_tp}x{decode_count} at {rate:g} sessions/s")
+            bench_s = time.monotonic() - started
+            pacing = faithfulness(before, _emulated_counters(cluster))
+        finally:
+            cluster.stop()
+    record = json.loads(sorted(run_dir.glob("*.json"))[0].read_text())
+    return {"summary": summary, "requests": record.get("requests", []), "faithfulness": pacing,
+            "startup_s": startup_s, "bench_s": bench_s}
 
 
 def _pick(summary: dict) -> dict:

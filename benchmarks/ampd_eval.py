@@ -1,15 +1,23 @@
 """AMPD's evaluation (§7) in the simulator: SLO attainment of multi-round sessions vs rate.
 
-Set-up as the paper's Figure 4 (top row): Qwen3-32B on H20 GPUs (roofline presets,
-`splitserve/perf_presets.py`), KV over 200 Gb/s RDMA per GPU (the paper's InfiniBand),
+Set-up as the paper's Figure 4 (top rows): Qwen3-32B (`--model`, or Llama-3.1-70B with its
+own SLOs) on H20 GPUs (`--gpu`), KV over 200 Gb/s RDMA per GPU (the paper's InfiniBand),
 the four session presets of Table 1 (`loadgen/sessions.py`) with the paper's SLOs, and
 its GPU budgets: ToolBench and HotpotQA on 8 GPUs, DuReader on 16, GAIA on 32. Sessions
-arrive as a Poisson process at 20-80% of the budget's prefill capacity (`prefill_capacity`;
-Figure 4 uses 0.8-2.4/s on real H20s, see there why absolute rates do not carry over);
-tool calls between rounds take an exponential 1 s.
+arrive as a Poisson process at 20-80% of the budget's prefill capacity (`prefill_capacity`,
+under the GPU and timing chosen; Figure 4 uses 0.8-2.4/s on real H20s, see there why
+absolute rates do not carry over); tool calls between rounds take an exponential 1 s.
+
+Step times (`--perf-backend`, `splitserve.perf_aiconfigurator.perf_model_for`): `aiconfigurator`
+(NVIDIA's per-kernel timings measured with vLLM on A100/H100/H200/L40S; not on H20), `roofline`
+(kernel classes fitted to those measurements), `datasheet` (the whole-step datasheet roofline
+that timed every result before issue 34), `auto` (measured where covered, else the fitted
+roofline with a warning). Every row records what timed it (`timing_note`, `perf_label`), and
+the output prints it. TP degrees whose weights do not fit the GPU are not searched
+(Llama-3.1-70B: TP >= 4 on 80 GB GPUs).
 
 Systems, each with its best deployment (the one with the highest mean attainment over the
-rates, searched over TP ∈ {2, 4, 8} and prefill:decode worker ratios):
+middle and highest rates, searched over TP ∈ {2, 4, 8} and prefill:decode worker ratios):
 
 * **AMPD**: `ampd` placement (binding, Alg. 1 adaptive routing, α = 0.9, β = 0.85), the
   history pinned on the bound decode worker, remote incremental prefills pulling it and
@@ -18,18 +26,26 @@ rates, searched over TP ∈ {2, 4, 8} and prefill:decode worker ratios):
 * **Dynamo-like**: `pd_disaggregated`, every prefill on the least-loaded prefill worker,
   the decode on the least-loaded decode worker (no session binding: the history is pushed
   again every round when the decode worker changes);
-* **vLLM-like**: colocated `least_loaded` with chunked prefill (prefix caching on);
+* **vLLM-like**: colocated `least_loaded` with chunked prefill (prefix caching on), local
+  batching fcfs: decodes first, prefill chunks fill the rest of the token budget (vLLM v1);
 * **vLLM-Continuum-like**: colocated `session_affinity` (rounds stay on the session's
-  worker, the history pinned there).
+  worker, the history pinned there), fcfs;
+* the same two colocated systems under `prefill_first` local batching (vLLM v0's default
+  scheduler, SGLang's prefill priority: waiting prefills before running decodes, a step
+  holding prefill runs no decode; `--no-prefill-first` leaves them out).
 
 Ablations at AMPD's deployment: routing always remote (w/o adaptive routing), always
 local, and fcfs instead of prefill_reorder.
 
 A round meets the SLO when TTFT <= the TTFT SLO and its mean inter-token latency (TPOT)
 <= the ITL SLO — the paper's "ITL" is the per-request average; the stricter per-request
-p99 gap (the project's default in `loadgen.metrics`) is reported too.
+p99 gap (the project's default in `loadgen.metrics`) is reported beside it in every cell
+("mean / strict"). AMPD's gains over each baseline are printed beside the paper's (its
+Figure 4 arrows, `PAPER_GAINS`).
 
-    nice -n 10 .venv/bin/python -u benchmarks/ampd_eval.py --out-dir bench-results/ampd_eval
+    flock /tmp/splitserve-bench.lock nice -n 15 .venv/bin/python -u benchmarks/ampd_eval.py \
+        --gpu H200 --perf-backend aiconfigurator --out-dir bench-results/ampd_eval_h200
+    ... --gpu H20 --perf-backend datasheet        # the runs before issue 34
     .venv/bin/python benchmarks/ampd_eval.py --quick --out-dir bench-results/ampd_eval_quick
 """
 
@@ -57,6 +73,8 @@ from loadgen.metrics import RequestResult, Slo, meets_slo  # noqa: E402
 from loadgen.sessions import ToolDelay, generate_sessions  # noqa: E402
 from services.planner.simulator import Simulator  # noqa: E402
 from splitserve.core.policies import known_batch_policies  # noqa: E402
+from splitserve.perf_aiconfigurator import BACKENDS, perf_model_for  # noqa: E402
+from splitserve.perf_presets import fits_in_memory  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,20 +90,77 @@ class Workload:
 # Qwen3-32B rows of Figure 4 (the paper's SLO per trace) and §7.1's GPU budgets.
 WORKLOADS = (Workload("toolbench", 8, 350, 40), Workload("hotpotqa", 8, 450, 30),
              Workload("dureader", 16, 1200, 40), Workload("gaia", 32, 1000, 35))
+# Llama-3.1-70B rows of Figure 4: the same budgets, looser SLOs.
+LLAMA_WORKLOADS = (Workload("toolbench", 8, 1000, 50), Workload("hotpotqa", 8, 2500, 45),
+                   Workload("dureader", 16, 5000, 50), Workload("gaia", 32, 1500, 35))
+WORKLOADS_BY_MODEL = {"Qwen3-32B": WORKLOADS, "Llama-3.1-70B": LLAMA_WORKLOADS}
 LOADS = (0.2, 0.35, 0.5, 0.65, 0.8)
 GPU, MODEL, LINK = "H20", "Qwen3-32B", "rdma-200g"
 
+# Figure 4's arrows: AMPD's attainment gain (%) over (Dynamo, vLLM, vLLM-Continuum) at
+# 0.8, 1.2, 1.6, 2.0, 2.4 sessions/s on real H20s, read from the paper's text (None: the
+# label is missing from it).
+PAPER_GAINS = {
+    ("Qwen3-32B", "toolbench"): ((0.00, 378, 378), (0.00, 1367, 1367), (3.02, 2538, 2538), (8.46, 1706, 1706),
+                                 (12.17, 1514, 1514)),
+    ("Qwen3-32B", "gaia"): ((7.57, 0.00, 0.00), (11.90, 0.40, 0.40), (15.13, 10.76, 10.76), (21.05, 6.99, 6.99),
+                            (19.68, 7.76, 1.35)),
+    ("Qwen3-32B", "hotpotqa"): ((1.69, 3.45, 3.45), (1.28, 3.96, 3.96), (21.93, 45.91, 36.92), (15.18, 25.01, 23.18),
+                                (219, 47.75, 31.99)),
+    ("Qwen3-32B", "dureader"): ((0.00, 543, 543), (1.52, 738, 738), (18.19, 1199, 1199), (28.30, 1033, 1033),
+                                (9.09, 859, None)),
+    ("Llama-3.1-70B", "toolbench"): ((0.00, 50.88, 50.88), (5.35, 117, 117), (13.64, 186, 186), (42.23, 56.07, 56.07),
+                                     (95.86, 104, 104)),
+    ("Llama-3.1-70B", "gaia"): ((223, 24.89, 24.89), (346, 30.95, 29.91), (474, 34.89, 34.89), (357, 16.68, 9.26),
+                                (968, 24.88, 15.01)),
+    ("Llama-3.1-70B", "hotpotqa"): ((0.00, 10.20, 10.20), (9.76, 94.59, 94.59), (13.33, 70.03, 70.03),
+                                    (20.00, 20.00, 20.00), (61.61, 9.18, 9.18)),
+    ("Llama-3.1-70B", "dureader"): ((0.00, 25.00, 25.00), (13.46, 76.63, 76.63), (13.34, 45.72, 45.72),
+                                    (44.47, 71.08, 71.08), (18.92, 120, 120)),
+}
+PAPER_BASELINES = ("Dynamo-like (pd_disaggregated)", "vLLM-like (least_loaded)",
+                   "vLLM-Continuum-like (session_affinity)")
 
-def prefill_capacity(workload: Workload) -> float:
+
+def paper_gain(model: str, preset: str, baseline: str) -> float | None:
+    """The paper's mean gain (fraction) over `baseline` across its five rates, or None."""
+    if (model, preset) not in PAPER_GAINS or baseline not in PAPER_BASELINES:
+        return None
+    column = PAPER_BASELINES.index(baseline)
+    values = [rate[column] for rate in PAPER_GAINS[(model, preset)] if rate[column] is not None]
+    return statistics.fmean(values) / 100 if values else None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What times the steps: GPU, model, `perf_model_for` backend, KV link."""
+
+    gpu: str = GPU
+    model: str = MODEL
+    backend: str = "auto"
+    link: str = LINK
+
+    def perf_model(self, tp: int):
+        return perf_model_for(self.gpu, self.model, tp, backend=self.backend, link=self.link)
+
+    def tps(self, candidates: Sequence[int] = (2, 4, 8)) -> tuple[int, ...]:
+        """The TP degrees whose weights fit the GPU (Llama-3.1-70B needs TP >= 4 on 80 GB)."""
+        return tuple(tp for tp in candidates if fits_in_memory(self.gpu, self.model, tp))
+
+
+DEFAULT_TIMING = Timing()
+
+
+def prefill_capacity(workload: Workload, timing: Timing = DEFAULT_TIMING) -> float:
     """Sessions/s the budget could prefill if every GPU did nothing else (TP4 workers,
     only each round's new tokens computed, at the session's mean history): the scale the
     rates are set on. The paper's absolute rates (0.8-2.4/s on H20) assume its measured
     H20 speed; this preset's roofline H20 is slower at prefill, so absolute rates would put
-    the large budgets (DuReader, GAIA) far past saturation and the small ones below it."""
+    the large budgets (DuReader, GAIA) far past saturation and the small ones below it.
+    Under another GPU or timing backend the rates scale with its own prefill speed."""
     from loadgen.sessions import PRESETS
-    from splitserve.perf_presets import preset
     spec = PRESETS[workload.preset]
-    model = preset(GPU, MODEL, 4, link=LINK)
+    model = timing.perf_model(4)
     mean_history = (spec.mean_rounds - 1) / 2 * (spec.mean_prefill_tokens + spec.mean_decode_tokens)
     per_round = model.prefill_time(int(mean_history), int(spec.mean_prefill_tokens))
     return (workload.gpus // 4) / (spec.mean_rounds * per_round)
@@ -136,11 +211,19 @@ class System:
     batch_policy: str = "fcfs"
 
 
-def systems(reorder: str) -> list[System]:
-    return [System("AMPD", "ampd", True, batch_policy=reorder),
-            System("Dynamo-like (pd_disaggregated)", "pd_disaggregated", True),
-            System("vLLM-like (least_loaded)", "least_loaded", False),
-            System("vLLM-Continuum-like (session_affinity)", "session_affinity", False)]
+def systems(reorder: str, prefill_first: bool = False) -> list[System]:
+    """AMPD and the paper's three baselines; with `prefill_first`, the two colocated ones
+    again under the `prefill_first` local batching (vLLM v0 / SGLang: waiting prefills
+    before running decodes) beside fcfs's decode-first batching (vLLM v1)."""
+    out = [System("AMPD", "ampd", True, batch_policy=reorder),
+           System("Dynamo-like (pd_disaggregated)", "pd_disaggregated", True),
+           System("vLLM-like (least_loaded)", "least_loaded", False),
+           System("vLLM-Continuum-like (session_affinity)", "session_affinity", False)]
+    if prefill_first:
+        out += [System("vLLM-like, prefill-first (least_loaded)", "least_loaded", False, batch_policy="prefill_first"),
+                System("vLLM-Continuum-like, prefill-first (session_affinity)", "session_affinity", False,
+                       batch_policy="prefill_first")]
+    return out
 
 
 def ablations(reorder: str) -> list[System]:
@@ -158,12 +241,16 @@ def mean_itl_ok(result: RequestResult, itl_s: float) -> bool:
 
 
 def run_case(case: tuple) -> dict[str, Any]:
-    """One simulation: a system on a deployment at a rate (a worker process's unit of work)."""
-    workload, system, deployment, rate, window_s, seed = case
+    """One simulation: a system on a deployment at a rate (a worker process's unit of work);
+    `case` = (workload, system, deployment, rate, window_s, seed[, timing])."""
+    workload, system, deployment, rate, window_s, seed, *rest = case
+    timing: Timing = rest[0] if rest else DEFAULT_TIMING
     sim = Simulator.from_preset(
-        deployment.workers, GPU, MODEL, deployment.tp, link=LINK, placement_policy=system.policy,
+        deployment.workers, timing.gpu, timing.model, deployment.tp, link=timing.link,
+        perf_backend=timing.backend, placement_policy=system.policy,
         policy_params=dict(system.params), batch_policy=system.batch_policy, roles=deployment.roles(),
         slo_ttft_ms=int(workload.ttft_ms), slo_itl_ms=int(workload.itl_ms))
+    perf = sim.config.perf_model
     count = max(8, int(round(rate * window_s)))
     sessions = list(generate_sessions(workload.preset, count, np.random.default_rng([seed, 0]),
                                       tool_delay=ToolDelay("exponential", 1.0)))
@@ -179,6 +266,7 @@ def run_case(case: tuple) -> dict[str, Any]:
     initial = [r.ttft_s for r in ok if r.round_index == 0]
     incremental = [r.ttft_s for r in ok if r.round_index > 0]
     tpot = [(r.end_s - r.first_token_s) / (r.output_len - 1) for r in ok if r.output_len >= 2]
+    tbt_p99 = [r.tbt_p99_s for r in ok if r.tbt_p99_s is not None]
     stats = outcome.stats
     later = stats.incremental_prefills_local + stats.incremental_prefills_remote
     return {
@@ -189,21 +277,25 @@ def run_case(case: tuple) -> dict[str, Any]:
         "ttft_initial_mean_ms": 1000 * statistics.fmean(initial) if initial else None,
         "ttft_incremental_mean_ms": 1000 * statistics.fmean(incremental) if incremental else None,
         "itl_mean_ms": 1000 * statistics.fmean(tpot) if tpot else None,
+        "tbt_p99_median_ms": 1000 * statistics.median(tbt_p99) if tbt_p99 else None,
         "local_share": stats.incremental_prefills_local / later if later else None,
         "kv_pulled_tokens": stats.kv_pulled_tokens, "history_cached_tokens": stats.history_cached_tokens,
         "kv_transfers": stats.kv_transfers,
         "preemptions": stats.preemptions, "wall_s": wall,
+        "perf_backend": perf.backend, "perf_label": perf.label, "timing_note": perf.timing_note,
     }
 
 
 def evaluate(workload: Workload, reorder: str, rates: Sequence[float], window_s: float, seed: int, pool,
-             search_rates: Sequence[float], log) -> dict[str, Any]:
+             search_rates: Sequence[float], log, timing: Timing = DEFAULT_TIMING,
+             prefill_first: bool = False) -> dict[str, Any]:
     """Each system's best deployment (searched at `search_rates`), then every rate there, and the ablations."""
     best: dict[str, Deployment] = {}
     search: list[dict[str, Any]] = []
-    for system in systems(reorder):
-        candidates = deployments(workload.gpus, system.disaggregated)
-        cases = [(workload, system, d, r, window_s, seed) for d in candidates for r in search_rates]
+    every = systems(reorder, prefill_first)
+    for system in every:
+        candidates = deployments(workload.gpus, system.disaggregated, timing.tps())
+        cases = [(workload, system, d, r, window_s, seed, timing) for d in candidates for r in search_rates]
         rows = pool.map(run_case, cases)
         search += rows
         score = {d.label: statistics.fmean(row["attainment"] for row in rows if row["deployment"] == d.label)
@@ -211,11 +303,14 @@ def evaluate(workload: Workload, reorder: str, rates: Sequence[float], window_s:
         best[system.name] = max(candidates, key=lambda d: (score[d.label], -d.tp))
         log(f"  {workload.preset}: {system.name}: best {best[system.name].label} "
             f"({', '.join(f'{k} {v:.0%}' for k, v in score.items())})")
-    cases = [(workload, system, best[system.name], r, window_s, seed) for system in systems(reorder) for r in rates]
-    cases += [(workload, system, best["AMPD"], r, window_s, seed) for system in ablations(reorder) for r in rates]
+    cases = [(workload, system, best[system.name], r, window_s, seed, timing) for system in every for r in rates]
+    cases += [(workload, system, best["AMPD"], r, window_s, seed, timing) for system in ablations(reorder)
+              for r in rates]
     rows = pool.map(run_case, cases)
-    return {"workload": asdict(workload), "best": {k: v.label for k, v in best.items()}, "rows": rows,
-            "search": search}
+    return {"workload": asdict(workload), "model": timing.model, "gpu": timing.gpu, "best":
+            {k: v.label for k, v in best.items()}, "rows": rows, "search": search,
+            "timing_notes": sorted({row["timing_note"] for row in rows}),
+            "capacity_sessions_s": prefill_capacity(workload, timing)}
 
 
 def gains(rows: Sequence[dict[str, Any]], over: str, key: str = "attainment") -> list[float]:
@@ -228,29 +323,103 @@ def gains(rows: Sequence[dict[str, Any]], over: str, key: str = "attainment") ->
     return out
 
 
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.0%}"
+
+
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"Machine: {results['machine']}. Command: `{results['command']}`.", ""]
+    lines = [f"Machine: {results['machine']}. Command: `{results['command']}`.",
+             "Step times: " + "; ".join(results.get("timing_notes", [])) + ".", ""]
     for panel in results["panels"]:
         w = panel["workload"]
-        lines += [f"**{w['preset']}** ({w['gpus']} × {GPU}, {MODEL}, TTFT ≤ {w['ttft_ms']:.0f} ms, "
-                  f"ITL ≤ {w['itl_ms']:.0f} ms); best deployments: "
+        gpu, model = panel.get("gpu", GPU), panel.get("model", MODEL)
+        capacity = panel.get("capacity_sessions_s")
+        lines += [f"**{w['preset']}** ({w['gpus']} × {gpu}, {model}, TTFT ≤ {w['ttft_ms']:.0f} ms, "
+                  f"ITL ≤ {w['itl_ms']:.0f} ms"
+                  + (f"; prefill capacity {capacity:.2f} sessions/s" if capacity else "") + "); best deployments: "
                   + "; ".join(f"{k}: {v}" for k, v in panel["best"].items()), ""]
         rates = sorted({r["rate"] for r in panel["rows"]})
-        lines.append("| system | " + " | ".join(f"{r:g}/s" for r in rates) + " | strict (p99 gap), mid rate | "
-                     "TTFT init / incr (ms), mid rate | mean ITL (ms) | local share |")
+        lines.append("| system | " + " | ".join(f"{r:g}/s" for r in rates) + " | TTFT init / incr (ms), mid rate | "
+                     "mean ITL (ms) | request p99 gap, median (ms) | local share |")
         lines.append("|---" * (len(rates) + 5) + "|")
         for system in dict.fromkeys(r["system"] for r in panel["rows"]):
             row = {r["rate"]: r for r in panel["rows"] if r["system"] == system}
             mid = row[rates[len(rates) // 2]]
             fmt = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
             share = "–" if mid["local_share"] is None else f"{mid['local_share']:.0%}"
-            lines.append(f"| {system} | " + " | ".join(f"{row[r]['attainment']:.0%}" for r in rates)
-                         + f" | {mid['attainment_strict']:.0%} | {fmt(mid['ttft_initial_mean_ms'])} / "
-                         f"{fmt(mid['ttft_incremental_mean_ms'])} | {fmt(mid['itl_mean_ms'])} | {share} |")
+            lines.append(f"| {system} | " + " | ".join(f"{row[r]['attainment']:.0%} / {row[r]['attainment_strict']:.0%}"
+                                                      for r in rates)
+                         + f" | {fmt(mid['ttft_initial_mean_ms'])} / {fmt(mid['ttft_incremental_mean_ms'])} | "
+                         f"{fmt(mid['itl_mean_ms'])} | {fmt(mid.get('tbt_p99_median_ms'))} | {share} |")
         lines.append("")
-    lines.append("AMPD's attainment gain, averaged over rates and workloads (the paper: +67.29% over "
-                 "disaggregated, +339.74% over colocated): "
-                 + "; ".join(f"{k}: {v:+.1%}" for k, v in results["average_gain"].items()))
+    lines += ["Cells: attainment by the paper's per-request mean ITL / by the strict per-request p99 gap "
+              "(both with TTFT ≤ its SLO).", ""]
+    baselines = [b for b in dict.fromkeys(r["system"] for p in results["panels"] for r in p["rows"])
+                 if b != "AMPD" and not b.startswith("AMPD ")]
+    lines.append("AMPD's attainment gain over each baseline, (a − b) / b averaged over the rates where b > 0: "
+                 "mean-ITL attainment / strict attainment / the paper's Figure 4 (real H20s, its five rates).")
+    lines.append("")
+    lines.append("| workload | " + " | ".join(baselines) + " |")
+    lines.append("|---" * (len(baselines) + 1) + "|")
+    for panel in results["panels"]:
+        model = panel.get("model", MODEL)
+        cells = []
+        for b in baselines:
+            mean, strict = gains(panel["rows"], b), gains(panel["rows"], b, "attainment_strict")
+            cells.append(f"{_pct(statistics.fmean(mean) if mean else None)} / "
+                         f"{_pct(statistics.fmean(strict) if strict else None)} / "
+                         f"{_pct(paper_gain(model, panel['workload']['preset'], b))}")
+        lines.append(f"| {model} {panel['workload']['preset']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Averaged over rates and workloads (the paper: +67.29% over disaggregated, +339.74% over "
+                 "colocated, all three models): "
+                 + "; ".join(f"{k}: {v:+.1%}" for k, v in results["average_gain"].items())
+                 + "; strict: " + "; ".join(f"{k}: {v:+.1%}" for k, v in results.get("average_gain_strict", {}).items()))
+    return "\n".join(lines)
+
+
+def compare(paths: Sequence[Path]) -> str:
+    """Runs side by side (`--compare A.json B.json ...`): each system's attainment averaged over
+    the five loads (mean ITL / strict), and AMPD's mean gain over each baseline beside the paper's."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    names = [f"{r.get('gpu', GPU)} {r.get('perf_backend', 'datasheet')}" for r in runs]
+    lines = ["Attainment averaged over the five loads (20-80% of each run's own prefill capacity), mean ITL / "
+             "strict p99 gap; the best deployment in brackets.", "",
+             "| workload | system | " + " | ".join(names) + " |", "|---|---" + "|---" * len(runs) + "|"]
+    keys = list(dict.fromkeys((p.get("model", MODEL), p["workload"]["preset"]) for r in runs for p in r["panels"]))
+
+    def panel(run, key):
+        return next((p for p in run["panels"] if (p.get("model", MODEL), p["workload"]["preset"]) == key), None)
+
+    for key in keys:
+        systems_seen = list(dict.fromkeys(row["system"] for r in runs if panel(r, key) for row in panel(r, key)["rows"]))
+        for system in systems_seen:
+            cells = []
+            for run in runs:
+                p = panel(run, key)
+                rows = [row for row in p["rows"] if row["system"] == system] if p else []
+                if not rows:
+                    cells.append("–")
+                    continue
+                best = p["best"].get(system) or p["best"].get("AMPD", "")
+                cells.append(f"{statistics.fmean(r['attainment'] for r in rows):.0%} / "
+                             f"{statistics.fmean(r['attainment_strict'] for r in rows):.0%} ({best})")
+            lines.append(f"| {key[0]} {key[1]} | {system} | " + " | ".join(cells) + " |")
+    lines += ["", "AMPD's gain over each baseline, mean over the rates where the baseline > 0, mean-ITL / strict "
+              "attainment; the paper's (Figure 4, real H20s) last.", "",
+              "| workload | baseline | " + " | ".join(names) + " | paper |", "|---|---" + "|---" * (len(runs) + 1) + "|"]
+    for key in keys:
+        baselines = list(dict.fromkeys(row["system"] for r in runs if panel(r, key) for row in panel(r, key)["rows"]
+                                       if row["system"] != "AMPD" and not row["system"].startswith("AMPD ")))
+        for b in baselines:
+            cells = []
+            for run in runs:
+                p = panel(run, key)
+                mean = gains(p["rows"], b) if p else []
+                strict = gains(p["rows"], b, "attainment_strict") if p else []
+                cells.append(f"{_pct(statistics.fmean(mean) if mean else None)} / "
+                             f"{_pct(statistics.fmean(strict) if strict else None)}")
+            lines.append(f"| {key[0]} {key[1]} | {b} | " + " | ".join(cells) + f" | {_pct(paper_gain(*key, b))} |")
     return "\n".join(lines)
 
 
@@ -266,7 +435,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.plot([r["rate"] for r in rows], [100 * r["attainment"] for r in rows], marker="o",
                     linestyle="--" if "w/o" in system or "always" in system else "-", label=system)
         w = panel["workload"]
-        ax.set_title(f"{w['preset']} ({w['gpus']} GPUs)")
+        ax.set_title(f"{panel.get('model', MODEL)} {w['preset']} ({w['gpus']} x {panel.get('gpu', GPU)})", fontsize=8)
         ax.set_xlabel("sessions / s")
         ax.set_ylim(0, 102)
     axes[0][0].set_ylabel("SLO attainment (%)")
@@ -281,6 +450,13 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/ampd_eval"))
+    parser.add_argument("--gpu", default=GPU, help="GPU preset (H20: the paper's; measured data: A100, H100, H200, L40S)")
+    parser.add_argument("--model", default=MODEL, choices=sorted(WORKLOADS_BY_MODEL),
+                        help="the model (its Figure 4 row: SLOs per workload)")
+    parser.add_argument("--perf-backend", default="auto", choices=BACKENDS,
+                        help="what times the steps (splitserve.perf_aiconfigurator.perf_model_for): aiconfigurator "
+                             "(measured), roofline (kernel-class, fitted), datasheet (the whole-step datasheet "
+                             "roofline that timed every result before issue 34), auto (measured where covered)")
     parser.add_argument("--workloads", default=",".join(w.preset for w in WORKLOADS))
     parser.add_argument("--loads", default=",".join(str(r) for r in LOADS),
                         help="session rates as fractions of each budget's prefill capacity")
@@ -288,36 +464,55 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=60.0, help="sessions sent = rate x window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-prefill-first", dest="prefill_first", action="store_false",
+                        help="leave out the two colocated baselines under prefill_first local batching")
     parser.add_argument("--quick", action="store_true", help="toolbench only, 30 s window, three rates")
+    parser.add_argument("--compare", nargs="+", type=Path, metavar="JSON",
+                        help="print earlier runs' ampd_eval.json side by side and exit")
     args = parser.parse_args()
+    if args.compare:
+        print(compare(args.compare))
+        return
     names = args.workloads.split(",")
     loads = [float(x) for x in args.loads.split(",")]
     if args.quick:
         names, loads, args.window_s = ["toolbench"], [0.2, 0.5, 0.8], 30.0
     reorder = "prefill_reorder" if "prefill_reorder" in known_batch_policies() else "fcfs"
+    timing = Timing(args.gpu, args.model, args.perf_backend, LINK)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda text: print(text, flush=True)  # noqa: E731
     log(f"AMPD local batching: {reorder}" + ("" if reorder != "fcfs" else " (prefill_reorder is not installed)"))
+    notes = [timing.perf_model(tp).timing_note for tp in timing.tps()]  # tabulated once, before the workers fork
+    for note in notes:
+        log(note)
     started = time.perf_counter()
     panels = []
     with multiprocessing.get_context("fork").Pool(args.processes) as pool:
-        for workload in WORKLOADS:
+        for workload in WORKLOADS_BY_MODEL[args.model]:
             if workload.preset in names:
                 rates = [float(r) for r in args.rates.split(",")] if args.rates else \
-                    [round(x * prefill_capacity(workload), 2) for x in loads]
+                    [round(x * prefill_capacity(workload, timing), 2) for x in loads]
                 search_rates = [rates[len(rates) // 2], rates[-1]]
-                panels.append(evaluate(workload, reorder, rates, args.window_s, args.seed, pool, search_rates, log))
+                panels.append(evaluate(workload, reorder, rates, args.window_s, args.seed, pool, search_rates, log,
+                                       timing, args.prefill_first))
                 log(f"  {workload.preset} done at {time.perf_counter() - started:.0f} s")
     all_rows = [r for p in panels for r in p["rows"]]
-    average_gain = {}
-    for baseline in ("Dynamo-like (pd_disaggregated)", "vLLM-like (least_loaded)",
-                     "vLLM-Continuum-like (session_affinity)"):
+    baselines = [s.name for s in systems(reorder, args.prefill_first)[1:]]
+    average_gain, average_gain_strict = {}, {}
+    for baseline in baselines:
         values = [g for p in panels for g in gains(p["rows"], baseline)]
         if values:
             average_gain[baseline] = statistics.fmean(values)
+        values = [g for p in panels for g in gains(p["rows"], baseline, "attainment_strict")]
+        if values:
+            average_gain_strict[baseline] = statistics.fmean(values)
     results = {"machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.python_version()}",
-               "command": " ".join(["python", *sys.argv]), "batch_policy": reorder, "panels": panels,
-               "average_gain": average_gain, "wall_s": time.perf_counter() - started, "rows": len(all_rows)}
+               "command": " ".join(["python", *sys.argv]), "gpu": timing.gpu, "model": timing.model,
+               "perf_backend": timing.backend, "link": timing.link,
+               "timing_notes": sorted({row["timing_note"] for row in all_rows}),
+               "batch_policy": reorder, "panels": panels, "average_gain": average_gain,
+               "average_gain_strict": average_gain_strict, "wall_s": time.perf_counter() - started,
+               "rows": len(all_rows), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (args.out_dir / "ampd_eval.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (args.out_dir / "ampd_eval.md").write_text(text + "\n")

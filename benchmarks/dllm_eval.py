@@ -40,6 +40,11 @@ from workers.diffusion import tiny_task  # noqa: E402
 from workers.engine import LLM  # noqa: E402
 
 
+# What times this benchmark's steps (every dLLM report says it; benchmarks/dllm_emulated.py's are
+# virtual time on a perf model): the real engine and model, on this machine's CPU.
+TIMING = "measured wall clock of the real diffusion engine and the tiny LLaDA on this CPU (no perf model)"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
@@ -183,6 +188,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
     prompts = [list(p.prompt_ids) for p in tiny_task.problems(args.requests, seed=args.seed + 1)]
+    print(f"step times: {TIMING} ({platform.processor() or platform.machine()}, {args.threads} threads)", flush=True)
     cpu_rows = cpu_part(args, prompts) if "cpu" in parts else []
     quality_rows = quality_part(args) if "quality" in parts else []
     if cpu_rows:
@@ -203,6 +209,7 @@ def main() -> None:
             pair = {r["selection"]: r for r in quality_rows if r["retention_ratio"] == ratio}
             print(f"| {ratio:.2f} | {pair['head']['accuracy']:.1%} | {pair['uniform']['accuracy']:.1%} |")
     (args.out_dir / "dllm_eval.json").write_text(json.dumps({
+        "timing": TIMING,
         "cpu": cpu_rows, "quality": quality_rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
                     "torch": torch.__version__}}, indent=1))

@@ -1,6 +1,13 @@
 """LAPS' evaluation (arXiv 2601.11589 §4) in the simulator: prefill latency and SLO violations.
 
-Deployments (the roofline presets of `splitserve/perf_presets.py`, H200):
+Step times (`--perf-backend`, default auto): `splitserve.perf_aiconfigurator.perf_model_for`,
+i.e. NVIDIA aiconfigurator's per-kernel timings measured on real GPUs where the GPU x model
+is covered (H200 x Qwen2.5 is), a step being the sum of its kernel classes; `datasheet` is
+the whole-step roofline (max(compute, memory) per step at datasheet peaks) that timed every
+result before issue 34. Every row, the JSON and the printed tables carry the model's
+`timing_note` (which backend timed the run).
+
+Deployments (H200):
 
 * **temporal**: 1 prefill instance and 2 decode instances behind it (PD);
 * **spatial**: 8 prefill instances and 4 decode instances behind them.
@@ -18,11 +25,27 @@ Systems, side by side on the same requests and arrivals:
 
 In temporal mode (one prefill instance) the pools do not exist: LAPS is the local policy.
 
-Workloads: the Mooncake conversation trace (its `hash_ids`: prompts sharing a prefix hit the
-prefix cache, the re-prefill history) and the Azure 2023 conversation trace, request
-lengths in trace order, closed-loop clients (concurrency 16 and 64), and Poisson arrivals
-at load factors 0.4, 0.7 and 1.0 of the prefill instances' raw capacity (instances / the
-mean prompt's prefill time by the preset, prefix-cache hits ignored). The physical floor
+Workloads (`--workloads`): the Mooncake conversation trace (its `hash_ids`: prompts sharing a
+prefix hit the prefix cache, the re-prefill history) and the Azure 2023 conversation trace,
+request lengths in trace order; `multiturn`: conversations shaped like LAPS' LMsys-Chat-1M
+workload (`loadgen.multiturn`, `laps_multiturn.multiturn_workload`: Figure 2's short shares,
+spread and turns from the Mooncake trace's shared prefixes, outputs from Azure), each later
+turn a re-prefill of its new tokens on the history pinned on the session's decode worker.
+Closed-loop clients (concurrency 16 and 64), and Poisson arrivals at load factors 0.4, 0.7
+and 1.0 of the prefill instances' raw capacity (instances / the mean (re-)prefill time by
+the run's perf model; trace rows without prefix-cache hits, conversation turns as
+re-prefills of their new tokens on their history; sessions arrive at that rate / turns per
+conversation).
+
+Every request is classified as LAPS classifies it, by its NEW tokens L against L_m(H) on its
+history H (`perf_model.prefill_boundary(H)`), never by its whole prompt: a conversation
+turn's H is its history, a Mooncake row's the longest prefix it shares with an earlier row
+(the best case for a prefix cache), an Azure row's 0. Short and long TTFT are reported apart.
+On conversations the baselines run twice: as registered (`pd_disaggregated` ignores the
+session binding: a later turn's history is recomputed but for the prefill worker's own
+prefix cache) and as `pd_session` (the decode stays on the session's worker and the history's
+KV is pulled, as the `laps` placement does), so LAPS' scheduling is not credited with the
+history reuse. The physical floor
 is reported beside: the share of requests whose prefill alone, on an idle instance without
 a prefix-cache hit, already exceeds the TTFT SLO (Mooncake's prompts average 13.7 k tokens). TTFT SLO 0.4 s. Reported: TTFT mean / p90 / p99, SLO violations
 (TTFT > 0.4 s or failed), request throughput; the pool controller's moves over time (plot).
@@ -35,8 +58,14 @@ rate at which a system keeps SLO attainment at 90% of what is attainable (1 − 
 by `loadgen.metrics.find_capacity` over whole simulations, for vanilla PD, the LB router
 and LAPS (the paper's "+35% request throughput" is throughput at an SLO).
 
+Interference (`--parts interference`): LAPS §2, Figures 1 and 3, on one instance (H200 x
+Qwen2.5-32B as in the paper): P90 TTFT of long (> 1 K tokens) and short (< 64 tokens)
+prefills, each class alone (the figures' dashed lines) and mixed, c clients per class.
+
     nice -n 5 .venv/bin/python -u benchmarks/laps_eval.py --out-dir bench-results/laps_eval
     nice -n 5 .venv/bin/python -u benchmarks/laps_eval.py --parts capacity --out-dir bench-results/laps_eval
+    nice -n 5 .venv/bin/python -u benchmarks/laps_eval.py --workloads multiturn --out-dir bench-results/laps_multiturn
+    nice -n 5 .venv/bin/python -u benchmarks/laps_eval.py --parts interference --out-dir bench-results/laps_interf
     .venv/bin/python benchmarks/laps_eval.py --quick --out-dir bench-results/laps_eval_quick
 """
 
@@ -44,11 +73,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -56,8 +86,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import laps_multiturn  # noqa: E402  (registers the pd_session baseline)
 from loadgen import arrivals  # noqa: E402
+from loadgen.multiturn import mooncake_turns, rounds_of, split_by_class  # noqa: E402
+from loadgen.sessions import parse_tool_delay  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec, requests_from_trace  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
@@ -65,6 +99,9 @@ from splitserve.perf_model import PerfModel  # noqa: E402
 
 SLO_S = 0.4
 TRACES = {"mooncake-conv": "mooncake_conversation_trace.jsonl", "azure-conv": "AzureLLMInferenceTrace_conv.csv"}
+MULTITURN = "multiturn"
+SESSION_SPAN_S = 30.0  # conversations' first turns arrive over at least this long (Workload.at_rate)
+BACKENDS = ("auto", "aiconfigurator", "roofline", "datasheet")
 DEPLOYMENTS = {"temporal": (1, 2), "spatial": (8, 4)}  # (prefill instances, decode instances)
 SYSTEMS: dict[str, dict[str, Any]] = {
     "vanilla PD": dict(placement_policy="pd_disaggregated", policy_params={"prefill_routing": "round_robin"}),
@@ -72,61 +109,172 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "LAPS": dict(placement_policy="laps", batch_policy="laps"),
     "pools only": dict(placement_policy="laps"),
     "batching only": dict(placement_policy="pd_disaggregated", batch_policy="laps"),
+    # Conversations only: the baselines keeping the session's history (see the module docstring).
+    "vanilla PD (sessions)": dict(placement_policy="pd_session", policy_params={"prefill_routing": "round_robin"}),
+    "LB router (sessions)": dict(placement_policy="pd_session"),
 }
+SESSION_SYSTEMS = ("vanilla PD (sessions)", "LB router (sessions)")
 TEMPORAL_SYSTEMS = ("vanilla PD", "LAPS")  # one prefill instance: routing and pools do not apply
+BASELINES = ("vanilla PD", "LB router", "vanilla PD (sessions)", "LB router (sessions)")
+
+
+def decode_instances(model: PerfModel, workload: Workload, deployment: str) -> int:
+    """Decode instances of a deployment for a workload. Conversations: enough that the decode
+    side is not the bottleneck at the highest load (a conversation's next turn waits for its
+    previous turn's last token, so a saturated decode side would throttle the turns and the
+    prefill side LAPS schedules would never see the offered load): the prefill instances' raw
+    capacity x mean output tokens over 70% of one instance's decode rate at batch 128 and the
+    workload's mean context. Trace rows (open loop): the fixed DEPLOYMENTS."""
+    n_prefill, n_decode = DEPLOYMENTS[deployment]
+    if not workload.sessions:
+        return n_decode
+    capacity = n_prefill / float(workload.prefill_s(model).mean())
+    outputs = [r.output_len for s in workload.items for r in s.rounds]
+    mean_out = float(np.mean(outputs))
+    context = float(np.mean([h + n for _, _, h, n in workload.rounds])) + mean_out / 2
+    per_instance = 128 / model.decode_time(128, context)
+    return max(n_decode, math.ceil(capacity * mean_out / (0.7 * per_instance)))
+
+
+def systems_for(deployment: str, workload: Workload) -> tuple[str, ...]:
+    if deployment == "temporal":
+        return TEMPORAL_SYSTEMS + (("vanilla PD (sessions)",) if workload.sessions else ())
+    return tuple(s for s in SYSTEMS if workload.sessions or s not in SESSION_SYSTEMS)
+
+
+def system_options(system: str, workload: Workload) -> dict[str, Any]:
+    options = dict(SYSTEMS[system])
+    if system == "batching only" and workload.sessions:  # LB routing keeping the history, laps locally
+        options["placement_policy"] = "pd_session"
+    return options
 
 
 @dataclass
 class Workload:
     name: str
-    specs: list[SimRequestSpec]
+    items: list  # SimRequestSpec rows or loadgen Sessions
+    # (request id, turn, history H, new tokens L) of every request (a session: every round).
+    rounds: list[tuple[str, int, int, int]]
+    sessions: bool = False
+    source: dict[str, Any] = field(default_factory=dict)
+    # Conversations: makes n of them (the same draws for every system at one load point).
+    factory: Any = None
+    _grown: dict[int, "Workload"] = field(default_factory=dict, repr=False)
+
+    def at_rate(self, rate: float) -> Workload:
+        """Conversations at a Poisson rate: enough of them that their first turns arrive over
+        SESSION_SPAN_S (a conversation lasts seconds: its turns' decodes and think times; a
+        shorter span would measure a burst of first turns, not the steady mix of turns)."""
+        if not self.sessions or self.factory is None:
+            return self
+        n = max(len(self.items), math.ceil(SESSION_SPAN_S * rate / self.rounds_per_item))
+        if n == len(self.items):
+            return self
+        if n not in self._grown:
+            sessions = self.factory(n)
+            self._grown[n] = Workload(self.name, sessions, rounds_of(sessions), True, self.source)
+        return self._grown[n]
+
+    @property
+    def specs(self) -> list:  # the name the first version used
+        return self.items
+
+    @property
+    def rounds_per_item(self) -> float:
+        return len(self.rounds) / max(1, len(self.items))
 
     def prefill_s(self, model: PerfModel) -> np.ndarray:
-        return np.array([model.prefill_time(0, s.prompt_len) for s in self.specs])
+        """Each request's prefill alone on an idle instance: a conversation turn re-prefills its
+        new tokens on its history; a trace row is taken without a prefix-cache hit (as before)."""
+        if self.sessions:
+            return np.array([model.prefill_time(h, n) for _, _, h, n in self.rounds])
+        return np.array([model.prefill_time(0, h + n) for _, _, h, n in self.rounds])
+
+    def classes(self, model: PerfModel) -> dict[str, bool]:
+        """request id -> short: new tokens L < L_m(H) (LAPS' class), H as the module docstring says."""
+        return split_by_class(self.rounds, model.prefill_boundary)
 
 
-def load_workloads(trace_dir: Path, n: int, log) -> list[Workload]:
+def trace_rounds(rows, name: str) -> list[tuple[str, int, int, int]]:
+    """(id, 0, H, L) per trace row: H the longest prefix (whole blocks) shared with an earlier row."""
+    if rows and rows[0].block_tokens:
+        turns = mooncake_turns(rows, min_shared_blocks=1)
+        return [(f"{name}-{t.index}", 0, t.history, t.new_tokens) for t in turns]
+    return [(f"{name}-{i}", 0, 0, r.prompt_len) for i, r in enumerate(rows)]
+
+
+def load_workloads(trace_dir: Path, n: int, log, names: Sequence[str] = tuple(TRACES), conversations: int = 1200,
+                   think_time: str = "exponential:mean=1", seed: int = 0) -> list[Workload]:
     out = []
-    for name, file in TRACES.items():
-        path = trace_dir / file
+    for name in names:
+        if name == MULTITURN:
+            missing = [f for f in TRACES.values() if not (trace_dir / f).exists()]
+            if missing:
+                log(f"skipping {name}: {', '.join(missing)} not in {trace_dir} (pass --trace-dir)")
+                continue
+            delay = parse_tool_delay(think_time)
+            sessions, source = laps_multiturn.multiturn_workload(trace_dir, conversations, seed, delay)
+
+            def factory(count: int, delay=delay) -> list:
+                return laps_multiturn.multiturn_workload(trace_dir, count, seed, delay)[0]
+
+            out.append(Workload(name, sessions, rounds_of(sessions), sessions=True, source=source, factory=factory))
+            continue
+        path = trace_dir / TRACES[name]
         if not path.exists():
             log(f"skipping {name}: {path} not found (pass --trace-dir)")
             continue
         rows = read_trace(path)[:n]
-        out.append(Workload(name, requests_from_trace(rows, name)))
+        out.append(Workload(name, requests_from_trace(rows, name), trace_rounds(rows, name)))
     return out
 
 
-def summarise(results) -> dict[str, Any]:
+def summarise(results, classes: dict[str, bool] | None = None) -> dict[str, Any]:
     ttft = np.array([r.ttft_s for r in results if r.ok and r.ttft_s is not None])
     violations = sum(1 for r in results if not r.ok or r.ttft_s is None or r.ttft_s > SLO_S)
     done = [r for r in results if r.ok]
     span = max((r.end_s for r in done), default=0.0) - min((r.arrival_s for r in results), default=0.0)
     pct = (lambda q: float(np.percentile(ttft, q) * 1000)) if len(ttft) else (lambda q: float("nan"))
-    return {"requests": len(results), "ok": len(done), "ttft_mean_ms": float(ttft.mean() * 1000) if len(ttft) else None,
-            "ttft_p50_ms": pct(50), "ttft_p90_ms": pct(90), "ttft_p99_ms": pct(99),
-            "violations": violations, "violation_rate": violations / max(1, len(results)),
-            "throughput_rps": len(done) / span if span > 0 else 0.0}
+    row = {"requests": len(results), "ok": len(done), "ttft_mean_ms": float(ttft.mean() * 1000) if len(ttft) else None,
+           "ttft_p50_ms": pct(50), "ttft_p90_ms": pct(90), "ttft_p99_ms": pct(99),
+           "violations": violations, "violation_rate": violations / max(1, len(results)),
+           "throughput_rps": len(done) / span if span > 0 else 0.0}
+    if classes:
+        for name, want in (("short", True), ("long", False)):
+            mine = [r for r in results if classes.get(r.request_id) is want]
+            t = np.array([r.ttft_s for r in mine if r.ok and r.ttft_s is not None]) * 1000
+            bad = sum(1 for r in mine if not r.ok or r.ttft_s is None or r.ttft_s > SLO_S)
+            row.update({f"{name}_n": len(mine), f"{name}_ttft_mean_ms": float(t.mean()) if len(t) else None,
+                        f"{name}_ttft_p50_ms": float(np.percentile(t, 50)) if len(t) else None,
+                        f"{name}_ttft_p90_ms": float(np.percentile(t, 90)) if len(t) else None,
+                        f"{name}_violation_rate": bad / len(mine) if mine else None})
+    return row
 
 
 def run_one(gpu: str, model: str, deployment: str, system: str, workload: Workload, load: tuple[str, float],
-            seed: int) -> dict[str, Any]:
-    n_prefill, n_decode = DEPLOYMENTS[deployment]
-    options = SYSTEMS[system]
+            seed: int, perf_backend: str = "auto", n_decode: int | None = None) -> dict[str, Any]:
+    n_prefill, fixed_decode = DEPLOYMENTS[deployment]
+    n_decode = n_decode or fixed_decode
+    options = system_options(system, workload)
     sim = Simulator.from_preset(n_prefill + n_decode, gpu, model, roles=pd_roles(n_prefill + n_decode, n_prefill),
                                 placement_policy=options["placement_policy"],
                                 policy_params=dict(options.get("policy_params", {})),
                                 batch_policy=options.get("batch_policy", "fcfs"), slo_ttft_ms=round(SLO_S * 1000),
-                                max_num_batched_tokens=2048)
+                                max_num_batched_tokens=2048, perf_backend=perf_backend)
     kind, value = load
     started = time.perf_counter()
     if kind == "rate":
-        outcome = sim.run(workload.specs, arrivals.poisson(value), seed=seed)
+        # A conversation's turns follow its first one: sessions arrive at the rate / turns per conversation.
+        workload = workload.at_rate(value)
+        outcome = sim.run(workload.items, arrivals.poisson(value / workload.rounds_per_item), seed=seed)
     else:
-        outcome = sim.run(workload.specs, None, concurrency=int(value), seed=seed)
-    row = summarise(outcome.results)
+        outcome = sim.run(workload.items, None, concurrency=int(value), seed=seed)
+    model_obj = sim.config.perf_model
+    row = summarise(outcome.results, workload.classes(model_obj))
     row.update(model=model, deployment=deployment, system=system, workload=workload.name, load=kind, value=value,
-               wall_s=time.perf_counter() - started, pool_moves=outcome.stats.pool_moves)
+               items=len(workload.items), prefill_instances=n_prefill, decode_instances=n_decode, wall_s=time.perf_counter() - started, pool_moves=outcome.stats.pool_moves,
+               perf_backend=model_obj.backend, step_times=model_obj.timing_note,
+               kv_pulls=outcome.stats.kv_pulls, kv_recomputes=outcome.stats.kv_recomputes)
     if outcome.stats.pool_timeline:
         row["pool_timeline"] = outcome.stats.pool_timeline
     return row
@@ -147,57 +295,122 @@ def main() -> None:
     parser.add_argument("--gpu", default="H200")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="One model, one load factor, one concurrency.")
-    parser.add_argument("--parts", default="sweep", help="Comma list: sweep (the load sweep) | capacity.")
+    parser.add_argument("--parts", default="sweep",
+                        help="Comma list: sweep (the load sweep) | capacity | interference (LAPS Figures 1 and 3).")
+    parser.add_argument("--perf-backend", default="auto", choices=BACKENDS,
+                        help="What times the steps: auto (measured aiconfigurator data where covered, else the "
+                             "kernel-class roofline) | aiconfigurator | roofline | datasheet (the whole-step roofline "
+                             "that timed every result before issue 34).")
+    parser.add_argument("--workloads", default=",".join(TRACES),
+                        help=f"Comma list: {', '.join(TRACES)}, {MULTITURN} (conversations, see the docstring).")
+    parser.add_argument("--conversations", type=int, default=1200, help="Conversations of the multiturn workload.")
+    parser.add_argument("--think-time", default="exponential:mean=1",
+                        help="Between a conversation's turns (loadgen.sessions.parse_tool_delay).")
     args = parser.parse_args()
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts <= {"sweep", "capacity"}:
-        raise SystemExit(f"--parts: sweep and/or capacity, got {args.parts!r}")
+    if not parts <= {"sweep", "capacity", "interference"}:
+        raise SystemExit(f"--parts: sweep, capacity and/or interference, got {args.parts!r}")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not names or not set(names) <= set(TRACES) | {MULTITURN}:
+        raise SystemExit(f"--workloads: a comma list of {', '.join(TRACES)}, {MULTITURN}; got {args.workloads!r}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    workloads = load_workloads(args.trace_dir, 600 if args.quick else args.requests, log)
+    if "interference" in parts:
+        interference_part(args, log)
+        if not parts & {"sweep", "capacity"}:
+            return
+    workloads = load_workloads(args.trace_dir, 600 if args.quick else args.requests, log, names,
+                               conversations=400 if args.quick else args.conversations, think_time=args.think_time,
+                               seed=args.seed)
     if not workloads:
         raise SystemExit("no trace found: pass --trace-dir (the Mooncake and Azure conversation traces)")
+    for workload in workloads:
+        if workload.source:
+            log(f"{workload.name}: {json.dumps(workload.source['shape'])}")
+            log(f"{workload.name}: new tokens {json.dumps(workload.source['generated'])}")
     models, factors, concurrency = plan(args.quick)
     if "capacity" in parts:
         capacity_part(args, models, workloads, log)
     if "sweep" not in parts:
         return
     rows = []
-    floors = {}
+    floors: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    short_shares: dict[str, float] = {}
+    started = time.perf_counter()
     for model in models:
-        preset = Simulator.from_preset(1, args.gpu, model).config.perf_model
+        preset = Simulator.from_preset(1, args.gpu, model, perf_backend=args.perf_backend).config.perf_model
+        notes[model] = preset.timing_note
+        log(f"{model}: {preset.timing_note}; L_m(0) = {preset.prefill_boundary(0):.0f} tokens")
         for deployment, (n_prefill, _) in DEPLOYMENTS.items():
-            systems = TEMPORAL_SYSTEMS if deployment == "temporal" else tuple(SYSTEMS)
             for workload in workloads:
+                systems = systems_for(deployment, workload)
                 prefill_s = workload.prefill_s(preset)
-                floors[f"{model} {workload.name}"] = float((prefill_s > SLO_S).mean())
-                capacity = n_prefill / float(prefill_s.mean())  # raw prefill capacity, req/s
+                key = f"{model} {workload.name}"
+                floors[key] = float((prefill_s > SLO_S).mean())
+                classes = workload.classes(preset)
+                short_shares[key] = sum(classes.values()) / max(1, len(classes))
+                capacity = n_prefill / float(prefill_s.mean())  # raw prefill capacity, requests (turns) per s
+                n_decode = decode_instances(preset, workload, deployment)
                 loads = [("rate", round(f * capacity, 3)) for f in factors] + [("concurrency", c) for c in concurrency]
+                log(f"{model} {deployment} {workload.name}: {n_prefill} prefill + {n_decode} decode instances, "
+                    f"raw prefill capacity {capacity:.1f} req/s, short by L_m(H): {short_shares[key]:.0%}, "
+                    f"floor {floors[key]:.1%}")
                 for load in loads:
                     for system in systems:
-                        row = run_one(args.gpu, model, deployment, system, workload, load, args.seed)
-                        row["floor_violation_rate"] = floors[f"{model} {workload.name}"]
+                        row = run_one(args.gpu, model, deployment, system, workload, load, args.seed,
+                                      args.perf_backend, n_decode)
+                        row["floor_violation_rate"] = floors[key]
                         rows.append(row)
-                        log(f"{model:12s} {deployment:8s} {workload.name:13s} {load[0]}={load[1]:<8} {system:14s} "
+                        log(f"{model:12s} {deployment:8s} {workload.name:13s} {load[0]}={load[1]:<8} {system:21s} "
                             f"TTFT mean {row['ttft_mean_ms']:8.1f} p90 {row['ttft_p90_ms']:8.1f} "
-                            f"p99 {row['ttft_p99_ms']:8.1f} ms  viol {row['violation_rate']:6.1%}  "
-                            f"{row['throughput_rps']:6.2f} req/s  moves {row['pool_moves']}  ({row['wall_s']:.1f} s)")
+                            f"p99 {row['ttft_p99_ms']:8.1f} ms  short/long p90 {_ms(row.get('short_ttft_p90_ms'))}/"
+                            f"{_ms(row.get('long_ttft_p90_ms'))}  viol {row['violation_rate']:6.1%}  "
+                            f"{row['throughput_rps']:6.2f} req/s  moves {row['pool_moves']}  [{row['perf_backend']}]"
+                            f"  ({row['wall_s']:.1f} s)")
     results = {"rows": rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "machine": {"platform": platform.platform(), "python": platform.python_version(),
                            "cpus": os.cpu_count()},
-               "gpu": args.gpu, "slo_ttft_s": SLO_S, "requests": args.requests, "violation_floors": floors}
+               "gpu": args.gpu, "slo_ttft_s": SLO_S, "requests": args.requests, "violation_floors": floors,
+               "perf_backend": args.perf_backend, "step_times": notes, "short_shares": short_shares,
+               "workloads": {w.name: w.source for w in workloads if w.source},
+               "wall_s": time.perf_counter() - started}
     (args.out_dir / "laps_eval.json").write_text(json.dumps(results, indent=1))
     comparisons = compare(rows)
-    (args.out_dir / "laps_eval.md").write_text(markdown(rows, comparisons))
-    print(markdown(rows, comparisons))
+    header = "".join(f"{model}: {note}\n\n" for model, note in notes.items())
+    (args.out_dir / "laps_eval.md").write_text(header + markdown(rows, comparisons))
+    print(header + markdown(rows, comparisons))
     for path in plots(rows, args.out_dir):
         log(f"wrote {path}")
 
 
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
+def interference_part(args: argparse.Namespace, log) -> None:
+    """LAPS Figures 1 and 3 on one instance (see laps_multiturn.interference)."""
+    result = laps_multiturn.interference(args.gpu, "Qwen2.5-32B", args.perf_backend, seed=args.seed, log=log,
+                                         levels=(1, 8, 32) if args.quick else laps_multiturn.INTERFERENCE_LEVELS,
+                                         duration_s=30.0 if args.quick else 120.0,
+                                         warmup_s=5.0 if args.quick else 10.0)
+    result["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    table = laps_multiturn.interference_markdown(result)
+    (args.out_dir / "laps_eval_interference.json").write_text(json.dumps(result, indent=1))
+    (args.out_dir / "laps_eval_interference.md").write_text(table)
+    print(table)
+
+
 CAPACITY_SYSTEMS = ("vanilla PD", "LB router", "LAPS")
+# On conversations the baselines keep the session's history, as LAPS does (see the docstring).
+SESSION_CAPACITY_SYSTEMS = ("vanilla PD (sessions)", "LB router (sessions)", "LAPS")
+
+
+def capacity_systems(workload: Workload) -> tuple[str, ...]:
+    return SESSION_CAPACITY_SYSTEMS if workload.sessions else CAPACITY_SYSTEMS
 
 
 def capacity_part(args: argparse.Namespace, models: Sequence[str], workloads: Sequence[Workload], log) -> None:
@@ -207,33 +420,40 @@ def capacity_part(args: argparse.Namespace, models: Sequence[str], workloads: Se
     rows = []
     n_prefill, _ = DEPLOYMENTS["spatial"]
     for model in models:
-        preset = Simulator.from_preset(1, args.gpu, model).config.perf_model
+        preset = Simulator.from_preset(1, args.gpu, model, perf_backend=args.perf_backend).config.perf_model
+        log(f"capacity {model}: {preset.timing_note}")
         for workload in workloads:
             prefill_s = workload.prefill_s(preset)
             floor = float((prefill_s > SLO_S).mean())
             target = 0.9 * (1 - floor)
             raw = n_prefill / float(prefill_s.mean())
-            for system in CAPACITY_SYSTEMS:
+            n_decode = decode_instances(preset, workload, "spatial")
+            for system in capacity_systems(workload):
                 def attainment(rate: float) -> float:
-                    row = run_one(args.gpu, model, "spatial", system, workload, ("rate", rate), args.seed)
+                    row = run_one(args.gpu, model, "spatial", system, workload, ("rate", rate), args.seed,
+                                  args.perf_backend, n_decode)
                     return 1 - row["violation_rate"]
 
                 found = find_capacity(attainment, target, lo=0.25 * raw, hi=raw, tol=0.02 * raw, max_iters=12)
                 rows.append(dict(model=model, workload=workload.name, system=system, target=target, floor=floor,
-                                 capacity_rps=found.rate, probes=[(p.rate, p.attainment) for p in found.probes]))
-                log(f"capacity {model:12s} {workload.name:13s} {system:12s} {found.rate:8.2f} req/s "
+                                 capacity_rps=found.rate, probes=[(p.rate, p.attainment) for p in found.probes],
+                                 perf_backend=preset.backend, step_times=preset.timing_note))
+                log(f"capacity {model:12s} {workload.name:13s} {system:21s} {found.rate:8.2f} req/s "
                     f"(attainment >= {target:.1%}, {len(found.probes)} probes)")
     lines = ["| model | workload | attainment target | vanilla PD | LB router | LAPS | LAPS vs PD / router |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for model in models:
         for workload in workloads:
             got = {r["system"]: r for r in rows if (r["model"], r["workload"]) == (model, workload.name)}
-            pd, lb, laps = (got[s]["capacity_rps"] for s in CAPACITY_SYSTEMS)
-            lines.append(f"| {model} | {workload.name} | {got['LAPS']['target']:.1%} | {pd:.2f} | {lb:.2f} | "
+            pd, lb, laps = (got[s]["capacity_rps"] for s in capacity_systems(workload))
+            label = f"{workload.name} (baselines keep sessions)" if workload.sessions else workload.name
+            lines.append(f"| {model} | {label} | {got['LAPS']['target']:.1%} | {pd:.2f} | {lb:.2f} | "
                          f"{laps:.2f} | {_pct(laps / pd - 1 if pd else None)} / {_pct(laps / lb - 1 if lb else None)} |")
-    table = "\n".join(lines) + "\n"
+    notes = sorted({r["step_times"] for r in rows})
+    table = "".join(f"{n}\n\n" for n in notes) + "\n".join(lines) + "\n"
     (args.out_dir / "laps_eval_capacity.json").write_text(json.dumps(
-        {"rows": rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}, indent=1))
+        {"rows": rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+         "perf_backend": args.perf_backend, "step_times": notes}, indent=1))
     (args.out_dir / "laps_eval_capacity.md").write_text(table)
     print(table)
 
@@ -245,7 +465,7 @@ def compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (model, deployment, workload, load, value, system), laps in keyed.items():
         if system != "LAPS":
             continue
-        for baseline in ("vanilla PD", "LB router"):
+        for baseline in BASELINES:
             base = keyed.get((model, deployment, workload, load, value, baseline))
             if base is None:
                 continue
@@ -256,6 +476,7 @@ def compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
             out.append(dict(model=model, deployment=deployment, workload=workload, load=load, value=value,
                             baseline=baseline, ttft_mean=change("ttft_mean_ms"), ttft_p90=change("ttft_p90_ms"),
+                            short_p90=change("short_ttft_p90_ms"), long_p90=change("long_ttft_p90_ms"),
                             violations=(laps["violations"] - base["violations"]) / base["violations"]
                             if base["violations"] else None,
                             throughput=change("throughput_rps")))
@@ -267,19 +488,23 @@ def _pct(value: float | None) -> str:
 
 
 def markdown(rows: Sequence[dict[str, Any]], comparisons: Sequence[dict[str, Any]]) -> str:
-    lines = ["| model | deployment | workload | load | system | TTFT mean / p90 / p99 ms | SLO violations (floor) | "
-             "req/s | pool moves |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | deployment | workload | load | system | TTFT mean / p90 / p99 ms | short / long TTFT p90 ms "
+             "(short share) | SLO violations (floor) | req/s | pool moves | timed by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        share = r["short_n"] / max(1, r["short_n"] + r["long_n"]) if "short_n" in r else None
         lines.append(f"| {r['model']} | {r['deployment']} | {r['workload']} | {r['load']} {r['value']} | "
                      f"{r['system']} | {r['ttft_mean_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                     f"{_ms(r.get('short_ttft_p90_ms'))} / {_ms(r.get('long_ttft_p90_ms'))}"
+                     f"{f' ({share:.0%})' if share is not None else ''} | "
                      f"{r['violation_rate']:.1%} ({r.get('floor_violation_rate', 0):.0%}) | {r['throughput_rps']:.2f} | "
-                     f"{r['pool_moves']} |")
-    lines += ["", "| model | deployment | workload | load | LAPS vs | TTFT mean | TTFT p90 | SLO violations | req/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                     f"{r['pool_moves']} | {r.get('perf_backend', '?')} |")
+    lines += ["", "| model | deployment | workload | load | LAPS vs | TTFT mean | TTFT p90 | short p90 | long p90 | "
+              "SLO violations | req/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in comparisons:
         lines.append(f"| {c['model']} | {c['deployment']} | {c['workload']} | {c['load']} {c['value']} | "
-                     f"{c['baseline']} | {_pct(c['ttft_mean'])} | {_pct(c['ttft_p90'])} | {_pct(c['violations'])} | "
-                     f"{_pct(c['throughput'])} |")
+                     f"{c['baseline']} | {_pct(c['ttft_mean'])} | {_pct(c['ttft_p90'])} | {_pct(c.get('short_p90'))} | "
+                     f"{_pct(c.get('long_p90'))} | {_pct(c['violations'])} | {_pct(c['throughput'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -112,3 +112,64 @@ def test_phase_multiplexed_finishes_a_burst_no_later_than_static(gpu):
     static_end, _ = makespan("static")
     mux_end, _ = makespan("phase_multiplexed")
     assert mux_end <= static_end
+
+
+# ---- issue 34: measured step times and Table 4's other baselines --------------------------------
+def _run(emulation: DiffusionEmulation, config, lengths, **extra) -> tuple[VirtualClock, object]:
+    clock = VirtualClock()
+    engine = build_emulated_diffusion_engine(config, emulation, clock)
+    for i, n in enumerate(lengths):
+        engine.add_request(StageKey(str(i)), _prompt(n, i), _params(**extra))
+    _, done, _ = _drain(engine, clock)
+    assert len(done) == len(lengths)
+    assert clock.now == pytest.approx(engine.runner.stats.busy_s)
+    return clock, engine
+
+
+def test_the_measured_backend_times_the_same_engine():
+    pytest.importorskip("aiconfigurator_core")
+    lengths = [40, 300, 900]
+    ends = {}
+    for backend in ("datasheet", "aiconfigurator"):
+        emulation = DiffusionEmulation("L40S", perf_backend=backend)
+        config, plan = dllm_serve_config(emulation, max_num_batched_tokens=16384)
+        clock, engine = _run(emulation, config, lengths)
+        assert engine.runner.perf.backend == backend
+        assert engine.runner.last_cost.measured_s is None if backend == "datasheet" else \
+            engine.runner.last_cost.measured_s > 0
+        ends[backend] = clock.now
+    assert ends["datasheet"] != ends["aiconfigurator"]
+    assert 0.5 < ends["aiconfigurator"] / ends["datasheet"] < 2  # the same work, two timings
+
+
+def test_auto_times_the_rtx4090_on_the_roofline_and_says_so():
+    emulation = DiffusionEmulation("RTX4090", perf_backend="auto")
+    perf = emulation.perf_model()
+    assert perf.backend == "datasheet" and "not measured" in perf.describe() and perf.note
+
+
+@pytest.mark.parametrize("gpu", ["RTX4090", "L40S"])
+def test_table4_baselines_run_as_static_batches(gpu):
+    lengths = [60 + 37 * i for i in range(10)]
+    max_len = max(lengths) + GEN
+    fast = DiffusionEmulation(gpu, logit_decomposition=False, pad_to_longest=True)
+    cache = DiffusionEmulation(gpu, logit_decomposition=False, pad_to_longest=True, method="dllm_cache")
+    sparse = DiffusionEmulation(gpu, logit_decomposition=False, pad_to_longest=True, method="sparse_dllm")
+    fast_config, _ = static_baseline_config(fast, max_len, block_length=BLOCK)
+    cache_config, cache_plan = static_baseline_config(cache, max_len, block_length=BLOCK)
+    sparse_config, sparse_plan = static_baseline_config(sparse, max_len, block_length=BLOCK, retention_ratio=0.5)
+    # dLLM-Cache keeps K, V, attention and MLP outputs: twice the KV per token, a smaller batch;
+    # Sparse-dLLM keeps half the context: at least Fast-dLLM's batch.
+    assert cache_plan.kv_bytes_per_token == 2 * fast.perf_model().kv_bytes_per_token
+    assert cache_config.static_batch_size < fast_config.static_batch_size <= sparse_config.static_batch_size
+    fast_clock, _ = _run(fast, fast_config, lengths)
+    _, cache_engine = _run(cache, cache_config, lengths)
+    _, sparse_engine = _run(sparse, sparse_config, lengths, retention_ratio=0.5)
+    blocks = GEN // BLOCK
+    assert sparse_engine.runner.stats.refresh_entries == 2 * blocks * len(lengths)  # two full forwards a block
+    assert cache_engine.runner.stats.refresh_entries == len(lengths)  # one full forward, then its intervals
+    assert sparse_engine.runner.stats.peak_logit_rows >= max_len  # every position's logits (no decomposition)
+    one, plan = static_baseline_config(sparse, max_len, block_length=BLOCK, retention_ratio=0.5, batch_size=1)
+    assert one.static_batch_size == plan.static_batch_size == 1 and plan.kv_pool_bytes < sparse_plan.kv_pool_bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        static_baseline_config(sparse, max_len, block_length=BLOCK, retention_ratio=0.5, batch_size=10_000)

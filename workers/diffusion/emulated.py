@@ -13,8 +13,15 @@ not matter, and an emulated request never stops early at EOS, it runs its `max_t
 `build_emulated_diffusion_engine` makes the real `DiffusionEngine` (its scheduler, block
 events and admission unchanged) over this runner for a (GPU, model) preset, its KV pool sized
 by the memory model: the logit-aware plan (§4.2) with logit decomposition, a monolithic
-profile without. `dllm_serve_config` and `static_baseline_config` give the two systems of the
+profile without. `dllm_serve_config` and `static_baseline_config` give the systems of the
 evaluation (`benchmarks/dllm_emulated.py`) their engine options and memory split.
+
+`DiffusionEmulation.perf_backend` picks what times the steps (`diffusion_perf.diffusion_perf_model`:
+the datasheet roofline, the measured aiconfigurator kernel tables, or `auto`); `method` the
+decoding loop whose steps are timed (`diffusion_perf.METHODS`: the dual cache of Fast-dLLM and
+dLLM-Serve, Sparse-dLLM's two full forwards per block, dLLM-Cache's interval refreshes). The
+engine's scheduler is the same for all: a baseline's batching is its `static` policy, its
+cost is the runner's.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from splitserve.core.diffusion import DiffusionBatch, DiffusionSequence
+from splitserve.core.diffusion import DiffusionBatch, DiffusionSequence, retained_tokens
 from splitserve.core.sampling import mix_seed
-from splitserve.diffusion_perf import (DEFAULT_MEMORY_UTILIZATION, LOGIT_BYTES_PER_ELEMENT, DiffusionPerfModel,
-                                      MemoryPlan, StepCost)
+from splitserve.diffusion_perf import (DEFAULT_MEMORY_UTILIZATION, LOGIT_BYTES_PER_ELEMENT, METHODS,
+                                      DiffusionPerfModel, DllmCacheIntervals, MemoryPlan, StepCost,
+                                      diffusion_perf_model)
 from workers.diffusion.engine import DiffusionEngine
 from workers.engine.config import EngineConfig
 from workers.engine.models.llada import LladaConfig
@@ -94,12 +103,17 @@ class EmulatedDiffusionRunner:
     def __init__(self, perf: DiffusionPerfModel, *, clock: VirtualClock | None = None, cache: str = "dual",
                  full_sequence_logits: bool = False, pad_to_longest: bool = False,
                  max_num_logits: int | None = None, mask_token_id: int = LLADA_MASK_TOKEN_ID,
-                 ordinary_token_limit: int = ORDINARY_TOKEN_LIMIT):
+                 ordinary_token_limit: int = ORDINARY_TOKEN_LIMIT, method: str = "dual",
+                 dllm_cache: DllmCacheIntervals = DllmCacheIntervals()):
         if max_num_logits is not None and max_num_logits < 1:
             raise ValueError(f"max_num_logits must be >= 1, got {max_num_logits}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.perf = perf
         self.clock = clock
         self.cache = cache
+        self.method = method
+        self.dllm_cache = dllm_cache
         self.full_sequence_logits = full_sequence_logits
         self.pad_to_longest = pad_to_longest
         self.max_num_logits = max_num_logits  # None: no decomposition, every row at once
@@ -124,7 +138,8 @@ class EmulatedDiffusionRunner:
     # ---- one step -----------------------------------------------------------------------------
     def step_cost(self, batch: DiffusionBatch) -> StepCost:
         return self.perf.step_cost(batch, cache=self.cache, full_sequence_logits=self.full_sequence_logits,
-                                   pad_to_longest=self.pad_to_longest)
+                                   pad_to_longest=self.pad_to_longest, method=self.method,
+                                   dllm_cache=self.dllm_cache, max_num_logits=self.max_num_logits)
 
     def execute(self, batch: DiffusionBatch) -> float:
         """Unmask every request's scheduled tokens, advance the clock by the step's modelled time;
@@ -177,10 +192,25 @@ class DiffusionEmulation:
     # fp32 logits + fp32 softmax); 18 is Fast-dLLM's own decoding (bf16 logits kept, float64
     # copy, float64 softmax), a sensitivity of the baseline's memory.
     logit_bytes_per_element: int = LOGIT_BYTES_PER_ELEMENT
+    # What times the steps (`diffusion_perf.DIFFUSION_PERF_BACKENDS`): the datasheet roofline (the
+    # default, every result before issue 34), the measured kernel tables, or auto (measured where
+    # covered: not on the RTX 4090).
+    perf_backend: str = "datasheet"
+    # The measured backend's mapping of a Reuse's attention (`diffusion_perf.REUSE_ATTENTION_MAPPINGS`).
+    reuse_attention: str = "decode"
+    # The decoding loop whose steps are timed (`diffusion_perf.METHODS`); `dllm_cache` its knobs.
+    method: str = "dual"
+    dllm_cache: DllmCacheIntervals = DllmCacheIntervals()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
 
     def perf_model(self) -> DiffusionPerfModel:
-        return dataclasses.replace(DiffusionPerfModel.preset(self.gpu, self.model),
-                                   logit_bytes_per_element=self.logit_bytes_per_element)
+        perf = _perf_model(self.gpu, self.model, self.perf_backend, self.reuse_attention)
+        cache_bytes = perf.feature_cache_bytes_per_token if self.method == "dllm_cache" else None
+        return dataclasses.replace(perf, logit_bytes_per_element=self.logit_bytes_per_element,
+                                   cache_bytes_per_token=cache_bytes)
 
     def memory_plan(self, config: EngineConfig) -> MemoryPlan:
         """The split the engine's KV pool is sized by (when config.kv_cache_memory_bytes is unset)."""
@@ -189,6 +219,12 @@ class DiffusionEmulation:
             return perf.logit_aware_plan(config.max_num_batched_tokens, config.max_num_logits,
                                          memory_utilization=self.memory_utilization)
         return perf.monolithic_plan(config.max_num_batched_tokens, memory_utilization=self.memory_utilization)
+
+
+@lru_cache(maxsize=32)
+def _perf_model(gpu: str, model: str, backend: str, reuse_attention: str) -> DiffusionPerfModel:
+    """One model per (GPU, model, backend): measured tables are tabulated (or read) once."""
+    return diffusion_perf_model(gpu, model, backend=backend, reuse_attention=reuse_attention)
 
 
 def emulated_llada_config(perf: DiffusionPerfModel) -> LladaConfig:
@@ -213,7 +249,8 @@ def build_emulated_diffusion_engine(config: EngineConfig, emulation: DiffusionEm
     runner = EmulatedDiffusionRunner(
         perf, clock=clock, cache=config.dllm_cache, full_sequence_logits=not emulation.logit_decomposition,
         pad_to_longest=emulation.pad_to_longest,
-        max_num_logits=config.max_num_logits if emulation.logit_decomposition else None)
+        max_num_logits=config.max_num_logits if emulation.logit_decomposition else None,
+        method=emulation.method, dllm_cache=emulation.dllm_cache)
     return DiffusionEngine(config, clock, model_config=emulated_llada_config(perf), runner=runner,
                            eos_token_ids=LLADA_EOS_TOKEN_IDS, kv_bytes_per_token=perf.kv_bytes_per_token,
                            tokenizer=None)
@@ -236,16 +273,28 @@ def dllm_serve_config(emulation: DiffusionEmulation, *, max_num_batched_tokens: 
 
 
 def static_baseline_config(emulation: DiffusionEmulation, max_seq_len: int, *, block_length: int = 32,
-                           max_num_logits: int = 2048) -> tuple[EngineConfig, MemoryPlan]:
-    """A static request-level batch (the baseline, §6.1's "maximum static batch size that fits"):
+                           max_num_logits: int = 2048, retention_ratio: float = 1.0,
+                           batch_size: int | None = None) -> tuple[EngineConfig, MemoryPlan]:
+    """A static request-level batch (the baselines, §6.1's "maximum static batch size that fits"):
     the largest batch of `max_seq_len`-token requests whose Refresh step fits — with the
     emulation's logits (every position's, monolithic, without decomposition; the blocks', at
-    most max_num_logits at once, with it). Its token budget is the whole batch's Refresh (one
-    forward pass) and its KV pool exactly the batch's KV."""
+    most max_num_logits at once, with it) and its cache (the KV, or dLLM-Cache's features, of
+    the whole sequence; of `retention_ratio` of its context with a sparse cache: Sparse-dLLM).
+    Its token budget is the whole batch's Refresh (one forward pass) and its KV pool exactly the
+    batch's cache. `batch_size` fixes the batch instead (ValueError if it does not fit)."""
     perf = emulation.perf_model()
     logit_options = {} if not emulation.logit_decomposition else dict(logit_rows_per_request=block_length,
                                                                        max_num_logits=max_num_logits)
+    if retention_ratio < 1:
+        logit_options["kv_tokens_per_request"] = retained_tokens(max_seq_len - block_length, retention_ratio)
     plan = perf.largest_static_batch(max_seq_len, memory_utilization=emulation.memory_utilization, **logit_options)
+    if batch_size is not None:
+        if batch_size > plan.static_batch_size:
+            raise ValueError(f"a static batch of {batch_size} does not fit ({plan.static_batch_size} does)")
+        fixed = perf.static_plan(batch_size, max_seq_len, memory_utilization=emulation.memory_utilization,
+                                 **logit_options)
+        per_request = logit_options.get("kv_tokens_per_request", max_seq_len)
+        plan = dataclasses.replace(fixed, kv_pool_bytes=batch_size * per_request * perf.kv_bytes_per_token)
     batch = plan.static_batch_size
     assert batch is not None
     config = _engine_config(emulation, diffusion_policy="static", static_batch_size=batch, max_num_seqs=batch,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from splitserve.core.policies.fcfs import FcfsPolicy
 from splitserve.core.policies.laps import LapsPolicy
 from splitserve.core.policies.latency_table import LatencyTable
+from splitserve.core.policies.prefill_first import PrefillFirstPolicy
 from splitserve.core.policies.prefill_reorder import PrefillReorderPolicy
 from splitserve.core.policies.slo_aware import SloAwarePolicy
 from splitserve.core.policy import BatchPolicy
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from splitserve.perf_model import PerfModel
 
 _POLICIES: dict[str, type] = {"fcfs": FcfsPolicy, "slo_aware": SloAwarePolicy,
-                               "prefill_reorder": PrefillReorderPolicy, "laps": LapsPolicy}
+                               "prefill_reorder": PrefillReorderPolicy, "laps": LapsPolicy,
+                               "prefill_first": PrefillFirstPolicy}
 
 
 def known_batch_policies() -> list[str]:
@@ -74,5 +76,5 @@ def build_batch_policy(name: str, options: Mapping[str, Any] | None = None, *,
     return make_batch_policy(name, **options)
 
 
-__all__ = ["FcfsPolicy", "LapsPolicy", "LatencyTable", "PrefillReorderPolicy", "SloAwarePolicy", "build_batch_policy", "known_batch_policies",
+__all__ = ["FcfsPolicy", "LapsPolicy", "LatencyTable", "PrefillFirstPolicy", "PrefillReorderPolicy", "SloAwarePolicy", "build_batch_policy", "known_batch_policies",
            "make_batch_policy", "register_batch_policy", "takes_option", "unregister_batch_policy"]
