@@ -68,6 +68,7 @@ from services.global_scheduler.length_predictor import OutputLengthPredictor, ob
 from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement, PlacementRequest,
                                               StagePlacement, WorkerView, worker_rank)
 from services.global_scheduler.timeline import MicroRequest, Prediction, WorkerTimeline
+from splitserve.core.policies.options import flag_option
 from splitserve.perf_model import PerfModel
 
 DEFAULT_PERF_MODEL = "H100/llama-3-8b"
@@ -127,12 +128,12 @@ class DynaServePolicy:
             raise ValueError(f"whole_bias must be >= 0, got {whole_bias!r}")
         # Every request with two eligible workers split where the search lands (φ strictly inside
         # (0, 1)), unless that split would overflow a worker's KV: no whole options but that fallback.
-        self.always_split = _flag(always_split, "always_split")
+        self.always_split = flag_option("always_split", always_split)
         # The paper's Alg. 1 search: all of [0, 1], cuts inside the prompt included, balancing
         # T2 = load + work(beta) without beta's wait for alpha's KV (which, counted, makes such
         # a cut never win: see `_evaluate`). The experiment of whether they pay in the simulator
         # on a given timing model (benchmarks/dynaserve_prompt_cuts.py).
-        self.prompt_cuts = _flag(prompt_cuts, "prompt_cuts")
+        self.prompt_cuts = flag_option("prompt_cuts", prompt_cuts)
         # D when the client gives no hint: learned from finished requests (paper: a length
         # predictor plus a 20-token margin).
         self.length_predictor = OutputLengthPredictor(prior=_positive_int(output_len_prior, "output_len_prior"),
@@ -431,18 +432,6 @@ class KvFootprints:
         self.tokens.clear()
         self.total = 0
         self._ends.clear()
-
-
-def _flag(value: bool | str, name: str) -> bool:
-    """A boolean parameter, given as one or as a string (policy parameters arrive as strings)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off", ""):
-        return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _positive_int(value: int | str, name: str) -> int:
