@@ -1,8 +1,8 @@
 """Migration that is proven (issue 18): workers killed under load, every stream still exact.
 
 32 concurrent streams (greedy, seeded and unseeded sampled; short and long prompts; arrivals
-spread over a second) run on a four-worker cluster while worker processes are killed with
-SIGKILL at three moments: while prefill work is queued on the victim, mid-decode and near a
+spread over a second), and one long greedy stream that outlives them, run on a four-worker
+cluster while worker processes are killed with SIGKILL at three moments: while prefill work is queued on the victim, mid-decode and near a
 stream's end. The cluster is supervised as `splitserve up` does (a dead worker is started
 again), so later kills can hit restarted workers too. Every stream must complete and equal
 what one offline engine produces for the same request — no hang, no missing or duplicated
@@ -34,6 +34,10 @@ from splitserve.state import StateStore
 from workers.engine import LLM, SamplingParams
 
 STREAMS = 32
+# One more stream, long and greedy, outlives the others: its last quarter (100 tokens) runs
+# after the crowd has finished, so the near-end kill always finds a stream in that window
+# however the machine's speed spread the others (a near-end kill used to depend on timing).
+ANCHOR_MAX_TOKENS = 400
 STREAM_TIMEOUT_S = 120.0  # a stream that hangs fails the test well before CI's limit
 
 
@@ -63,6 +67,8 @@ def _workload(tag: str) -> list[Stream]:
             sampling = dict(temperature=0.9, top_p=0.95)
         streams.append(Stream(f"kill-{tag}-{i}", [rng.randint(1, 380) for _ in range(prompt_len)],
                               rng.randint(40, 120), sampling))
+    streams.append(Stream(f"kill-{tag}-anchor", [rng.randint(1, 380) for _ in range(20)], ANCHOR_MAX_TOKENS,
+                          dict(temperature=0.0)))
     return streams
 
 
@@ -111,6 +117,15 @@ async def _serving_worker(store: StateStore, stream: Stream) -> str | None:
     return record.stages[-1]["worker_id"]
 
 
+async def _live_serving_worker(store: StateStore, candidates: list[Stream], loads) -> str | None:
+    """The first candidate's serving worker that is up and busy (a restarting one is skipped)."""
+    for stream in candidates:
+        worker_id = await _serving_worker(store, stream)
+        if worker_id in loads and loads[worker_id].running + loads[worker_id].waiting > 0:
+            return worker_id
+    return None
+
+
 @dataclass
 class Kill:
     moment: str
@@ -141,7 +156,7 @@ async def _kill_schedule(cluster, streams: list[Stream], kills: list[Kill]) -> N
                 moment = "prefill"
             elif len(kills) == 1 and delivered >= 0.4 * total:
                 candidates = [s for s in streams if not s.done and 5 <= len(s.tokens) <= s.max_tokens - 20]
-                victim = await _serving_worker(store, candidates[0]) if candidates else None
+                victim = await _live_serving_worker(store, candidates, loads)
                 moment = "mid-decode"
             elif len(kills) == 2:
                 # The last quarter (at least 12 tokens) of a stream, the one with the most left first:
@@ -149,7 +164,7 @@ async def _kill_schedule(cluster, streams: list[Stream], kills: list[Kill]) -> N
                 near = sorted((s for s in streams if not s.done
                                and s.max_tokens - max(12, s.max_tokens // 4) <= len(s.tokens) < s.max_tokens - 2),
                               key=lambda s: len(s.tokens) - s.max_tokens)
-                victim = await _serving_worker(store, near[0]) if near else None
+                victim = await _live_serving_worker(store, near, loads)
                 moment = "near-end"
             if victim is not None and victim in loads and loads[victim].running + loads[victim].waiting > 0:
                 kill(moment, victim, loads[victim])

@@ -143,6 +143,26 @@ def test_a_long_request_is_not_starved_by_a_stream_of_short_ones():
     assert served_long == 2  # both chunks ran within the 30 steps
 
 
+def test_a_long_request_runs_within_t_max_when_a_full_short_batch_is_ready_every_step():
+    """A short batch that is due every step (its depth reached) must not keep the long head
+    out: the T_max guard is checked before the shorts are dispatched (issue 34, LAPS re-run:
+    long throughput fell to zero with 64 short clients)."""
+    policy = LapsPolicy(perf_model=MODEL, long_chunk_tokens=512, head_wait_max_ms=20)
+    sched = make(policy)
+    add(sched, "long", 1024)
+    long_steps, short_steps = [], 0
+    for i in range(12):
+        for j in range(64):  # a whole captured batch (depth 64) of shorts before every step
+            add(sched, f"s{i}-{j}", 40)
+        ran = prefills(step(sched))
+        if any(rid == "long" for rid, _ in ran):
+            long_steps.append(i)
+        elif ran:
+            short_steps += 1
+    assert len(long_steps) == 2, long_steps  # both chunks ran
+    assert long_steps[-1] <= 4 and short_steps == 10  # within T_max, and shorts went between
+
+
 # ---- AWD ---------------------------------------------------------------------------------------------
 
 

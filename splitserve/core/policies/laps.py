@@ -38,8 +38,8 @@ Each step:
    must go (`perf_model.max_prefill_tokens`), so a long chunk never pushes a short batch
    past its window; when not even one block fits (every step pays the weight read), the
    held shorts go at once instead of the GPU idling. A long head that has not run for
-   T_max gets its full chunk whatever is held, so a stream of short requests cannot
-   starve it. With no short request seen for a whole rate window (an instance of the
+   T_max runs its full chunk before any short batch, held or due, so a stream of short
+   requests cannot starve it. With no short request seen for a whole rate window (an instance of the
    long pool in spatial mode), the chunk is the whole step budget instead of C_l: cutting
    it only multiplies the steps (not in the paper, which fixes C_l).
 5. **Hold**: while short requests wait on purpose, `hold_until` the earliest instant one of
@@ -159,6 +159,14 @@ class LapsPolicy:
         go_by: float | None = None  # when the held short requests must go (None: none held)
         if not shorts:
             self.round_start = None
+        elif self._long_starved(longs, now):
+            # T_max before any short batch: with a batch due every step the shorts would
+            # otherwise take every step and the long head would never run again.
+            if self._run_long(step, longs[0], self._long_chunk(step, longs, None, now) or 0,
+                              started=started, now=now):
+                return
+            self._dispatch_shorts(step, shorts, now, force=True)  # the long one cannot run now
+            return
         else:
             go_by = self._dispatch_shorts(step, shorts, now)
             if go_by is None:
@@ -261,14 +269,20 @@ class LapsPolicy:
         # would only cut the long prefill into more steps, each paying the weight read again.
         limit = self._chunk_limit(req) if self.short_arrivals else step.tokens_left
         chunk = min(req.num_remaining_tokens, limit, step.tokens_left)
-        served = self._long_served[1] if self._long_served and self._long_served[0] == req.key else req.arrival_time
-        starved = now - served >= self.head_wait_max_s
-        if go_by is None or self.perf_model is None or self.deadline_free or starved:
+        if go_by is None or self.perf_model is None or self.deadline_free or self._long_starved(longs, now):
             return chunk
         fits = self.perf_model.max_prefill_tokens(go_by - now, prefill_ctx=req.num_computed_tokens, limit=chunk)
         if fits < min(chunk, _MIN_LONG_CHUNK):
             return None
         return min(chunk, fits)
+
+    def _long_starved(self, longs: list[QueuedRequest], now: float) -> bool:
+        """The long head has not run for T_max (`head_wait_max_ms`) since it last ran or arrived."""
+        if not longs:
+            return False
+        req = longs[0]
+        served = self._long_served[1] if self._long_served and self._long_served[0] == req.key else req.arrival_time
+        return now - served >= self.head_wait_max_s
 
     def _chunk_limit(self, req: QueuedRequest) -> int:
         """C_l: `long_chunk_tokens` when given; else the tokens whose predicted time is an
@@ -289,14 +303,17 @@ class LapsPolicy:
             cached = self._chunk_cache[key] = max(_DEFAULT_LONG_CHUNK, fits)
         return cached
 
-    def _run_long(self, step: StepBuilder, req: QueuedRequest, chunk: int, started: bool, now: float) -> None:
-        """One long request by one chunk (the started one first, else the oldest waiting)."""
-        if not started and (step.preempted_any or step.seqs_left == 0):
-            return
-        if step.add(req.key, chunk):
-            self.num_long_chunks += 1
-            self._last_kind = "long"
-            self._long_served = (req.key, now)
+    def _run_long(self, step: StepBuilder, req: QueuedRequest, chunk: int, started: bool, now: float) -> bool:
+        """One long request by one chunk (the started one first, else the oldest waiting);
+        False when it could not be added this step."""
+        if chunk <= 0 or (not started and (step.preempted_any or step.seqs_left == 0)):
+            return False
+        if not step.add(req.key, chunk):
+            return False
+        self.num_long_chunks += 1
+        self._last_kind = "long"
+        self._long_served = (req.key, now)
+        return True
 
     # ---- estimates --------------------------------------------------------------------
     def _note_arrivals(self, shorts: list[QueuedRequest], now: float) -> None:
