@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,7 +15,7 @@ from prometheus_client import Counter
 from gateway import metrics
 from gateway.admission import Admission
 from gateway.coordinator_client import CoordinatorClient, GenerationDelta
-from gateway.rate_limit import KeyRateLimiter
+from gateway.rate_limit import KeyRateLimiter, TokensTaken
 from gateway.tokenization import Tokenization
 from gateway.validation import GenerationRequest, Limits
 from splitserve.config import GatewayConfig
@@ -21,7 +23,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from splitserve.errors import DeadlineExceeded, Overloaded, SplitserveError, Unauthenticated
-from splitserve.keys import ANONYMOUS, MAX_KEY_CHARS, Caller, KeyVerifier, Tenant, load_keys_file
+from splitserve.keys import ANONYMOUS, MAX_KEY_CHARS, WITHOUT_ID, Caller, KeyVerifier, Tenant, load_keys_file
 from splitserve.telemetry import end_span, span_context, start_span
 
 # Per tenant (a label only when API keys are configured: tenants come from the keys file, so
@@ -30,12 +32,19 @@ TENANT_REQUESTS = Counter("splitserve_gateway_tenant_requests_total", "Requests 
                           ["tenant", "status"])
 TENANT_TOKENS = Counter("splitserve_gateway_tenant_tokens_total", "Prompt and completion tokens by tenant",
                         ["tenant", "kind"])
-# Keys never seen before are hashed off the event loop, one at a time: a flood of wrong keys
-# costs one core, not the loop (each verdict is cached, see splitserve/keys.py).
+log = logging.getLogger(__name__)
+
+# Keys never seen before that need a slow hash (splitserve/keys.py: one entry for a key with a
+# known id, every entry without an id otherwise; an unknown id is refused with none) are hashed
+# off the event loop, one at a time per kind (with an id, without): a flood of wrong keys costs
+# at most two cores, not the loop, and keys without an id never delay keys with one.
 SLOW_VERIFICATIONS = 1
 # Unseen keys waiting for that check, beyond which a request is refused at once (429): a
 # flood of random keys must not queue every real, not yet cached key behind it without end.
 MAX_WAITING_KEY_CHECKS = 64
+# ... and per lane (one key id, or the entries without an id): tokens aimed at one lane
+# cannot take every place in the queue, so keys of other lanes still get theirs.
+MAX_WAITING_PER_LANE = 8
 
 
 def served_model_name(config: GatewayConfig) -> str:
@@ -55,8 +64,11 @@ class GatewayCore:
             tenants = load_keys_file(config.api_keys_file) if config.api_keys_file else []
         plain = [k for k in config.api_keys if k] if isinstance(config.api_keys, (list, tuple)) else []
         self.keys = KeyVerifier(tenants, plain)
-        self._slow_checks = asyncio.Semaphore(SLOW_VERIFICATIONS)
+        self._slow_checks = asyncio.Semaphore(SLOW_VERIFICATIONS)  # keys with an id
+        self._slow_checks_without_id = asyncio.Semaphore(SLOW_VERIFICATIONS)
         self._waiting_key_checks = 0
+        self._waiting_by_lane: collections.Counter[str] = collections.Counter()
+        self._give_backs: set[asyncio.Task] = set()  # unused tokens on their way back to the limiter
         self.tokenization = tokenization
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
@@ -101,27 +113,32 @@ class GatewayCore:
         return caller
 
     async def authorize(self, authorization: str | None) -> Caller:
-        """`authenticate` for the event loop: a known key (cached verdict) costs one HMAC; an
-        unseen one is hashed in a thread, one at a time. The caller: tenant, owner id, limits."""
+        """`authenticate` for the event loop: a known key (cached verdict) costs one HMAC, an
+        unseen one whose verdict needs no slow hash (an unknown key id) a lookup; the rest are
+        hashed in a thread, one at a time. The caller: tenant, owner id, limits."""
         key = self._presented_key(authorization)
         if key is None:
             return ANONYMOUS
         verdict = self.keys.cached(key)
         if verdict is None:
-            verdict = await self._verify_unseen(key)
+            lane = self.keys.slow_lane(key)
+            verdict = (self.keys.verify(key) or False) if lane is None else await self._verify_unseen(key, lane)
         if verdict is False:
             raise Unauthenticated("invalid API key")
         return verdict
 
-    async def _verify_unseen(self, key: bytes) -> Caller | bool:
-        """Hash an unseen key in a thread, SLOW_VERIFICATIONS at a time, at most
-        MAX_WAITING_KEY_CHECKS waiting. A caller that leaves does not free its slot before its
-        hash is done: the slot bounds the threads hashing, not the callers waiting."""
-        if self._waiting_key_checks >= MAX_WAITING_KEY_CHECKS:
+    async def _verify_unseen(self, key: bytes, lane: str) -> Caller | bool:
+        """Hash an unseen key in a thread, SLOW_VERIFICATIONS at a time for keys with an id and
+        as many for keys without, at most MAX_WAITING_KEY_CHECKS waiting, MAX_WAITING_PER_LANE of
+        them for one `lane` (a key id, or WITHOUT_ID). A caller that leaves does not free its
+        slot before its hash is done: the slot bounds the threads hashing, not the callers waiting."""
+        if (self._waiting_key_checks >= MAX_WAITING_KEY_CHECKS
+                or self._waiting_by_lane[lane] >= MAX_WAITING_PER_LANE):
             raise Overloaded("too many new API keys are being checked; retry shortly", retry_after_s=1.0)
         self._waiting_key_checks += 1
+        self._waiting_by_lane[lane] += 1
         try:
-            async with self._slow_checks:
+            async with self._slow_checks_without_id if lane == WITHOUT_ID else self._slow_checks:
                 verdict = self.keys.cached(key)  # another request may just have checked it
                 if verdict is not None:
                     return verdict
@@ -133,6 +150,9 @@ class GatewayCore:
                     raise
         finally:
             self._waiting_key_checks -= 1
+            self._waiting_by_lane[lane] -= 1
+            if not self._waiting_by_lane[lane]:
+                del self._waiting_by_lane[lane]
 
     async def open_session(self, session_id: str, ttl_s: float, owner: str) -> tuple[str, float]:
         """Open a multi-turn session (its state lives in Redis; any gateway serves its rounds)."""
@@ -159,10 +179,11 @@ class GatewayCore:
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
             "gen_ai.request.max_tokens": request.max_tokens, "splitserve.tenant": caller.tenant})
         completion_tokens = 0
+        taken: TokensTaken | None = None
         try:
             if self.rate_limiter is not None:  # per API key, before it takes a slot
-                await self.rate_limiter.check(caller.owner, len(request.prompt_token_ids) + request.max_tokens,
-                                              caller.limits, caller.tenant)
+                taken = await self.rate_limiter.check(caller.owner, len(request.prompt_token_ids) + request.max_tokens,
+                                                      caller.limits, caller.tenant)
             async with self.admission.slot():
                 metrics.QUEUE_WAIT.observe(loop.time() - arrived)
                 span.add_event("admitted")
@@ -197,6 +218,8 @@ class GatewayCore:
             status, error = "internal", err
             raise
         finally:
+            if taken is not None:
+                self._give_back(taken, request.max_tokens - completion_tokens)
             metrics.REQUESTS.labels(api, status).inc()
             if caller.tenant:
                 TENANT_REQUESTS.labels(caller.tenant, status).inc()
@@ -206,3 +229,21 @@ class GatewayCore:
             span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
             span.set_attribute("splitserve.status", status)
             end_span(span, error)
+
+    def _give_back(self, taken: TokensTaken, unused: int) -> None:
+        """Return a finished request's unused output tokens to its bucket, in the background:
+        the reply does not wait for Redis (nor for its retries while Redis is down)."""
+        if unused <= 0 or self.rate_limiter is None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.rate_limiter.give_back(taken, unused))
+        except RuntimeError:  # no loop: a generator finalised at interpreter exit
+            log.debug("no event loop to give back %d unused tokens", unused)
+            return
+        self._give_backs.add(task)
+        task.add_done_callback(self._given_back)
+
+    def _given_back(self, task: asyncio.Task) -> None:
+        self._give_backs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("giving back unused tokens failed: %r", task.exception())

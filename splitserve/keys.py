@@ -6,24 +6,42 @@ The gateway's `--api-keys-file` (JSON or TOML, by the file's suffix; `.json` els
     name = "acme"                       # letters, digits, '.', '_', '-' (max 64); metrics label
     requests_per_minute = 600           # optional: overrides --rate-limit-requests-per-minute
     tokens_per_minute = 200000          # optional: overrides --rate-limit-tokens-per-minute (0: none)
-    keys = ["scrypt$16384$8$1$<salt>$<hash>"]
+    keys = ["ss-k3x9q2m7w4ab$scrypt$16384$8$1$<salt>$<hash>"]
 
-    {"tenants": [{"name": "acme", "requests_per_minute": 600, "keys": ["scrypt$..."]}]}
+    {"tenants": [{"name": "acme", "requests_per_minute": 600, "keys": ["ss-k3x9q2m7w4ab$scrypt$..."]}]}
 
-A key entry is one of (salts and hashes in unpadded URL-safe base64):
-  - `scrypt$N$r$p$<salt>$<hash>` (the default of `python -m splitserve.keys hash`),
+A key has an id: `ss-<id>_<secret>`, the id 12 lowercase letters or digits, the secret at
+least 32 URL-safe base64 characters (`generate` makes 43). The id is not secret (it names
+the entry, as a user name would); the secret is. Its entry carries the same id in front:
+`ss-<id>$<hash>`, so a key's entry is found by one dictionary lookup and `grep ss-<id>` finds it
+in the file. A `<hash>` is one of (salts and hashes in unpadded URL-safe base64):
+  - `scrypt$N$r$p$<salt>$<hash>` (the default),
   - `pbkdf2_sha256$<iterations>$<salt>$<hash>`,
-  - `sha256$<64 hex digits>` (unsalted: only for long random keys, e.g. from `generate`).
+  - `sha256$<64 hex digits>` (unsalted: only for long random keys, e.g. from `generate`),
+each over the whole key text, id included. Ids are unique across the file.
 
 Checking a request's key: a key seen before is found in an in-memory cache keyed by an HMAC
 of the key under a per-process random secret (one HMAC per request; the cache never holds
-the key or its plain SHA-256). A key not seen before is hashed against every entry, each
-compared in constant time (`hmac.compare_digest`, no early exit), then cached as accepted or
-refused (both caches bounded). The key text itself is never logged or stored.
+the key or its plain SHA-256). A key not seen before costs at most one slow hash: a key with
+an id is hashed against the one entry of that id, and refused with no hashing at all when no
+entry has it (such refusals are not cached: they cost less than the cache would). The key
+text itself is never logged or stored; keys given in plain (`--api-keys`) are held as
+SHA-256 digests, found by one lookup.
+
+Entries without an id (`scrypt$...`, what `hash` printed before keys had ids) keep working:
+a key that is not of the `ss-<id>_<secret>` form is hashed against every entry without an id,
+each compared in constant time (`hmac.compare_digest`, no early exit), and the verdict cached.
+They cannot be given an id without changing the key clients send (the entry is a one-way
+hash), so refusing them would lock every client out at upgrade; instead the gateway logs
+at start how to migrate: `generate` new keys, hand them out, remove the old entries. Until then
+tokens without an id cost one hash per such entry, in a queue of their own (gateway/core.py),
+so they can delay only the keys without an id. (An old `generate` key, `ss-` and 43
+characters, is never taken for a key with an id: the id form is at least 45 characters after
+`ss-`.)
 
 `python -m splitserve.keys hash` reads a key on stdin (never from the command line, where
-`ps` and shell history would keep it) and prints its entry; `generate` makes a new random key
-and its entry; `check FILE` validates a file.
+`ps` and shell history would keep it) and prints its entry (with the key's id when it has
+one); `generate` makes a new random key with an id and its entry; `check FILE` validates a file.
 """
 
 from __future__ import annotations
@@ -35,12 +53,14 @@ import collections
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
+import string
 import sys
 import threading
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -57,10 +77,35 @@ TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_TENANT = "default"  # the tenant of keys given in plain with --api-keys
 MAX_KEY_CHARS = 4096
 CACHE_ENTRIES = 4096
+KEY_PREFIX = "ss-"
+KEY_ID_CHARS = 12  # 36**12 ~ 2**62: ids of random keys do not collide
+KEY_ID_ALPHABET = string.ascii_lowercase + string.digits
+MIN_SECRET_CHARS = 32
+# A key with an id; the secret's length keeps every old `generate` key ("ss-" + 43) out.
+KEY_WITH_ID = re.compile(rb"ss-([a-z0-9]{%d})_[A-Za-z0-9_-]{%d,}" % (KEY_ID_CHARS, MIN_SECRET_CHARS))
+ENTRY_ID = re.compile(r"ss-[a-z0-9]{%d}" % KEY_ID_CHARS)
+MIGRATE_WITHOUT_ID = (
+    "entries without a key id ('scrypt$...' rather than 'ss-<id>$scrypt$...') still work, but every key "
+    "without an id is hashed against each of them; to migrate, make keys with ids (`python -m splitserve.keys "
+    "generate --tenant NAME`), hand them out, then remove the old entries")
+
+log = logging.getLogger(__name__)
 
 
 class KeysFileError(ValueError):
     """A keys file that cannot be used; the message names the file and the field."""
+
+
+def key_id_of(key: bytes) -> str | None:
+    """The id of a key of the form `ss-<id>_<secret>`; None for any other key."""
+    match = KEY_WITH_ID.fullmatch(key)
+    return match.group(1).decode() if match else None
+
+
+def new_key() -> str:
+    """A new random key with an id: `ss-<id>_<secret>` (62 bits of id, 256 bits of secret)."""
+    key_id = "".join(secrets.choice(KEY_ID_ALPHABET) for _ in range(KEY_ID_CHARS))
+    return f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
 
 
 def _b64(data: bytes) -> str:
@@ -76,12 +121,13 @@ def _unb64(text: str, where: str) -> bytes:
 
 @dataclass(frozen=True)
 class KeyHash:
-    """One stored key: its algorithm, parameters, salt and digest."""
+    """One stored key: its id ("" for an entry without one), algorithm, parameters, salt and digest."""
 
     algorithm: str
     digest: bytes
     salt: bytes = b""
     params: tuple[int, ...] = ()
+    key_id: str = ""
 
     def compute(self, key: bytes) -> bytes:
         """The digest of a candidate key under this entry's algorithm, salt and parameters."""
@@ -97,14 +143,16 @@ class KeyHash:
         return hmac.compare_digest(self.compute(key), self.digest)
 
     def encode(self) -> str:
+        prefix = f"{KEY_PREFIX}{self.key_id}$" if self.key_id else ""
         if self.algorithm == "sha256":
-            return f"sha256${self.digest.hex()}"
-        return "$".join([self.algorithm, *map(str, self.params), _b64(self.salt), _b64(self.digest)])
+            return f"{prefix}sha256${self.digest.hex()}"
+        return prefix + "$".join([self.algorithm, *map(str, self.params), _b64(self.salt), _b64(self.digest)])
 
 
 def hash_key(key: str, algorithm: str = DEFAULT_ALGORITHM, *, scrypt_params: tuple[int, int, int] = SCRYPT_DEFAULT,
              pbkdf2_iterations: int = PBKDF2_DEFAULT_ITERATIONS) -> str:
-    """The keys-file entry of `key` (a fresh random salt each time)."""
+    """The keys-file entry of `key` (a fresh random salt each time); `ss-<id>$...` when the key
+    has an id."""
     _check_key_text(key)
     salt = secrets.token_bytes(SALT_BYTES)
     if algorithm == "sha256":
@@ -116,7 +164,8 @@ def hash_key(key: str, algorithm: str = DEFAULT_ALGORITHM, *, scrypt_params: tup
     else:
         raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     entry = parse_key_hash(entry.encode(), "algorithm") if algorithm != "sha256" else entry  # bounds
-    return KeyHash(entry.algorithm, entry.compute(key.encode()), entry.salt, entry.params).encode()
+    return KeyHash(entry.algorithm, entry.compute(key.encode()), entry.salt, entry.params,
+                   key_id_of(key.encode()) or "").encode()
 
 
 def _check_key_text(key: str) -> None:
@@ -136,7 +185,19 @@ def parse_key_hash(text: Any, where: str) -> KeyHash:
     The message never quotes the entry (a plain key pasted by mistake must not reach a log)."""
     if not isinstance(text, str):
         raise KeysFileError(f"{where}: expected a string, got {type(text).__name__}")
-    parts = text.strip().split("$")
+    text = text.strip()
+    if not text.startswith(KEY_PREFIX):
+        return _parse_hash(text, where)
+    head, dollar, rest = text.partition("$")
+    if not dollar or not ENTRY_ID.fullmatch(head) or rest.startswith(KEY_PREFIX):
+        raise KeysFileError(f"{where}: an entry with a key id is 'ss-<id>$' and a hash (e.g. 'ss-<id>$scrypt$...'), "
+                            f"the id {KEY_ID_CHARS} lowercase letters or digits (a plain key does not belong in the "
+                            "file: hash it with `python -m splitserve.keys hash`)")
+    return replace(_parse_hash(rest, where), key_id=head[len(KEY_PREFIX):])
+
+
+def _parse_hash(text: str, where: str) -> KeyHash:
+    parts = text.split("$")
     algorithm = parts[0]
     if algorithm == "sha256":
         if len(parts) != 2 or not re.fullmatch(r"[0-9a-fA-F]{64}", parts[1]):
@@ -207,6 +268,7 @@ def parse_tenants(document: Any, source: str = "keys file") -> list[Tenant]:
         raise KeysFileError(f"{source}: unknown top-level fields {sorted(unknown)} (only 'tenants')")
     tenants: list[Tenant] = []
     seen: set[str] = set()
+    key_ids: dict[str, str] = {}  # an id: where it was first seen
     for i, entry in enumerate(document["tenants"]):
         where = f"{source}: tenants[{i}]"
         if not isinstance(entry, dict):
@@ -226,6 +288,12 @@ def parse_tenants(document: Any, source: str = "keys file") -> list[Tenant]:
         if not isinstance(keys, list) or not keys:
             raise KeysFileError(f"{where}.keys: expected a non-empty list of key hashes")
         hashes = tuple(parse_key_hash(k, f"{where}.keys[{j}]") for j, k in enumerate(keys))
+        for j, key_hash in enumerate(hashes):
+            if key_hash.key_id in key_ids:
+                raise KeysFileError(f"{where}.keys[{j}]: key id {key_hash.key_id!r} appears twice (also "
+                                    f"{key_ids[key_hash.key_id]}); ids are unique across the file")
+            if key_hash.key_id:
+                key_ids[key_hash.key_id] = f"tenants[{i}].keys[{j}]"
         limits = TenantLimits(_limit(entry, "requests_per_minute", where), _limit(entry, "tokens_per_minute", where))
         tenants.append(Tenant(name, hashes, limits))
     return tenants
@@ -287,6 +355,9 @@ class _Bounded(collections.OrderedDict):
             self.popitem(last=False)
 
 
+WITHOUT_ID = "without-id"  # the slow lane of keys without an id (see KeyVerifier.slow_lane)
+
+
 class KeyVerifier:
     """Checks presented keys against plain keys (`--api-keys`, held as SHA-256 digests) and the
     tenants of a keys file. Thread-safe: the slow path may run in a worker thread."""
@@ -294,8 +365,22 @@ class KeyVerifier:
     def __init__(self, tenants: Sequence[Tenant] = (), plain_keys: Sequence[str] = (),
                  cache_entries: int = CACHE_ENTRIES):
         self.tenants = list(tenants)
-        # (digest of the plain key, its owner id): no plain key kept in memory either.
-        self._plain = [(hashlib.sha256(k.encode()).digest(), plain_key_owner(k.encode())) for k in plain_keys if k]
+        # Digest of a plain key -> its owner id: no plain key kept in memory either. Found by a dict
+        # lookup: the SHA-256 of a guess tells nothing about how near it came to a key.
+        self._plain = {hashlib.sha256(k.encode()).digest(): plain_key_owner(k.encode()) for k in plain_keys if k}
+        self._by_id: dict[str, tuple[KeyHash, Caller]] = {}
+        self._without_id: list[tuple[KeyHash, Caller]] = []
+        for tenant in self.tenants:
+            caller = Caller(tenant.name, f"tenant:{tenant.name}", tenant.limits)
+            for entry in tenant.keys:
+                if not entry.key_id:
+                    self._without_id.append((entry, caller))
+                elif entry.key_id in self._by_id:
+                    raise KeysFileError(f"tenants: key id {entry.key_id!r} appears twice")
+                else:
+                    self._by_id[entry.key_id] = (entry, caller)
+        if self._without_id:
+            log.warning("API keys file: %d %s", len(self._without_id), MIGRATE_WITHOUT_ID)
         self._secret = secrets.token_bytes(32)
         self._accepted: _Bounded = _Bounded(cache_entries)
         self._refused: _Bounded = _Bounded(cache_entries)
@@ -327,12 +412,30 @@ class KeyVerifier:
                 return False
         return None
 
+    @property
+    def entries_without_id(self) -> int:
+        """How many entries of the keys file have no key id (see MIGRATE_WITHOUT_ID)."""
+        return len(self._without_id)
+
+    def slow_lane(self, key: bytes) -> str | None:
+        """What an unseen `key` is slowly hashed against: "id:<id>" (the one entry of its id),
+        WITHOUT_ID (every entry without an id), or None when it costs no slow hash (an id no
+        entry has; or only plain keys to compare, one SHA-256 in all). The gateway queues slow
+        checks per lane, so tokens aimed at one lane cannot hold up another."""
+        key_id = key_id_of(key)
+        if key_id is not None:
+            return f"id:{key_id}" if key_id in self._by_id else None
+        return WITHOUT_ID if self._without_id else None
+
     def verify(self, key: bytes) -> Caller | None:
-        """The caller `key` belongs to, or None. Unseen keys cost one hash per stored entry."""
+        """The caller `key` belongs to, or None. An unseen key costs at most one slow hash with
+        an id (none for an unknown id), one per entry without an id otherwise."""
         verdict = self.cached(key)
         if verdict is not None:
             return verdict or None
         caller = self._verify_uncached(key)
+        if caller is None and self.slow_lane(key) is None:
+            return None  # refused for the cost of a lookup: caching it would only evict others
         tag = self._tag(key)
         with self._lock:
             if caller is None:
@@ -343,16 +446,21 @@ class KeyVerifier:
 
     def _verify_uncached(self, key: bytes) -> Caller | None:
         found: Caller | None = None
-        # Every entry is checked, without stopping at a match: the time taken does not tell
-        # which tenant (or whether any) a key nearly matched.
-        digest = hashlib.sha256(key).digest()
-        for stored, owner in self._plain:
-            if hmac.compare_digest(digest, stored) and found is None:
-                found = Caller(DEFAULT_TENANT, owner, None)
-        for tenant in self.tenants:
-            for entry in tenant.keys:
-                if entry.matches(key) and found is None:
-                    found = Caller(tenant.name, f"tenant:{tenant.name}", tenant.limits)
+        # Every candidate entry is checked, without stopping at a match: the time taken does not
+        # tell which tenant (or whether any) a key nearly matched. Which entry a key's id names
+        # is no secret, so a key with an id is hashed against that entry alone.
+        owner = self._plain.get(hashlib.sha256(key).digest())
+        if owner is not None:
+            found = Caller(DEFAULT_TENANT, owner, None)
+        key_id = key_id_of(key)
+        if key_id is not None:
+            named = self._by_id.get(key_id)
+            candidates = [named] if named is not None else []
+        else:
+            candidates = self._without_id
+        for entry, caller in candidates:
+            if entry.matches(key) and found is None:
+                found = caller
         return found
 
 
@@ -369,10 +477,18 @@ def _read_key(stream: Any = None) -> str:
     return stream.readline().rstrip("\r\n")
 
 
+def _hash_and_note(key: str, algorithm: str) -> str:
+    """The entry of `key`; a note on stderr when the key has no id."""
+    entry = hash_key(key, algorithm)
+    if key_id_of(key.encode()) is None:
+        print(f"note: this key has no id (ss-<id>_<secret>, from `generate`): {MIGRATE_WITHOUT_ID}", file=sys.stderr)
+    return entry
+
+
 def hash_key_command(algorithm: str = DEFAULT_ALGORITHM) -> None:
     """Print the keys-file entry of an API key read from stdin (never from the command line)."""
     try:
-        print(hash_key(_read_key(), algorithm))
+        print(_hash_and_note(_read_key(), algorithm))
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
 
@@ -381,9 +497,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m splitserve.keys",
                                      description="API keys hashed at rest for the gateway's --api-keys-file.")
     sub = parser.add_subparsers(dest="command", required=True)
-    hash_p = sub.add_parser("hash", help="read a key on stdin, print its entry for the keys file")
+    hash_p = sub.add_parser("hash", help="read a key on stdin, print its entry for the keys file (with the key's "
+                                         "id when it is of the form ss-<id>_<secret>)")
     hash_p.add_argument("--algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
-    gen_p = sub.add_parser("generate", help="make a new random key; print it and its entry")
+    gen_p = sub.add_parser("generate", help="make a new random key with an id (ss-<id>_<secret>); print it and "
+                                            "its entry")
     gen_p.add_argument("--algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
     gen_p.add_argument("--tenant", default="", help="also print a TOML tenant table with this name")
     check_p = sub.add_parser("check", help="validate a keys file and list its tenants")
@@ -391,9 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "hash":
-            print(hash_key(_read_key(), args.algorithm))
+            print(_hash_and_note(_read_key(), args.algorithm))
         elif args.command == "generate":
-            key = "ss-" + secrets.token_urlsafe(32)
+            key = new_key()
             entry = hash_key(key, args.algorithm)
             print(f"key:   {key}\nentry: {entry}")
             if args.tenant:
@@ -401,10 +519,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ValueError(f"tenant: 1 to 64 letters, digits, '.', '_' or '-', got {args.tenant!r}")
                 print(f'\n[[tenants]]\nname = "{args.tenant}"\nkeys = ["{entry}"]')
         else:
+            without_id = 0
             for tenant in load_keys_file(args.file):
                 rpm, tpm = tenant.limits.requests_per_minute, tenant.limits.tokens_per_minute
                 print(f"{tenant.name}: {len(tenant.keys)} key(s), requests_per_minute="
                       f"{'default' if rpm is None else rpm}, tokens_per_minute={'default' if tpm is None else tpm}")
+                without_id += sum(not entry.key_id for entry in tenant.keys)
+            if without_id:
+                print(f"note: {without_id} {MIGRATE_WITHOUT_ID}")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from splitserve import state_scripts
 from splitserve.state_connection import (
@@ -44,6 +44,7 @@ from splitserve.state_records import (
 )
 
 __all__ = [
+    "BucketTake",
     "DIFFUSION",
     "LATENCY_KINDS",
     "POOLS",
@@ -171,7 +172,8 @@ class StateStore:
         self._append_emitted = self._redis.register_script(state_scripts.APPEND_EMITTED)
         self._acquire_leader = self._redis.register_script(state_scripts.ACQUIRE_LEADER)
         self._release_leader = self._redis.register_script(state_scripts.RELEASE_LEADER)
-        self._take_token = self._redis.register_script(state_scripts.TAKE_TOKEN)
+        self._take_tokens = self._redis.register_script(state_scripts.TAKE_TOKENS)
+        self._give_back_tokens = self._redis.register_script(state_scripts.GIVE_BACK_TOKENS)
         self._prune_workers = self._redis.register_script(state_scripts.PRUNE_WORKERS)
         self._open_session = self._redis.register_script(state_scripts.OPEN_SESSION)
         self._begin_round = self._redis.register_script(state_scripts.BEGIN_ROUND)
@@ -570,21 +572,56 @@ class StateStore:
         return bool(await self._release_leader(keys=[self._keys.leader(name)], args=[holder]))
 
     @unavailable_on_connection_error
+    async def take_tokens(self, takes: Sequence[BucketTake], now: float | None = None) -> tuple[bool, float, int]:
+        """Take each bucket's cost, all or nothing, in one script: (allowed, seconds until all
+        would pass, index into `takes` of the bucket that refused: the longest wait; -1 when
+        allowed). The time is Redis's (`TIME`), one clock for every replica; `now` overrides it
+        (tests and replays only)."""
+        if not takes:
+            raise ValueError("takes: expected at least one bucket")
+        args = ["" if now is None else repr(float(now))]
+        for take in takes:
+            _check_bucket(take.rate_per_s, take.burst, take.cost, "cost")
+            args += [repr(float(take.rate_per_s)), repr(float(take.burst)), repr(float(take.cost))]
+        allowed, refused, retry_after = await self._take_tokens(
+            keys=[self._keys.rate_limit(take.key) for take in takes], args=args)
+        return bool(int(allowed)), float(retry_after), int(refused) - 1
+
     async def take_token(
         self, key: str, rate_per_s: float, burst: float, now: float | None = None, cost: float = 1.0
     ) -> tuple[bool, float]:
-        """Take `cost` tokens from bucket `key`; returns (allowed, seconds until it would be)."""
-        if not (rate_per_s > 0 and burst > 0 and 0 < cost <= burst):
-            raise ValueError(
-                "need rate_per_s > 0, burst > 0 and 0 < cost <= burst; "
-                f"got {rate_per_s}, {burst}, {cost}"
-            )
-        now = time.time() if now is None else now
-        allowed, retry_after = await self._take_token(
+        """Take `cost` tokens from bucket `key` (by Redis's clock unless `now` is given); returns
+        (allowed, seconds until it would be)."""
+        allowed, retry_after, _ = await self.take_tokens([BucketTake(key, rate_per_s, burst, cost)], now)
+        return allowed, retry_after
+
+    @unavailable_on_connection_error
+    async def give_back_tokens(
+        self, key: str, rate_per_s: float, burst: float, amount: float, now: float | None = None
+    ) -> float:
+        """Return `amount` unused tokens to bucket `key` (never above `burst`); its level after."""
+        _check_bucket(rate_per_s, burst, amount, "amount")
+        level = await self._give_back_tokens(
             keys=[self._keys.rate_limit(key)],
-            args=[repr(float(rate_per_s)), repr(float(burst)), repr(float(now)), repr(float(cost))],
-        )
-        return bool(int(allowed)), float(retry_after)
+            args=["" if now is None else repr(float(now)), repr(float(rate_per_s)), repr(float(burst)),
+                  repr(float(amount))])
+        return float(level)
+
+
+class BucketTake(NamedTuple):
+    """What `StateStore.take_tokens` takes from one token bucket: `cost` of its `burst`,
+    which refills at `rate_per_s`."""
+
+    key: str
+    rate_per_s: float
+    burst: float
+    cost: float = 1.0
+
+
+def _check_bucket(rate_per_s: float, burst: float, amount: float, what: str) -> None:
+    if not (rate_per_s > 0 and burst > 0 and 0 < amount <= burst):
+        raise ValueError(f"need rate_per_s > 0, burst > 0 and 0 < {what} <= burst; "
+                         f"got {rate_per_s}, {burst}, {amount}")
 
 
 def _text(value: bytes | str) -> str:

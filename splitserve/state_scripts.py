@@ -92,39 +92,68 @@ end
 return 0
 """
 
-# KEYS[1] bucket hash. ARGV: rate_per_s, burst, now, cost.
-# Classic token bucket: refill by elapsed time (never backwards under clock skew), take
-# `cost` tokens when available. Returns {allowed (0|1), retry_after_s as a string}
-# (a Lua number would be truncated to an integer on the way out).
-TAKE_TOKEN = """
-local key = KEYS[1]
-local rate = tonumber(ARGV[1])
-local burst = tonumber(ARGV[2])
-local now = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
-local state = redis.call('HMGET', key, 'tokens', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then
-  tokens = burst
-  ts = now
+# Token buckets (per-key rate limits). A bucket is a hash {tokens, ts}; a missing one reads as
+# full. Refill is by elapsed time and never backwards (a clock that steps back refills nothing).
+# The time is Redis's own (`TIME`), so every gateway replica measures with one clock whatever
+# its own says; ARGV[1] overrides it (tests and replays only; '' : Redis's clock). Redis >= 5
+# replicates a script's effects, so a script may read TIME and then write.
+_BUCKET_HELPERS = """
+local function clock(given)
+  if given ~= '' then return tonumber(given) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-if now > ts then
-  tokens = math.min(burst, tokens + (now - ts) * rate)
-  ts = now
+local function level(key, rate, burst, now)
+  local state = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens, ts = tonumber(state[1]), tonumber(state[2])
+  if tokens == nil or ts == nil then return burst, now, false end
+  if now > ts then return math.min(burst, tokens + (now - ts) * rate), now, true end
+  return tokens, ts, true
 end
-local allowed = 0
-local retry_after = 0
-if tokens >= cost then
-  tokens = tokens - cost
-  allowed = 1
-else
-  retry_after = (cost - tokens) / rate
+local function store(key, tokens, ts, rate, burst)
+  redis.call('HSET', key, 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', ts))
+  -- The key is only needed until the bucket would be full again.
+  redis.call('PEXPIRE', key, math.ceil((burst - tokens) / rate * 1000) + 1000)
 end
-redis.call('HSET', key, 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', ts))
--- A missing bucket reads as full, so the key is only needed until it would refill.
-redis.call('PEXPIRE', key, math.ceil((burst - tokens) / rate * 1000) + 1000)
-return {allowed, string.format('%.17g', retry_after)}
+"""
+
+# KEYS[1..n] bucket hashes. ARGV[1] now ('' : Redis TIME), then per bucket i: ARGV[3i-1]
+# rate_per_s, ARGV[3i] burst, ARGV[3i+1] cost. All or nothing: every bucket gives its cost, or
+# none is touched. Returns {allowed (0|1), the refusing bucket's index (1-based, 0 when allowed:
+# the one that makes the caller wait longest), seconds until all would pass, as a string (a Lua
+# number would be truncated to an integer on the way out)}.
+TAKE_TOKENS = _BUCKET_HELPERS + """
+local now = clock(ARGV[1])
+local levels, stamps = {}, {}
+local refused, retry_after = 0, 0
+for i = 1, #KEYS do
+  local rate, burst, cost = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  levels[i], stamps[i] = level(KEYS[i], rate, burst, now)
+  if levels[i] < cost and (cost - levels[i]) / rate > retry_after then
+    refused, retry_after = i, (cost - levels[i]) / rate
+  end
+end
+if refused > 0 then
+  -- Nothing written: refill depends only on the last stored state and the time.
+  return {0, refused, string.format('%.17g', retry_after)}
+end
+for i = 1, #KEYS do
+  local rate, burst, cost = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  store(KEYS[i], levels[i] - cost, stamps[i], rate, burst)
+end
+return {1, 0, '0'}
+"""
+
+# KEYS[1] bucket hash. ARGV: now ('' : Redis TIME), rate_per_s, burst, amount. Gives back
+# tokens taken but not used (a request's output it did not generate), never above the burst.
+# A missing bucket is full already. Returns the level after, as a string.
+GIVE_BACK_TOKENS = _BUCKET_HELPERS + """
+local rate, burst, amount = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local tokens, ts, present = level(KEYS[1], rate, burst, clock(ARGV[1]))
+if not present then return string.format('%.17g', burst) end
+tokens = math.min(burst, tokens + amount)
+store(KEYS[1], tokens, ts, rate, burst)
+return string.format('%.17g', tokens)
 """
 
 # KEYS[1] worker index set, KEYS[2..n] worker hashes. ARGV[1..n-1] the matching ids.

@@ -20,7 +20,9 @@ from splitserve.keys import (
     KeyVerifier,
     TenantLimits,
     hash_key,
+    key_id_of,
     load_keys_file,
+    new_key,
     parse_key_hash,
     parse_tenants,
 )
@@ -67,6 +69,121 @@ def test_malformed_entries_are_refused_naming_the_field(entry, fragment):
     assert fragment in str(info.value)
     if isinstance(entry, str) and entry == "plain-key":
         assert "plain-key" not in str(info.value)  # a plain key pasted by mistake is never echoed
+
+
+@pytest.mark.parametrize("algorithm", ["scrypt", "pbkdf2_sha256", "sha256"])
+def test_a_key_with_an_id_has_an_entry_with_that_id(algorithm):
+    key = new_key()
+    key_id = key.split("_", 1)[0][3:]
+    assert key.startswith("ss-") and len(key_id) == 12 and key_id_of(key.encode()) == key_id
+    entry = hash_key(key, algorithm, scrypt_params=FAST_SCRYPT, pbkdf2_iterations=10_000)
+    assert entry.startswith(f"ss-{key_id}${algorithm}$") and key.split("_", 1)[1] not in entry
+    parsed = parse_key_hash(entry, "k")
+    assert parsed.key_id == key_id and parsed.encode() == entry and parsed.matches(key.encode())
+    assert not parsed.matches(f"ss-{key_id}_{new_key().split('_', 1)[1]}".encode())  # the id alone is nothing
+
+
+def test_an_old_generated_key_is_never_taken_for_a_key_with_an_id():
+    # The old `generate`: "ss-" + 43 URL-safe characters, which may hold a '_' anywhere.
+    old = "ss-abcdefghijkl_" + "x" * 30
+    assert key_id_of(old.encode()) is None
+    verifier = KeyVerifier(parse_tenants({"tenants": [{"name": "old", "keys": [_scrypt(old)]}]}))
+    assert verifier.verify(old.encode()).tenant == "old"  # entries without an id keep working
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("ss-short$sha256$" + "0" * 64, "an entry with a key id is 'ss-<id>$'"),
+    ("ss-abcdefghijkl", "an entry with a key id is 'ss-<id>$'"),
+    ("ss-abcdefghijkl_" + "s" * 43, "a plain key does not belong in the file"),  # a key pasted as is
+    ("ss-ABCDEFGHIJKL$sha256$" + "0" * 64, "12 lowercase letters or digits"),
+    ("ss-abcdefghijkl$ss-abcdefghijkl$sha256$" + "0" * 64, "an entry with a key id"),
+    ("ss-abcdefghijkl$sha256$00", "64 hex digits"),
+])
+def test_malformed_entries_with_ids_are_refused_naming_the_field(entry, fragment):
+    with pytest.raises(KeysFileError, match="^tenants\\[0\\]\\.keys\\[1\\]: ") as info:
+        parse_key_hash(entry, "tenants[0].keys[1]")
+    assert fragment in str(info.value) and "s" * 43 not in str(info.value)
+
+
+def test_a_key_id_appears_once_in_a_file():
+    key = new_key()
+    doc = {"tenants": [{"name": "a", "keys": [hash_key(key, "sha256")]},
+                       {"name": "b", "keys": [_scrypt("x"), hash_key(key, "sha256")]}]}
+    with pytest.raises(KeysFileError, match=r"f: tenants\[1\]\.keys\[1\]: key id '[a-z0-9]{12}' appears twice "
+                                            r"\(also tenants\[0\]\.keys\[0\]\)"):
+        parse_tenants(doc, "f")
+
+
+def _count_hashes(monkeypatch) -> list[str]:
+    """The key ids of the entries hashed from now on ("" for an entry without one)."""
+    hashed: list[str] = []
+    original = keys_mod.KeyHash.compute
+    monkeypatch.setattr(keys_mod.KeyHash, "compute",
+                        lambda self, key: hashed.append(self.key_id) or original(self, key))
+    return hashed
+
+
+def test_a_flood_of_random_tokens_costs_no_hash_and_a_real_key_still_verifies(tmp_path, monkeypatch):
+    real = [new_key() for _ in range(3)]
+    core = _core(tmp_path, keys_toml="".join(f'[[tenants]]\nname = "t{i}"\nkeys = ["{_scrypt(k)}"]\n'
+                                             for i, k in enumerate(real)))
+    hashed = _count_hashes(monkeypatch)
+    flood = [new_key() for _ in range(500)] + [f"sk-random-{i}" for i in range(500)]
+
+    async def run():
+        # All at once, as a flood arrives: none waits for a hash, so none is refused with 429.
+        results = await asyncio.gather(*(core.authorize(f"Bearer {k}") for k in flood), return_exceptions=True)
+        assert all(isinstance(r, Unauthenticated) for r in results)
+        assert hashed == [] and core._waiting_key_checks == 0
+        assert len(core.keys._refused) == 0  # nothing that cost nothing pushes a costly verdict out
+        caller = await core.authorize(f"Bearer {real[1]}")
+        assert caller.tenant == "t1" and hashed == [key_id_of(real[1].encode())]  # one hash: its own entry
+        wrong_secret = real[2].split("_", 1)[0] + "_" + new_key().split("_", 1)[1]
+        with pytest.raises(Unauthenticated):
+            await core.authorize(f"Bearer {wrong_secret}")
+        assert len(hashed) == 2  # at most one hash for a token with a known id
+    asyncio.run(run())
+
+
+def test_tokens_without_an_id_cannot_hold_up_keys_with_one(tmp_path, monkeypatch):
+    import threading
+
+    import gateway.core as core_module
+
+    real = new_key()
+    core = _core(tmp_path, keys_toml=f'[[tenants]]\nname = "old"\nkeys = ["{_scrypt("k-old")}"]\n'
+                                     f'[[tenants]]\nname = "new"\nkeys = ["{_scrypt(real)}"]\n')
+    assert core.keys.entries_without_id == 1
+    release = threading.Event()
+    original = keys_mod.KeyHash.compute
+
+    def compute(self, key):  # entries without an id hash until released: a slow flood in flight
+        if not self.key_id:
+            release.wait(10)
+        return original(self, key)
+
+    monkeypatch.setattr(keys_mod.KeyHash, "compute", compute)
+    lane = core_module.MAX_WAITING_PER_LANE
+
+    async def until(predicate):
+        for _ in range(500):  # polling, bounded: 5 s
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def run():
+        flood = [asyncio.ensure_future(core.authorize(f"Bearer k-flood-{i}")) for i in range(lane)]
+        await until(lambda: core._waiting_key_checks == lane)
+        with pytest.raises(Overloaded):  # that lane is full ...
+            await core.authorize("Bearer k-one-too-many")
+        caller = await asyncio.wait_for(core.authorize(f"Bearer {real}"), 5)  # ... the others are not
+        assert caller.tenant == "new"
+        release.set()
+        results = await asyncio.gather(*flood, return_exceptions=True)
+        assert all(isinstance(r, Unauthenticated) for r in results)
+        assert (await core.authorize("Bearer k-old")).tenant == "old"  # and keys without an id still work
+    asyncio.run(run())
 
 
 def _doc(**tenant):
@@ -144,15 +261,18 @@ def test_verifier_caches_verdicts_and_never_holds_the_key(monkeypatch):
 
 
 def test_the_caches_are_bounded():
-    verifier = KeyVerifier([], plain_keys=["p"], cache_entries=3)
+    # Refusals that cost a slow hash are cached (here: against an entry without an id).
+    verifier = KeyVerifier(parse_tenants({"tenants": [{"name": "acme", "keys": [_scrypt("k-a")]}]}),
+                           plain_keys=["p"], cache_entries=3)
     for i in range(10):
         verifier.verify(f"wrong-{i}".encode())
     assert len(verifier._refused) == 3
 
 
-def _core(tmp_path, api_keys=(), **config) -> GatewayCore:
+def _core(tmp_path, api_keys=(), keys_toml=None, **config) -> GatewayCore:
     keys_file = tmp_path / "keys.toml"
-    keys_file.write_text(f'[[tenants]]\nname = "acme"\ntokens_per_minute = 100\nkeys = ["{_scrypt("k-acme")}"]\n')
+    keys_file.write_text(keys_toml or
+                         f'[[tenants]]\nname = "acme"\ntokens_per_minute = 100\nkeys = ["{_scrypt("k-acme")}"]\n')
 
     class TinyTokenizer:
         chat_template = None
@@ -239,17 +359,19 @@ def test_a_bad_keys_file_stops_the_gateway_naming_it(tmp_path):
 
 
 class FakeBuckets:
-    """StateStore.take_token over in-memory buckets that never refill (time stands still)."""
+    """StateStore.take_tokens over in-memory buckets that never refill (time stands still)."""
 
     def __init__(self):
         self.levels: dict[str, float] = {}
 
-    async def take_token(self, key, rate, capacity, cost=1.0):
-        level = self.levels.setdefault(key, capacity)
-        if cost > level:
-            return False, (cost - level) / rate
-        self.levels[key] = level - cost
-        return True, 0.0
+    async def take_tokens(self, takes):
+        levels = [self.levels.setdefault(t.key, t.burst) for t in takes]
+        waits = [(t.cost - level) / t.rate_per_s if t.cost > level else 0.0 for t, level in zip(takes, levels)]
+        if max(waits) > 0:
+            return False, max(waits), waits.index(max(waits))
+        for t, level in zip(takes, levels):
+            self.levels[t.key] = level - t.cost
+        return True, 0.0, -1
 
 
 def test_tenant_limits_override_the_defaults():
@@ -297,13 +419,26 @@ def test_hash_command_reads_the_key_from_stdin(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     key, entry = lines[0].split()[1], lines[1].split()[1]
     assert parse_key_hash(entry, "e").matches(key.encode()) and 'name = "acme"' in lines
+    assert parse_key_hash(entry, "e").key_id == key_id_of(key.encode()) is not None  # generated keys have ids
+    monkeypatch.setattr("sys.stdin", io.StringIO(key + "\n"))
+    assert keys_mod.main(["hash"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(entry.split("$")[0] + "$scrypt$") and captured.err == ""
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-no-id\n"))
+    assert keys_mod.main(["hash"]) == 0
+    assert "note: this key has no id" in capsys.readouterr().err
 
 
 def test_check_command_lists_tenants(tmp_path, capsys):
     path = tmp_path / "k.json"
     path.write_text(json.dumps(_doc(requests_per_minute=9)))
     assert keys_mod.main(["check", str(path)]) == 0
-    assert "acme: 1 key(s), requests_per_minute=9, tokens_per_minute=default" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "acme: 1 key(s), requests_per_minute=9, tokens_per_minute=default" in out
+    assert "note: 1 entries without a key id" in out and "generate" in out  # how to migrate
+    path.write_text(json.dumps({"tenants": [{"name": "acme", "keys": [hash_key(new_key(), "sha256")]}]}))
+    assert keys_mod.main(["check", str(path)]) == 0
+    assert "note" not in capsys.readouterr().out
     path.write_text(json.dumps(_doc(name="")))
     assert keys_mod.main(["check", str(path)]) == 2
     assert "tenants[0].name" in capsys.readouterr().err
@@ -319,5 +454,5 @@ def test_hash_key_command_mounts_on_a_typer_app(monkeypatch):
     app.command("noop")(lambda: None)  # two commands: typer keeps the sub-command name
     result = CliRunner().invoke(app, ["hash-key", "--algorithm", "sha256"], input="sk-typer\n")
     assert result.exit_code == 0, result.output
-    assert parse_key_hash(result.output.strip(), "out").matches(b"sk-typer")
+    assert parse_key_hash(result.stdout.strip(), "out").matches(b"sk-typer")
     assert CliRunner().invoke(app, ["hash-key", "--algorithm", "md5"], input="sk\n").exit_code != 0
