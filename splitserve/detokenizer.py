@@ -1,9 +1,20 @@
-"""Incremental detokenisation with stop-string matching (engine and gateway share it)."""
+"""Incremental detokenisation with stop-string matching (engine and gateway share it).
+
+With a Hugging Face fast tokenizer the text of each new token comes from `tokenizers`'
+`DecodeStream` (one Rust call per token, issue 35); any other tokenizer (a slow one, a
+test's) is decoded by the same algorithm in Python: two `decode` calls over a short window.
+"""
 
 from __future__ import annotations
 
+try:  # tokenizers >= 0.21; without it every tokenizer takes the Python path
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - tokenizers is a dependency
+    DecodeStream = None
+
 # Tokens before the output that give the tokenizer context for spacing (sentencepiece).
 _CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24  # how far back a context that decodes to whole characters is looked for
 
 
 class IncrementalDetokenizer:
@@ -17,10 +28,13 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self._holdback = max(map(len, self.stop)) - 1 if self.stop else 0
-        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        context = _clean_context(tokenizer, prompt_ids)
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
+        self._backend = backend if DecodeStream is not None and backend is not None else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True) if self._backend is not None else None
         self.text = ""  # output text so far, cut at a stop string
         self._emitted = 0
         self.stopped = False
@@ -30,8 +44,11 @@ class IncrementalDetokenizer:
         for token in token_ids:
             if self.stopped:
                 break
-            self._ids.append(token)
-            new_text = self._decode_new()
+            if self._stream is not None:
+                new_text = self._stream.step(self._backend, token) or ""
+            else:
+                self._ids.append(token)
+                new_text = self._decode_new()
             if not new_text:
                 continue
             self.text += new_text
@@ -57,6 +74,22 @@ class IncrementalDetokenizer:
             self._read_offset = len(ids)
             return full[len(prefix) :]
         return ""
+
+
+def _clean_context(tokenizer, prompt_ids) -> list[int]:
+    """The prompt's last few tokens, as the spacing context of the first output token: the
+    shortest suffix of at least `_CONTEXT_TOKENS` that decodes to whole characters (a suffix
+    ending inside a multi-byte character would glue its replacement character, or its
+    bytes, onto the output's first text), else none (as vLLM primes its DecodeStream)."""
+    prompt_ids = list(prompt_ids)
+    if len(prompt_ids) <= _CONTEXT_TOKENS:
+        candidates = [prompt_ids]
+    else:
+        candidates = [prompt_ids[-n:] for n in range(_CONTEXT_TOKENS, min(len(prompt_ids), _MAX_CONTEXT_TOKENS) + 1)]
+    for suffix in candidates:
+        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+            return suffix
+    return []
 
 
 def _find_stop(text: str, new_text_len: int, stops: list[str]) -> int | None:
