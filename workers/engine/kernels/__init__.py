@@ -1,12 +1,13 @@
 """CPU kernels compiled on this machine at first use (torch's C++ extension builder).
 
 `paged_decode_attention` reads decode keys and values in place from the paged KV cache
-(see paged_decode_attention.cpp for why). It is built once per machine and source into
-torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, under
-splitserve/), keyed
-by a hash of the source and of this CPU's instruction-set flags, since it is compiled for
-the CPU it runs on (-march=native). `make setup` builds it ahead (`python -m
-workers.engine.kernels`), so that no worker pays the compile (~30 s) when it starts.
+(see paged_decode_attention.cpp for why). It is built once per machine and source, with
+torch's C++ extension builder, into one library file under torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, under splitserve/), named by a
+digest of the sources, this CPU's instruction-set flags (it is compiled for the CPU it runs
+on, -march=native), the compile flags and the torch and Python versions. Loading a built
+library runs no compiler. `make setup` builds it ahead (`python -m workers.engine.kernels`),
+so that no worker pays the compile (~30 s) when it starts.
 
 Where it cannot be built (no C++ compiler, no ninja, a non-x86/ARM CPU, or
 SPLITSERVE_CPU_KERNELS=0), `load()` returns None once, with one warning, and the engine
@@ -51,8 +52,15 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
+    """The build's name: a digest of the sources, this CPU's flags, the compile flags and the
+    torch and Python it links against (a build for another torch is another file)."""
+    import sys
+
+    import torch
+
     sources = b"".join(source.read_bytes() for source in SOURCES)
-    digest = hashlib.sha256(sources + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    context = " ".join([_cpu_flags(), *CFLAGS, torch.__version__, sys.version.split()[0]]).encode()
+    digest = hashlib.sha256(sources + context).hexdigest()[:12]
     return f"splitserve_paged_decode_{digest}"
 
 
@@ -76,21 +84,33 @@ def build_root() -> Path:
     return Path(root) / "splitserve"
 
 
-def _build(verbose: bool) -> ModuleType:
-    """Compile (or load the cached build) under an OS file lock with a bounded wait.
+def built_library() -> Path:
+    """Where the finished build lives: beside torch's build directories, never inside one."""
+    return build_root() / f"{build_name()}.so"
 
-    torch's own build lock is a plain file: a process killed mid-compile (a supervisor's
-    restart, the OOM killer) leaves it behind and every later load waits for it forever.
-    An flock dies with its holder; holding it, a leftover torch lock file is stale and goes.
+
+def _build(verbose: bool) -> ModuleType:
+    """Load the finished library; build it first when there is none.
+
+    A finished build is one file, named by its digest, that appears by an atomic rename:
+    loading it runs no compiler and no ninja. (Letting torch's `load` run ninja at every
+    start was fragile: a worker killed mid-compile leaves its compiler running, which rewrites
+    the objects after the dependency record, so every later start found them out of date and
+    compiled again, each killed start adding another orphan.) A build happens in a directory
+    of its own under an OS file lock with a bounded wait (an flock dies with its holder).
     """
     import fcntl
+    import shutil
+    import tempfile
 
     from torch.utils.cpp_extension import load as torch_load
 
     name = build_name()
-    directory = build_root() / name
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f"{name}.flock", "w") as lock:
+    library = built_library()
+    if library.exists():
+        return _import_library(name, library)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.parent / f"{name}.flock", "w") as lock:
         deadline = time.monotonic() + BUILD_WAIT_S
         while True:
             try:
@@ -101,8 +121,29 @@ def _build(verbose: bool) -> ModuleType:
                     raise TimeoutError(f"another process has been building {name} for over {BUILD_WAIT_S:.0f} s")
                 time.sleep(0.5)  # polling another process's build, with a deadline
         try:
-            (directory / "lock").unlink(missing_ok=True)  # a dead builder's; every builder holds our flock
-            return torch_load(name=name, sources=[str(source) for source in SOURCES], build_directory=str(directory), verbose=verbose,
-                              extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+            if library.exists():  # built by the process we waited for
+                return _import_library(name, library)
+            directory = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=library.parent))
+            try:
+                module = torch_load(name=name, sources=[str(source) for source in SOURCES],
+                                    build_directory=str(directory), verbose=verbose,
+                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+                os.replace(directory / f"{name}.so", library)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            return module
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    """Import the built extension module from its file (torch's libraries are loaded first:
+    the extension links against them)."""
+    import importlib.util
+
+    import torch  # noqa: F401  (libc10 / libtorch for the extension's symbols)
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
