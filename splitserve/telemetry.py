@@ -70,15 +70,35 @@ def start_metrics_server(host: str, port: int) -> int:
     return server.server_port
 
 
+def otlp_traces_endpoint(otlp_endpoint: str = "") -> str:
+    """Where spans go: `otlp_endpoint` (--otlp-endpoint), else the standard
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT; "" when none is set."""
+    return otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+def otlp_span_exporter(endpoint: str):
+    """The OTLP/gRPC span exporter for `endpoint`. Its transport follows OpenTelemetry's exporter
+    specification, read by the exporter itself from the standard variables (no `insecure` is
+    passed, which would override them): an https:// endpoint is TLS; an http:// endpoint is
+    plaintext unless OTEL_EXPORTER_OTLP_(TRACES_)INSECURE=false; an endpoint without a scheme
+    (host:port) is TLS unless OTEL_EXPORTER_OTLP_(TRACES_)INSECURE=true. TLS trusts the CA file
+    of OTEL_EXPORTER_OTLP_(TRACES_)CERTIFICATE (else the system's roots) and presents the client
+    certificate of OTEL_EXPORTER_OTLP_(TRACES_)CLIENT_CERTIFICATE / _CLIENT_KEY when set;
+    headers, timeout and compression come from their OTEL_EXPORTER_OTLP_* variables too."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
 def setup_tracing(service: str, otlp_endpoint: str) -> bool:
     """Export spans over OTLP/gRPC to `otlp_endpoint`, else to the standard
-    OTEL_EXPORTER_OTLP_ENDPOINT (OTEL_SERVICE_NAME names the service when set); with neither,
-    tracing stays a no-op (spans are not recorded). Whether export was set up."""
-    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or \
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT (OTEL_SERVICE_NAME names the service when set); with
+    neither, tracing stays a no-op (spans are not recorded). Plaintext or TLS as
+    `otlp_span_exporter` says. Whether export was set up."""
+    endpoint = otlp_traces_endpoint(otlp_endpoint)
     if not endpoint:
         return False
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -86,8 +106,7 @@ def setup_tracing(service: str, otlp_endpoint: str) -> bool:
     name = os.environ.get("OTEL_SERVICE_NAME") or f"splitserve-{service}"
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     # A short delay: a request's spans reach the collector within a second of its end.
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True),
-                                                   schedule_delay_millis=500))
+    provider.add_span_processor(BatchSpanProcessor(otlp_span_exporter(endpoint), schedule_delay_millis=500))
     trace.set_tracer_provider(provider)
     return True
 

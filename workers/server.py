@@ -20,6 +20,8 @@ from splitserve.errors import Conflict, FailedPrecondition, InvalidArgument, Spl
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, open_channel, run
 from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
+from splitserve.core.designs import resolve_design
+from splitserve.core.policy import FCFS, scheduling_policy_option
 from splitserve.core.session_pins import SessionHold
 from splitserve.state_records import DIFFUSION, engine_family
 from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
@@ -34,6 +36,7 @@ from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
 from workers.kv_transfer.tracker import TransferTracker
+from workers.vllm_metrics import WORKER_METRICS, engine_prefix_counts, served_model_name
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +110,17 @@ def resolve_num_threads(num_threads: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def batch_policy_of(config: WorkerConfig) -> str:
+    """The local batch policy: `--batch-policy`, else the `--design`'s (DynaServe: slo_aware, ...), else fcfs."""
+    return resolve_design(batch_policy=config.batch_policy, design=config.design).batch_policy
+
+
 def batch_policy_options_from(config: WorkerConfig) -> dict:
     """The batch policy's options: `--batch-policy-options` (a JSON object), plus `--itl-slo-ms`
-    as `itl_slo_ms` for a policy that takes it; ValueError naming the flag."""
+    as `itl_slo_ms` for a policy that takes it and `--scheduling-policy` (the scheduler reads it
+    from the policy); ValueError naming the flag."""
     options: dict = {}
+    batch_policy = batch_policy_of(config)
     if config.batch_policy_options.strip():
         try:
             options = json.loads(config.batch_policy_options)
@@ -121,11 +131,15 @@ def batch_policy_options_from(config: WorkerConfig) -> dict:
     if config.itl_slo_ms:
         if config.itl_slo_ms < 0:
             raise ValueError(f"itl_slo_ms must be >= 0, got {config.itl_slo_ms}")
-        if not takes_option(config.batch_policy, "itl_slo_ms"):
-            raise ValueError(f"itl_slo_ms: batch policy {config.batch_policy!r} takes no ITL objective")
+        if not takes_option(batch_policy, "itl_slo_ms"):
+            raise ValueError(f"itl_slo_ms: batch policy {batch_policy!r} takes no ITL objective")
         if "itl_slo_ms" in options:
             raise ValueError("itl_slo_ms is given twice: as --itl-slo-ms and in --batch-policy-options")
         options["itl_slo_ms"] = config.itl_slo_ms
+    if scheduling_policy_option(config.scheduling_policy) != FCFS:
+        if "scheduling_policy" in options:
+            raise ValueError("scheduling_policy is given twice: as --scheduling-policy and in --batch-policy-options")
+        options["scheduling_policy"] = config.scheduling_policy
     return options
 
 
@@ -137,7 +151,7 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len or None, kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
-        batch_policy=config.batch_policy, batch_policy_options=batch_policy_options_from(config),
+        batch_policy=batch_policy_of(config), batch_policy_options=batch_policy_options_from(config),
         perf_model=config.perf_model, num_threads=resolve_num_threads(config.num_threads), detokenize=False,
         attention_backend=config.attention_backend, cpu_linear=config.cpu_linear,
         captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
@@ -468,6 +482,10 @@ class WorkerServer:
         self.engine = await asyncio.to_thread(self._build_engine)
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), thread_init=self._engine_thread_init())
         self.loop.start()
+        # served_model_name: the gateway's name for the model, once WorkerConfig has that option
+        served = getattr(self.config, "served_model_name", "")
+        WORKER_METRICS.attach(served_model_name(self.config.model, self.config.model_preset, served),
+                              lambda: self.loop.snapshot.load, engine_prefix_counts(self.engine))
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.runtime.server)
         await self.runtime.start()
         port = self.runtime.bound_port
@@ -479,7 +497,8 @@ class WorkerServer:
         await self.publish_load()
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._publish_loop())]
         await self.runtime.set_serving(True)
-        log.info("worker %s serving %s at %s (role %s)", self.worker_id, self.config.model, self.address, self.role)
+        log.info("worker %s serving %s at %s (role %s, local batching %s, scheduling %s)", self.worker_id,
+                 self.config.model, self.address, self.role, batch_policy_of(self.config), self.config.scheduling_policy)
 
     def _engine_thread_init(self):
         """On CPU, give torch's intra-op pool the thread count on the engine thread itself."""
@@ -658,6 +677,7 @@ class WorkerServer:
                     await self.grpc_kv.close()
             except Exception as err:
                 log.warning("closing the KV transport failed: %s", err)
+        WORKER_METRICS.detach()
         if self.loop is not None:
             self.loop.stop()
         await self.runtime.server.stop(grace=1.0)

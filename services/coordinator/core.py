@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from services.coordinator.placement import Placer
 from services.coordinator.records import RequestRecordWriter
 from services.coordinator.sessions import SessionService
+from services.coordinator.vllm_metrics import RequestMetrics as VllmRequestMetrics
 from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
@@ -86,6 +87,7 @@ class Coordinator:
         session: SessionRecord | None = None
         span = start_span("coordinator.request", trace_context, kind=SpanKind.SERVER, attributes={
             "splitserve.request_id": request_id, "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        vllm_request = VllmRequestMetrics(request.model, len(request.prompt_token_ids), started, resumed=bool(emitted))
         error: BaseException | None = None
         try:
             if not request.prompt_token_ids:
@@ -115,6 +117,7 @@ class Coordinator:
                                          span_context(span)):
                 if emitted and len(emitted) == len(chunk.token_ids):
                     TTFT.observe(time.monotonic() - started)
+                vllm_request.deliver(len(chunk.token_ids), time.monotonic())
                 if chunk.finish_reason:  # before yielding: a consumer may stop at the last chunk
                     outcome = chunk.finish_reason
                     if session is not None:  # free the session before the client can send its next round
@@ -137,6 +140,7 @@ class Coordinator:
                 self._spawn(self._end_round(session, request_id, None, outcome, 0))
             REQUESTS.labels(outcome).inc()
             E2E.observe(time.monotonic() - started)
+            vllm_request.finish(outcome, time.monotonic())
             plan = plan_holder[-1] if plan_holder else None
             if plan is not None and len(plan.stages) > 1 and outcome not in ("stop", "length"):
                 # Ended early (cancel, error, deadline): later stages' workers hold KV

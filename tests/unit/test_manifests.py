@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -22,17 +23,20 @@ from splitserve.config import SERVICE_CONFIGS, env_var
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/cpu", "k8s/overlays/gpu")
 TLS_OVERLAY = "k8s/overlays/cpu-tls"  # overlays/cpu + components/tls + components/api-keys-file
+AUTOSCALED_OVERLAY = "k8s/overlays/gpu-autoscaled"  # overlays/gpu + components/monitoring + components/keda
+RENDERED = KUSTOMIZATIONS + (TLS_OVERLAY, AUTOSCALED_OVERLAY)
 K8S_VERSION = "1.30.0"
 # Kinds defined by CRDs: kubernetes-validate has no schema for them (checked by hand below).
-CRD_GROUPS = ("monitoring.coreos.com/",)
+CRD_GROUPS = ("monitoring.coreos.com/", "keda.sh/")
 # Compose variables no service reads: they choose images, mounts and counts (docs/deployment.md).
 DEPLOY_ONLY = {"SPLITSERVE_IMAGE", "SPLITSERVE_CUDA_IMAGE", "SPLITSERVE_REDIS_IMAGE", "SPLITSERVE_BASE_IMAGE",
                "SPLITSERVE_CUDA_BASE_IMAGE", "SPLITSERVE_CUDA_BUILDER_IMAGE", "SPLITSERVE_MODEL_DIR",
                "SPLITSERVE_WORKERS", "SPLITSERVE_GPU_WORKERS", "SPLITSERVE_EMULATED_WORKERS",
                "SPLITSERVE_HTTP_PUBLISH", "SPLITSERVE_GRPC_PUBLISH", "SPLITSERVE_REDIS_PORT", "SPLITSERVE_STOP_GRACE",
                "SPLITSERVE_CERTS_DIR"}
-# Variables of other software the containers read (UCX for NIXL, the downward API, Grafana, images).
-FOREIGN_ENV = re.compile(r"^(UCX_\w+|POD_NAME|POD_IP|GF_\w+|PROMETHEUS_\w+|GRAFANA_\w+)$")
+# Variables of other software the containers read (UCX for NIXL, the downward API, Grafana, images),
+# and the Redis password that kubelet puts into SPLITSERVE_REDIS_URL (redis-cli reads REDISCLI_AUTH).
+FOREIGN_ENV = re.compile(r"^(UCX_\w+|POD_NAME|POD_IP|GF_\w+|PROMETHEUS_\w+|GRAFANA_\w+|REDIS_PASSWORD|REDISCLI_AUTH)$")
 
 
 def config_env(service: str) -> dict[str, dataclasses.Field]:
@@ -82,6 +86,16 @@ def containers(docs):
                 yield d, c
 
 
+def redis_password_source(c) -> dict | None:
+    """The Secret key REDIS_PASSWORD comes from, when it is declared before SPLITSERVE_REDIS_URL
+    (kubelet expands $(VAR) only from variables defined earlier in the list)."""
+    names = [item["name"] for item in c.get("env", [])]
+    if "REDIS_PASSWORD" not in names or names.index("REDIS_PASSWORD") > names.index("SPLITSERVE_REDIS_URL"):
+        return None
+    item = c["env"][names.index("REDIS_PASSWORD")]
+    return item.get("valueFrom", {}).get("secretKeyRef")
+
+
 def container_env(docs, c) -> dict[str, str | None]:
     """The container's environment: env entries and the ConfigMaps / Secrets of envFrom."""
     env: dict[str, str | None] = {}
@@ -98,7 +112,7 @@ def container_env(docs, c) -> dict[str, str | None]:
     return env
 
 
-@pytest.mark.parametrize("path", KUSTOMIZATIONS + (TLS_OVERLAY,))
+@pytest.mark.parametrize("path", RENDERED)
 def test_kustomize_renders_and_validates(path):
     import kubernetes_validate
 
@@ -109,12 +123,70 @@ def test_kustomize_renders_and_validates(path):
     for doc in docs:
         assert doc["metadata"].get("namespace", "splitserve") == "splitserve" or doc["kind"] == "Namespace"
         if doc["apiVersion"].startswith(CRD_GROUPS):
-            assert doc["spec"]["endpoints"] and doc["spec"]["selector"]
+            check_custom_resource(doc, docs)
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    if path == "k8s/base":  # installable without KEDA and without the PrometheusRule CRD
+        assert not kinds & {"ScaledObject", "PrometheusRule"}
 
 
-@pytest.mark.parametrize("path", KUSTOMIZATIONS + (TLS_OVERLAY,))
+def check_custom_resource(doc: dict, docs) -> None:
+    """What kubernetes-validate cannot check of a CRD's object: its shape, field by field, as the
+    CRD's schema would (ServiceMonitor, PrometheusRule: monitoring.coreos.com/v1; ScaledObject:
+    keda.sh/v1alpha1), and that what it names exists."""
+    kind, spec = doc["kind"], doc["spec"]
+    assert doc["metadata"]["name"] and doc["metadata"]["namespace"] == "splitserve", kind
+    if kind == "ServiceMonitor":
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        assert spec["endpoints"] and spec["selector"]
+        ports = {p["name"] for svc in by_kind(docs, "Service").values() for p in svc["spec"]["ports"]}
+        assert all(e["port"] in ports and e["path"] == "/metrics" for e in spec["endpoints"])
+    elif kind == "PrometheusRule":
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(spec) == {"groups"} and spec["groups"]
+        for group in spec["groups"]:
+            assert set(group) <= {"name", "interval", "rules"} and group["name"] and group["rules"]
+            for rule in group["rules"]:
+                assert set(rule) <= {"alert", "record", "expr", "for", "labels", "annotations"}, rule
+                assert bool(rule.get("alert")) != bool(rule.get("record")) and rule["expr"].strip()
+                assert re.fullmatch(r"\d+[smh]", rule.get("for", "0s")), rule["alert"]
+                assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
+                check_promql(rule["expr"])
+    elif kind == "ScaledObject":
+        assert doc["apiVersion"] == "keda.sh/v1alpha1"
+        target = spec["scaleTargetRef"]
+        assert target["name"] in by_kind(docs, target.get("kind", "Deployment")), target
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        assert spec["triggers"]
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "prometheus" and trigger.get("metricType", "AverageValue") in (
+                "AverageValue", "Value", "Utilization")
+            meta = trigger["metadata"]
+            assert all(isinstance(v, str) for v in meta.values()), "KEDA's trigger metadata values are strings"
+            assert re.fullmatch(r"https?://[\w.-]+(:\d+)?(/\S*)?", meta["serverAddress"])
+            assert float(meta["threshold"]) > 0
+            check_promql(meta["query"])
+    else:
+        raise AssertionError(f"no structural check for the custom resource {kind}")
+
+
+def check_promql(expr: str) -> None:
+    """A PromQL expression's brackets balance and every metric it names is one the code exports
+    (splitserve_* and vllm:*) or Prometheus' own `up`."""
+    pairs, stack = {")": "(", "]": "[", "}": "{"}, []
+    for ch in re.sub(r'"[^"]*"', '""', expr):
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in pairs:
+            assert stack and stack.pop() == pairs[ch], expr
+    assert not stack, expr
+    names = set(re.findall(r"\b(?:splitserve_\w+|vllm:\w+)", expr))
+    assert names or re.search(r"\bup\{", expr), expr
+    assert names <= defined_metrics() | exported_vllm_metrics(), sorted(names - defined_metrics()
+                                                                        - exported_vllm_metrics())
+
+
+@pytest.mark.parametrize("path", RENDERED)
 def test_k8s_env_and_ports_match_typed_configs(path):
     docs = rendered(path)
     services = by_kind(docs, "Service")
@@ -159,8 +231,12 @@ def test_k8s_env_and_ports_match_typed_configs(path):
                 host, port = raw.rsplit(":", 1)
                 assert host in services and int(port) in [p["port"] for p in services[host]["spec"]["ports"]], raw
             if name == "SPLITSERVE_REDIS_URL":
-                host, port = re.match(r"redis://([^:/]+):(\d+)", raw).groups()
-                assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+                url = urlsplit(raw)
+                assert int(url.port) in [p["port"] for p in services[url.hostname]["spec"]["ports"]]
+                # Redis requires a password: the URL carries the Secret's, put there by kubelet.
+                assert url.password == "$(REDIS_PASSWORD)", f"{workload['metadata']['name']}: {raw}"
+        assert "SPLITSERVE_REDIS_URL" in env, f"{workload['metadata']['name']}: no Redis URL"
+        assert redis_password_source(c) == {"name": "splitserve-redis", "key": "password"}
     assert seen == set(SERVICE_CONFIGS)
 
 
@@ -184,10 +260,67 @@ def test_k8s_shape_of_the_deployment():
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "splitserve_gateway_in_flight_requests"
     assert hpa["metrics"][0]["pods"]["metric"]["name"] in defined_metrics()
     assert set(by_kind(base, "PodDisruptionBudget")) >= {"redis", "gateway"}
+    for docs in (base, cpu, gpu):
+        assert_no_budget_blocks_a_drain(docs)
+    redis = sts["redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert "requirepass $REDISCLI_AUTH" in "".join(redis["args"]) and "redis-server -" in "".join(redis["args"])
+    assert not any("requirepass" in a and "$REDISCLI_AUTH" not in a for a in redis["args"])  # no password in argv
+    auth = {e["name"]: e for e in redis["env"]}["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]
+    assert auth == {"name": "splitserve-redis", "key": "password"}
+    assert "splitserve-redis" not in by_kind(base, "Secret"), "the password is made per cluster, never shipped"
+    assert "SPLITSERVE_REDIS_URL" not in by_kind(base, "ConfigMap")["splitserve-common"]["data"]
     # Only the gateway takes traffic from anywhere: the one rule with no `from`.
     open_rules = [p for p in by_kind(base, "NetworkPolicy").values()
                   for rule in p["spec"].get("ingress", []) if "from" not in rule]
     assert [p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in open_rules] == ["gateway"]
+
+
+def assert_no_budget_blocks_a_drain(docs) -> None:
+    """Every PodDisruptionBudget lets at least one selected pod be evicted at full strength: one
+    that never does (minAvailable equal to the replicas) blocks every node drain."""
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for name, pdb in by_kind(docs, "PodDisruptionBudget").items():
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        selected = [w for w in workloads
+                    if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+        assert selected, f"PodDisruptionBudget {name} selects nothing"
+        replicas = sum(w["spec"].get("replicas", 1) for w in selected)
+        if "maxUnavailable" in pdb["spec"]:
+            assert int(pdb["spec"]["maxUnavailable"]) >= 1, name
+        else:
+            assert int(pdb["spec"]["minAvailable"]) < replicas, f"{name}: minAvailable {pdb['spec']['minAvailable']} " \
+                                                                f"of {replicas} replicas blocks node drains"
+
+
+def test_k8s_autoscaled_overlay_ships_dashboard_alerts_and_keda():
+    docs = rendered(AUTOSCALED_OVERLAY)
+    rules = by_kind(docs, "PrometheusRule")["splitserve"]["spec"]["groups"]
+    alerts = {r["alert"]: r["expr"] for group in rules for r in group["rules"] if "alert" in r}
+    for needed, metric in (("HighTimeToFirstToken", "vllm:time_to_first_token_seconds_bucket"),
+                           ("WorkerQueueGrowing", "vllm:num_requests_waiting"),
+                           ("KvCacheNearlyFull", "vllm:kv_cache_usage_perc"),
+                           ("WorkerDown", 'up{namespace="splitserve", job="worker"}'),
+                           ("HighErrorRate", "splitserve_gateway_requests_total")):
+        assert metric in alerts[f"Splitserve{needed}"], needed
+    assert re.search(r"vllm:kv_cache_usage_perc\{[^}]*\}\) > 0\.9\b", alerts["SplitserveKvCacheNearlyFull"])
+    scaled = by_kind(docs, "ScaledObject")["worker"]["spec"]
+    assert scaled["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "worker"}
+    assert "vllm:num_requests_waiting" in scaled["triggers"][0]["metadata"]["query"]
+    dashboard_map = by_kind(docs, "ConfigMap")["splitserve-grafana-dashboard"]
+    assert dashboard_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboard_map["data"]["grafana-dashboard.json"])
+    assert dashboard == json.loads((ROOT / "k8s/components/monitoring/grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    for expr in exprs:
+        check_promql(expr)
+    used = {name for expr in exprs for name in re.findall(r"\b(?:splitserve_\w+|vllm:\w+)", expr)}
+    assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_queries_total"} <= used
+    assert len({n for n in used if n.startswith("splitserve_")}) >= 10
+    model_var = {v["name"]: v for v in dashboard["templating"]["list"]}["model_name"]
+    assert "vllm:" in model_var["definition"] and "model_name" in model_var["definition"]
 
 
 def test_k8s_tls_overlay_wires_certificates_probes_and_the_keys_file():
@@ -375,6 +508,30 @@ def defined_metrics() -> frozenset[str]:
             if kind == "Histogram":
                 names.update(f"{name}{s}" for s in ("_bucket", "_sum", "_count"))
     return frozenset(names)
+
+
+@lru_cache(maxsize=1)
+def exported_vllm_metrics() -> frozenset[str]:
+    """The vLLM-named series the code exports (workers' collector and the coordinator's
+    families), with the suffixes Prometheus' exposition gives counters and histograms."""
+    from prometheus_client import CollectorRegistry
+
+    from services.coordinator import vllm_metrics as coordinator_metrics
+    from splitserve.state_records import WorkerLoad
+    from workers.vllm_metrics import VllmWorkerCollector
+
+    collector = VllmWorkerCollector()
+    collector.attach("m", lambda: WorkerLoad())
+    families = list(collector.collect())
+    for metric in vars(coordinator_metrics).values():
+        if hasattr(metric, "collect") and hasattr(metric, "_name") and not isinstance(metric, CollectorRegistry):
+            families.extend(metric.collect())
+    names = set()
+    for family in families:
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}[family.type]
+        names.update(family.name + s for s in suffixes)
+    assert names, "no vLLM-named metric found"
+    return frozenset(n for n in names if n.startswith("vllm:"))
 
 
 def test_grafana_dashboard_queries_defined_metrics():
