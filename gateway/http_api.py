@@ -1,8 +1,10 @@
-"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
+/detokenize and /version, /health, /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -19,14 +21,25 @@ from starlette.types import Receive, Scope, Send
 from gateway.admission import retry_after_header
 from gateway.coordinator_client import GenerationDelta
 from gateway.core import GatewayCore
-from gateway.openai_format import SSE_DONE, ResponseShaper, error_body, models_response, sse_event
+from gateway.openai_format import (
+    SSE_DONE,
+    ResponseShaper,
+    detokenize_response,
+    error_body,
+    models_response,
+    sse_event,
+    tokenize_response,
+    version_response,
+)
 from gateway.validation import (
     PREDICTED_OUTPUT_LEN_HEADER,
     SESSION_ID_HEADER,
     chat_request,
     completion_request,
+    detokenize_request,
     invalid_argument_from_pydantic,
     session_open_params,
+    tokenize_request,
     with_session_header,
 )
 from splitserve.errors import (
@@ -42,6 +55,14 @@ from splitserve.telemetry import http_parent_context, request_id_var
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def splitserve_version() -> str:
+    """The installed splitserve distribution's version (GET /version)."""
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def error_response(err: SplitserveError) -> JSONResponse:
@@ -153,6 +174,30 @@ def create_app(core: GatewayCore) -> FastAPI:
         await core.authorize(request.headers.get("authorization"))
         return JSONResponse(models_response(core.model_name, core.created, core.limits.max_model_len))
 
+    # vLLM's tokenizer endpoints (outside /v1, as in vLLM), behind the API keys like the rest of
+    # the API: the tokenizer's work is the gateway's CPU. Pure tokenizer calls, no coordinator.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        await core.authorize(request.headers.get("authorization"))
+        body = await _read_json(request, core.config.max_request_body_bytes)
+        ids, with_strs = tokenize_request(body, core.tokenization, core.limits)
+        strs = core.tokenization.token_strings(ids) if with_strs else None
+        return JSONResponse(tokenize_response(ids, core.limits.max_model_len, strs))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        await core.authorize(request.headers.get("authorization"))
+        body = await _read_json(request, core.config.max_request_body_bytes)
+        ids = detokenize_request(body, core.tokenization, core.limits)
+        return JSONResponse(detokenize_response(core.tokenization.decode(ids)))
+
+    version = splitserve_version()
+
+    @app.get("/version")
+    async def version_info() -> JSONResponse:
+        """Open like /health (vLLM's is too): it names the software, nothing about the deployment."""
+        return JSONResponse(version_response(version))
+
     @app.get("/health")
     @app.get("/health/ready")
     async def health() -> JSONResponse:
@@ -218,6 +263,8 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     hints = request.headers.getlist(PREDICTED_OUTPUT_LEN_HEADER)
     req = validate(body, core.tokenization, core.limits, request_id, ", ".join(hints) if hints else None)
     req = with_session_header(req, request.headers.getlist(SESSION_ID_HEADER))
+    if req.ignored_fields:
+        log.warning("The following fields were present in the request but ignored: %s", list(req.ignored_fields))
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
                             include_usage=req.include_usage, continuous_usage=req.continuous_usage)
     headers = {"X-Request-Id": request_id}

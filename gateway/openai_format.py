@@ -28,6 +28,8 @@ def error_body(err: SplitserveError) -> dict[str, Any]:
     """`{"error": {message, type, param, code}}` for a typed error."""
     if isinstance(err, NotFound) and err.param == "model":
         code = "model_not_found"
+    elif getattr(err, "openai_code", None):  # e.g. context_length_exceeded (gateway.validation)
+        code = err.openai_code
     else:
         code = next((c for cls, c in _ERROR_CODES.items() if isinstance(err, cls)), err.code.name.lower())
     return {"error": {"message": err.message, "type": err.error_type, "param": err.param, "code": code}}
@@ -37,6 +39,21 @@ def models_response(model: str, created: int, max_model_len: int) -> dict[str, A
     """GET /v1/models."""
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
                                         "owned_by": "splitserve", "max_model_len": max_model_len}]}
+
+
+def tokenize_response(token_ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    """POST /tokenize, as vLLM answers it (token_strs null unless return_token_strs was set)."""
+    return {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids, "token_strs": token_strs}
+
+
+def detokenize_response(text: str) -> dict[str, Any]:
+    """POST /detokenize, as vLLM answers it."""
+    return {"prompt": text}
+
+
+def version_response(version: str) -> dict[str, Any]:
+    """GET /version, as vLLM answers it (the serving stack's version)."""
+    return {"version": version}
 
 
 class ResponseShaper:

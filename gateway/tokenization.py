@@ -20,10 +20,16 @@ DEFAULT_CHAT_TEMPLATE_DOC = "<|{role}|>\\n{content}\\n ... <|assistant|>\\n"
 _MAX_LEN_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
 
 
-def render_default_chat(messages: Sequence[dict[str, str]]) -> str:
-    """The default chat prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"."""
+def render_default_chat(messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> str:
+    """The default chat prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"
+    (unless `add_generation_prompt` is false); `continue_final_message` leaves the last
+    message without its closing newline, for the model to continue."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    parts.append("<|assistant|>\n")
+    if continue_final_message and parts:
+        parts[-1] = parts[-1][:-1]
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
@@ -85,26 +91,54 @@ class Tokenization:
         mask = json.loads((Path(model_dir) / "config.json").read_text()).get("mask_token_id")
         return cls(tokenizer, max_len, vocab, model_type, mask if isinstance(mask, int) else None)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a text prompt, with the tokenizer's special tokens (e.g. BOS)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, with the tokenizer's special tokens (e.g. BOS) unless told not to."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, bool]:
-        """The chat prompt text, and whether the tokenizer should still add its special tokens."""
+    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
+        """The chat prompt text, and whether the tokenizer should still add its special tokens.
+
+        `add_generation_prompt`: end with the assistant's turn opener; `continue_final_message`:
+        leave the last message open (no end-of-turn) for the model to continue; `template_kwargs`:
+        extra variables for the model's template (vLLM's chat_template_kwargs)."""
         if self.has_chat_template:
+            options: dict[str, Any] = dict(template_kwargs or {})
+            if continue_final_message:  # passed only when set: a template engine that predates it still works
+                options["continue_final_message"] = True
             try:
-                text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **options)
             except Exception as err:  # jinja raises for role orders a template forbids, etc.
                 raise InvalidArgument(f"messages: the model's chat template rejected them: {err}",
                                       param="messages") from None
             # Real templates write BOS themselves; adding it again would double it.
             return text, False
-        return render_default_chat(messages), True
+        return render_default_chat(messages, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message), True
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat conversation, ending with the assistant's turn opener."""
-        text, add_special = self.render_chat(messages)
+    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a chat conversation, by default ending with the assistant's turn opener.
+
+        `add_special_tokens` None: as the template needs (a real template writes BOS itself; the
+        default one does not); True / False add or leave out the tokenizer's own, as vLLM's field does."""
+        text, add_special = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             template_kwargs=template_kwargs)
+        if add_special_tokens is not None:
+            add_special = add_special_tokens
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included (what vLLM's /detokenize returns)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (e.g. "Ġthe"), for /tokenize's token_strs."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(ids))]
 
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
         """Token ids as a list, or InvalidArgument naming `param` when one is outside the vocab."""

@@ -41,14 +41,27 @@ DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio", "cf
 class PromptEncoder(Protocol):
     """What validation needs from the tokenizer (gateway.tokenization.Tokenization has it)."""
 
-    def encode_prompt(self, text: str) -> list[int]: ...
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]: ...
+
+
+class ContextLengthExceeded(InvalidArgument):
+    """A prompt (with its max_tokens) longer than the model's context: OpenAI's 400 with code
+    `context_length_exceeded`, which clients (LangChain, LiteLLM, ...) test to trim history."""
+
+    openai_code = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
 class Limits:
-    """The served model's name and length limits, and the max_tokens policy."""
+    """The served model's name and length limits, and the max_tokens policy.
+
+    `default_max_tokens` is what /v1/completions and gRPC Generate use when a request sets no
+    max_tokens (vLLM's legacy-completions default is 16), and what a diffusion model generates by
+    default; chat completions default to the rest of the context instead (see `_common`)."""
 
     served_model: str
     max_model_len: int
@@ -91,6 +104,8 @@ class GenerationRequest:
     remasking: str = ""
     retention_ratio: float | None = None
     cfg_scale: float | None = None
+    # Body fields neither OpenAI's, vLLM's nor ours: ignored, as vLLM does, and logged by the API.
+    ignored_fields: tuple[str, ...] = ()
 
     def sampling_params(self) -> types_pb2.SamplingParams:
         """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
@@ -130,7 +145,8 @@ class StreamOptions(BaseModel):
 
 
 class _OpenAIBody(BaseModel):
-    # Unknown fields are ignored (as vLLM does); known ones we cannot honour are rejected.
+    # Unknown fields are ignored and logged (as vLLM does); known ones we cannot honour are
+    # refused (NOT_IMPLEMENTED below).
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = None
@@ -143,13 +159,16 @@ class _OpenAIBody(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: Any = None
+    echo: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extensions
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    add_special_tokens: bool | None = None  # None: completions add them (BOS), chat as its template says
     # dLLM-Serve extensions: a diffusion model's denoising knobs
     steps: int | None = None
     block_length: int | None = None
@@ -168,7 +187,6 @@ class CompletionBody(_OpenAIBody):
     """POST /v1/completions."""
 
     prompt: Any
-    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -180,7 +198,89 @@ class ChatCompletionBody(_OpenAIBody):
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # vLLM extensions: how the chat template renders the conversation
+    add_generation_prompt: bool | None = None  # default true: end with the assistant's turn opener
+    continue_final_message: bool | None = None  # leave the last message open for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+
+
+# vLLM's request fields (and a few of OpenAI's) that this server does not implement, each with
+# the values that ask for nothing (vLLM's defaults, and null). Any other value is refused with a
+# 400 naming the field: ignoring it would answer something other than what the client asked
+# for (a penalty not applied, a grammar not followed). Fields no API knows are ignored and
+# logged, as vLLM does (GenerationRequest.ignored_fields); HARMLESS_FIELDS are ignored quietly.
+_STRUCTURED = "structured output (guided decoding)"
+NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # sampling
+    "min_p": ((None, 0.0), "min_p other than 0"),
+    "repetition_penalty": ((None, 1.0), "repetition_penalty other than 1"),
+    "min_tokens": ((None, 0), "min_tokens other than 0"),
+    "use_beam_search": ((None, False), "beam search"),
+    "length_penalty": ((None, 1.0), "length_penalty other than 1 (beam search)"),
+    "allowed_token_ids": ((None, []), "allowed_token_ids"),
+    "bad_words": ((None, []), "bad_words"),
+    "logits_processors": ((None, []), "logits_processors"),
+    "watermarking": ((None, False), "watermarking"),
+    "repetition_detection": ((None,), "repetition_detection"),
+    "thinking_token_budget": ((None, -1), "thinking_token_budget"),
+    # what the output holds
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output=true"),
+    "skip_special_tokens": ((None, True), "skip_special_tokens=false (special tokens are always skipped)"),
+    "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens=false"),
+    "prompt_logprobs": ((None,), "prompt_logprobs"),
+    "logprob_token_ids": ((None,), "logprob_token_ids"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids"),
+    "return_token_ids": ((None, False), "return_token_ids"),
+    # the prompt
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens (prompts are never truncated)"),
+    "truncation_side": ((None,), "truncation_side (prompts are never truncated)"),
+    "prompt_embeds": ((None,), "prompt_embeds"),
+    # structured output: vLLM's current field and its older guided_* ones
+    "structured_outputs": ((None,), _STRUCTURED),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "structural_tag": ((None,), _STRUCTURED),
+    "guided_decoding_backend": ((None,), _STRUCTURED),
+    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    # serving
+    "request_id": ((None,), "a client-chosen request_id (the gateway assigns one, sent as X-Request-Id)"),
+    "cache_salt": ((None,), "cache_salt (the prefix cache is not salted per request)"),
+    "kv_transfer_params": ((None,), "kv_transfer_params (splitserve moves KV between its own workers)"),
+    "ec_transfer_params": ((None,), "ec_transfer_params"),
+    "vllm_xargs": ((None,), "vllm_xargs"),
+}
+NOT_IMPLEMENTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "documents": ((None,), "documents (RAG chat templates)"),
+    "chat_template": ((None,), "a chat_template in the request (the model's own template is used)"),
+    "mm_processor_kwargs": ((None,), "mm_processor_kwargs (multimodal input)"),
+    "media_io_kwargs": ((None,), "media_io_kwargs (multimodal input)"),
+    "reasoning_effort": ((None,), "reasoning_effort"),
+    "include_reasoning": ((None, True), "include_reasoning=false (no reasoning parser)"),
+    "tool_choice": ((None, "none", "auto"), "tool_choice other than none or auto (tool calling)"),
+    # OpenAI's, not vLLM's (vLLM would ignore them): each changes the answer, so refused too.
+    "functions": ((None, []), "functions (tool calling)"),
+    "function_call": ((None, "none", "auto"), "function_call (tool calling)"),
+    "audio": ((None,), "audio output"),
+    "modalities": ((None, ["text"]), "modalities other than [\"text\"]"),
+    "web_search_options": ((None,), "web search"),
+}
+# Ignored without a warning: they change nothing in what is generated or returned.
+HARMLESS_FIELDS = frozenset({
+    "store", "metadata", "service_tier",  # OpenAI: storage and billing tier
+    "prediction",  # OpenAI's predicted outputs: latency only, the answer is the same
+    "parallel_tool_calls",  # meaningless without tools (which are refused)
+    "stream_interval",  # vLLM: tokens per streamed chunk; every token still arrives
+})
+MAX_IGNORED_FIELDS_LOGGED = 16
+MAX_IGNORED_FIELD_CHARS = 64
+# Keys chat_template_kwargs may not set: apply_chat_template's own parameters, which the
+# request's fields (or the server) decide.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def invalid_argument_from_pydantic(errors: Sequence[dict[str, Any]]) -> InvalidArgument:
@@ -255,31 +355,125 @@ def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, reques
                               param="best_of")
     if b.logprobs is not None:
         _unsupported("logprobs", "logprobs")
-    prompt_ids = _completion_prompt(b.prompt, encoder)
+    _refuse_not_implemented(b, NOT_IMPLEMENTED)
+    prompt_ids = _completion_prompt(b.prompt, encoder, b.add_special_tokens)
+    # Legacy completions default to limits.default_max_tokens (16), as vLLM's CompletionRequest
+    # and OpenAI's legacy endpoint do: clients of this API send max_tokens when they want more.
     return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id,
-                   predicted_output_len_header)
+                   predicted_output_len_header, default_max_tokens=limits.default_max_tokens, prompt_param="prompt")
 
 
 def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str,
                  predicted_output_len_header: str | None = None) -> GenerationRequest:
     """Validate a /v1/chat/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: ChatCompletionBody = _parse(ChatCompletionBody, body)
+    if b.echo:
+        _unsupported("echo", "echo=true (prepending the last message)")
     if b.logprobs not in (None, False):
         _unsupported("logprobs", "logprobs")
     if b.top_logprobs:
         _unsupported("top_logprobs", "top_logprobs")
     if b.tools:
         _unsupported("tools", "tool calling")
-    if b.response_format and b.response_format.get("type", "text") != "text":
-        _unsupported("response_format", f"response_format type {b.response_format.get('type')!r}")
+    _refuse_not_implemented(b, {**NOT_IMPLEMENTED, **NOT_IMPLEMENTED_CHAT})
     messages = _chat_messages(b.messages)
-    prompt_ids = encoder.encode_chat(messages)
+    prompt_ids = _encode_chat(encoder, messages, b.add_generation_prompt, b.continue_final_message,
+                              b.add_special_tokens, b.chat_template_kwargs)
     # max_completion_tokens is OpenAI's newer name for max_tokens; it wins when both are set.
     if b.max_completion_tokens is not None:
         max_tokens, param = b.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = b.max_tokens, "max_tokens"
-    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header)
+    # Chat defaults to the rest of the context (max_model_len - prompt tokens), as OpenAI and
+    # vLLM's ChatCompletionRequest do (a chat answer ends at its end-of-turn token, not at 16),
+    # within the server's --max-tokens-limit. A diffusion model generates exactly max_tokens
+    # tokens (a fixed canvas, not a cap), so it keeps the configured default.
+    default = limits.default_max_tokens if limits.engine_family == DIFFUSION else None
+    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header,
+                   default_max_tokens=default, prompt_param="messages")
+
+
+def _encode_chat(encoder: PromptEncoder, messages: list[dict[str, str]], add_generation_prompt: bool | None,
+                 continue_final_message: bool | None, add_special_tokens: bool | None,
+                 template_kwargs: dict[str, Any] | None) -> list[int]:
+    """The conversation's prompt ids; only options that differ from the defaults are passed on."""
+    options: dict[str, Any] = {}
+    if continue_final_message:
+        if add_generation_prompt is not False:
+            # vLLM refuses the pair too: the model cannot both continue the last message and
+            # start a new turn (add_generation_prompt defaults to true, so it must be set false).
+            raise InvalidArgument("continue_final_message: set add_generation_prompt to false with it (a new "
+                                  "assistant turn cannot follow an open final message)", param="continue_final_message")
+        if messages[-1]["role"] != "assistant":
+            raise InvalidArgument("continue_final_message: the last message must be the assistant's (the one the "
+                                  f"model continues), got role {messages[-1]['role']!r}", param="continue_final_message")
+        options["continue_final_message"] = True
+    if add_generation_prompt is False:
+        options["add_generation_prompt"] = False
+    if add_special_tokens is not None:
+        options["add_special_tokens"] = add_special_tokens
+    if template_kwargs:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs))
+        if reserved:
+            raise InvalidArgument(f"chat_template_kwargs may not set {reserved}: the request's own fields decide "
+                                  "them", param="chat_template_kwargs")
+        options["template_kwargs"] = template_kwargs
+    return encoder.encode_chat(messages, **options)
+
+
+def tokenize_request(body: Any, encoder: PromptEncoder, limits: Limits) -> tuple[list[int], bool]:
+    """(token ids, whether the token strings were asked for) of a POST /tokenize body (vLLM's
+    shapes): a `prompt` string, tokenized as /v1/completions would, or `messages`, rendered as
+    /v1/chat/completions would (the same template options). No length check: it answers how long
+    a prompt is, whatever its length."""
+    b: TokenizeBody = _parse(TokenizeBody, body)
+    _check_model(b.model, limits)
+    if (b.prompt is None) == (b.messages is None):
+        raise InvalidArgument("tokenize takes either prompt (a string) or messages (a chat), "
+                              f"{'not both' if b.prompt is not None else 'got neither'}", param="prompt")
+    _refuse_not_implemented(b, {name: NOT_IMPLEMENTED_CHAT[name] for name in ("documents", "chat_template",
+                                                                               "mm_processor_kwargs")})
+    if b.tools:
+        _unsupported("tools", "tool calling")
+    if b.prompt is not None:
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if getattr(b, name) is not None:
+                raise InvalidArgument(f"{name} applies to messages, not to a prompt", param=name)
+        ids = encoder.encode_prompt(b.prompt, True if b.add_special_tokens is None else b.add_special_tokens)
+    else:
+        ids = _encode_chat(encoder, _chat_messages(b.messages), b.add_generation_prompt, b.continue_final_message,
+                           b.add_special_tokens, b.chat_template_kwargs)
+    return ids, bool(b.return_token_strs)
+
+
+def detokenize_request(body: Any, encoder: PromptEncoder, limits: Limits) -> list[int]:
+    """The token ids of a POST /detokenize body (vLLM's shape: `tokens`), each checked against the vocab."""
+    b: DetokenizeBody = _parse(DetokenizeBody, body)
+    _check_model(b.model, limits)
+    return encoder.check_token_ids(b.tokens, "tokens")
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize: vLLM's TokenizeCompletionRequest or TokenizeChatRequest."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+    tools: list[Any] | None = None
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, limits: Limits,
@@ -303,7 +497,7 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
     if seed is not None and seed >= SEED_LIMIT:
         raise InvalidArgument(f"seed must be in [0, 2^63), got {seed}", param="seed")
     stop = _stop_strings(list(s.stop))
-    max_tokens = _max_tokens(max_tokens, "max_tokens", len(prompt_ids), limits)
+    max_tokens = _max_tokens(max_tokens, "max_tokens", len(prompt_ids), limits, limits.default_max_tokens, "prompt")
     # uint32 on the wire: a negative or oversized hint cannot be encoded, so only the clamp is left.
     hint = msg.predicted_output_len if msg.HasField("predicted_output_len") else None
     req = GenerationRequest(
@@ -326,7 +520,9 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
 
 def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_tokens_param: str,
             encoder: PromptEncoder, limits: Limits, request_id: str,
-            predicted_output_len_header: str | None = None) -> GenerationRequest:
+            predicted_output_len_header: str | None = None, *, default_max_tokens: int | None,
+            prompt_param: str) -> GenerationRequest:
+    """The checks both OpenAI endpoints share; `default_max_tokens` None: the rest of the context."""
     _check_model(b.model, limits)
     if b.n not in (None, 1):
         raise InvalidArgument(f"n must be 1 (got {b.n}): one choice per request is supported", param="n")
@@ -335,6 +531,8 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
             _unsupported(name, f"{name} other than 0")
     if b.logit_bias:
         _unsupported("logit_bias", "logit_bias")
+    if b.response_format and b.response_format.get("type", "text") != "text":
+        _unsupported("response_format", f"response_format type {b.response_format.get('type')!r}")
     if b.stream_options is not None and not b.stream:
         raise InvalidArgument("stream_options is only allowed when stream is true", param="stream_options")
     top_k = b.top_k if b.top_k is not None else 0
@@ -350,7 +548,8 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
     if b.priority is not None and not INT32_MIN <= b.priority <= INT32_MAX:
         raise InvalidArgument(f"priority must be a 32-bit integer, got {b.priority}", param="priority")
     hint = _predicted_output_len(b.predicted_output_len, predicted_output_len_header)
-    max_tokens = _max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits)
+    max_tokens = _max_tokens(max_tokens, max_tokens_param, len(prompt_ids), limits, default_max_tokens,
+                             prompt_param)
     req = GenerationRequest(
         request_id=request_id, model=limits.served_model, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         temperature=_temperature(b.temperature), top_p=_top_p(b.top_p), top_k=max(top_k, 0), seed=b.seed,
@@ -361,7 +560,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
                               and b.stream_options.continuous_usage_stats),
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
-        predicted_output_len=None if hint is None else min(hint, max_tokens))
+        predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b))
     return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
                            retention_ratio=b.retention_ratio, cfg_scale=b.cfg_scale)
 
@@ -405,24 +604,55 @@ def _check_model(model: str | None, limits: Limits) -> None:
         raise NotFound(f"model '{model}' does not exist; this server serves '{limits.served_model}'", param="model")
 
 
-def _max_tokens(value: int | None, param: str, prompt_len: int, limits: Limits) -> int:
+def _max_tokens(value: int | None, param: str, prompt_len: int, limits: Limits, default: int | None,
+                prompt_param: str) -> int:
+    """The request's max_tokens: `value` checked, or `default` (None: the rest of the context)
+    within --max-tokens-limit, shortened to fit a long prompt rather than refused.
+
+    A prompt that leaves no room, or a max_tokens that does not fit beside it, is refused with
+    OpenAI's `context_length_exceeded` and its message; `param` names what to shorten."""
     room = limits.max_model_len - prompt_len
+    what = "messages" if prompt_param == "messages" else "prompt"
+    context = f"This model's maximum context length is {limits.max_model_len} tokens (max_model_len). However, "
     if room < 1:
-        raise InvalidArgument(
-            f"prompt is {prompt_len} tokens, which leaves no room to generate within the model's maximum "
-            f"length of {limits.max_model_len} tokens (max_model_len)", param="prompt")
+        if value is None or value < 1:
+            message = (f"{context}your {what} resulted in {prompt_len} tokens, which leaves no room for the "
+                       f"completion. Please reduce the length of the {what}.")
+        else:
+            message = (f"{context}you requested {prompt_len + value} tokens ({prompt_len} in the {what}, {value} in "
+                       f"the completion). Please reduce the length of the {what} or completion.")
+        raise ContextLengthExceeded(message, param=prompt_param)
     if value is None:
-        # The default is shortened rather than refused when the prompt is long.
-        return min(limits.default_max_tokens, limits.max_tokens_limit, room)
+        return min(room if default is None else default, limits.max_tokens_limit, room)
     if value < 1:
         raise InvalidArgument(f"{param} must be >= 1, got {value}", param=param)
     if value > limits.max_tokens_limit:
         raise InvalidArgument(f"{param} must be <= {limits.max_tokens_limit}, got {value}", param=param)
     if value > room:
-        raise InvalidArgument(
-            f"{param} ({value}) + prompt tokens ({prompt_len}) = {value + prompt_len} exceeds the model's maximum "
-            f"length of {limits.max_model_len} tokens (max_model_len); {param} can be at most {room}", param=param)
+        raise ContextLengthExceeded(
+            f"{context}you requested {prompt_len + value} tokens ({prompt_len} in the {what}, {value} in the "
+            f"completion). Please reduce the length of the {what} or completion: {param} can be at most {room}.",
+            param=param)
     return value
+
+
+def _refuse_not_implemented(b: BaseModel, fields: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """400 naming the first field of `fields` sent with a value that asks for something."""
+    for name, value in (b.model_extra or {}).items():
+        if name in fields and not _asks_for_nothing(value, fields[name][0]):
+            _unsupported(name, fields[name][1])
+
+
+def _asks_for_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # A JSON true is not 1 and 0 is not false: the types must agree (1 and 1.0 do).
+    return any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults)
+
+
+def _ignored_fields(b: BaseModel) -> tuple[str, ...]:
+    """The body's fields that no API here knows (bounded, for one log line)."""
+    known = NOT_IMPLEMENTED.keys() | NOT_IMPLEMENTED_CHAT.keys() | HARMLESS_FIELDS
+    names = sorted(name for name in (b.model_extra or {}) if name not in known)
+    return tuple(name[:MAX_IGNORED_FIELD_CHARS] for name in names[:MAX_IGNORED_FIELDS_LOGGED])
 
 
 def _predicted_output_len(body_value: int | None, header: str | None) -> int | None:
@@ -491,7 +721,7 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _completion_prompt(prompt: Any, encoder: PromptEncoder) -> list[int]:
+def _completion_prompt(prompt: Any, encoder: PromptEncoder, add_special_tokens: bool | None) -> list[int]:
     # OpenAI accepts a string, token ids, or a batch of either; batches are refused.
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > 1:
@@ -501,7 +731,7 @@ def _completion_prompt(prompt: Any, encoder: PromptEncoder) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgument("prompt is empty: it must be a non-empty string or token ids", param="prompt")
-        return encoder.encode_prompt(prompt)
+        return encoder.encode_prompt(prompt, True if add_special_tokens is None else add_special_tokens)
     if _is_token_list(prompt):
         if not prompt:
             raise InvalidArgument("prompt is empty: it must be a non-empty string or token ids", param="prompt")
