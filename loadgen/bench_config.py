@@ -39,6 +39,7 @@ class BenchOptions:
     tls_key_file: str = ""
     tls_server_name: str = ""  # the name the server's certificate is checked against (gRPC)
     model: str | None = None
+    api: str = "completions"  # http(s) targets: "completions" or "chat" (the chat template applied by the server)
     trace: Path | None = None
     length_scale: float = 1.0
     num_requests: int | None = None  # None: DEFAULT_NUM_REQUESTS (one run) or --probe-window sizing (rate modes)

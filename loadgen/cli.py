@@ -46,7 +46,7 @@ def _new_target(opts: BenchOptions, model: str | None = None) -> Any:
     send = opts.send_slo
     return make_target(opts.target, api_key=opts.api_key, model=opts.model or model,
                        slo_ttft_ms=round(opts.slo_ttft_ms) if send else None,
-                       slo_itl_ms=round(opts.slo_itl_ms) if send else None, tls=_tls(opts))
+                       slo_itl_ms=round(opts.slo_itl_ms) if send else None, tls=_tls(opts), api=opts.api)
 
 
 def _tls(opts: BenchOptions) -> ClientTls | None:
@@ -87,7 +87,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     check_rate_options(opts)
     slo = build_slo(opts)
     target = parse_target(opts.target)
-    make_target(opts.target, tls=_tls(opts))  # TLS options and files checked before anything is sent
+    make_target(opts.target, tls=_tls(opts), api=opts.api)  # options and TLS files checked before anything is sent
     workload = build_workload(opts)
     arrival = resolve_arrival(opts, workload)
     check_reachable(target)  # seconds, not a whole run of failed requests, when nothing is there
@@ -130,6 +130,9 @@ def bench(
                                         show_envvar=True, help="gRPC: check the server's certificate against this "
                                         "name instead of the target's host."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id (default: the first the server lists)."),
+    api: str = typer.Option("completions", "--api", envvar="SPLITSERVE_BENCH_API", show_envvar=True,
+                            help="http(s) targets: completions (token-id prompts where the server takes them) | "
+                            "chat (/chat/completions, the prompt as one user message's text)."),
     opts: BenchOptions,  # the options shared with `splitserve simulate` (loadgen.options) stand here
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Synthetic token ids in [0, V) (default: "
                                              "the model's when it is a local directory, else 256)."),
@@ -138,7 +141,7 @@ def bench(
     """Run a benchmark (the default command)."""
     if ctx.invoked_subcommand is not None:
         return
-    opts = dataclasses.replace(opts, target=target, api_key=api_key, model=model, vocab_size=vocab_size,
+    opts = dataclasses.replace(opts, target=target, api_key=api_key, model=model, api=api, vocab_size=vocab_size,
                                progress=progress, tls=tls, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
                                tls_key_file=tls_key_file, tls_server_name=tls_server_name)
     run_command(lambda: run_bench(opts))

@@ -182,14 +182,22 @@ class GrpcTarget:
             self._client = None
 
 
+OPENAI_APIS = ("completions", "chat")
+
+
 class OpenAITarget:
-    """Any OpenAI-compatible server, through streaming ``POST {base_url}/completions``."""
+    """Any OpenAI-compatible server, through streaming ``POST {base_url}/completions`` or, with
+    ``api="chat"``, ``POST {base_url}/chat/completions`` (one user message holding the prompt as
+    text: the server applies its chat template, as a chat client's requests make it do)."""
 
     kind = "openai"
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
-                 tls: ClientTls | None = None):
+                 tls: ClientTls | None = None, api: str = "completions"):
+        if api not in OPENAI_APIS:
+            raise ValueError(f"api: one of {', '.join(OPENAI_APIS)}, got {api!r}")
+        self.api = api
         self.base_url = normalise_base_url(base_url)
         self.transport = transport  # tests inject httpx.MockTransport
         # https:// verifies the server against tls.ca_file (None: the system roots) and presents
@@ -199,7 +207,7 @@ class OpenAITarget:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.origin_s = time.perf_counter()
-        self.token_id_prompts = True  # switched off for good once the server refuses them
+        self.token_id_prompts = api == "completions"  # switched off for good once the server refuses them
         self._http: httpx.AsyncClient | None = None
         self._model_lock: asyncio.Lock | None = None
 
@@ -258,9 +266,14 @@ class OpenAITarget:
             pass
 
     def _body(self, request: BenchRequest, model: str) -> dict[str, Any]:
+        if self.api == "chat":
+            prompt: dict[str, Any] = {"messages": [{"role": "user", "content": synthetic_text(request.prompt_token_ids)}]}
+        else:
+            prompt = {"prompt": request.prompt_token_ids if self.token_id_prompts
+                      else synthetic_text(request.prompt_token_ids)}
         body: dict[str, Any] = {
             "model": model,
-            "prompt": request.prompt_token_ids if self.token_id_prompts else synthetic_text(request.prompt_token_ids),
+            **prompt,
             "max_tokens": request.output_len,
             "temperature": 0.0,
             "stream": True,
@@ -294,7 +307,8 @@ class OpenAITarget:
 
     async def _stream(self, request: BenchRequest, model: str, rec: _StreamRecorder) -> bool:
         """Run one streamed completion into ``rec``; True when the server refused a token-id prompt."""
-        async with self._client().stream("POST", "/completions", json=self._body(request, model)) as response:
+        path = "/chat/completions" if self.api == "chat" else "/completions"
+        async with self._client().stream("POST", path, json=self._body(request, model)) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
                 message = _error_message(text)
@@ -327,7 +341,7 @@ class OpenAITarget:
                 rec.tokens(new)
             rec.completion_tokens = completion
             rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-        elif choices and choices[0].get("text"):
+        elif choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
             rec.tokens(1)  # without usage, one non-empty delta counts as one token
 
     async def aclose(self) -> None:
@@ -437,7 +451,7 @@ def target_tls(tls: bool = False, ca_file: str = "", cert_file: str = "", key_fi
 
 def make_target(address: str, api_key: str | None = None, model: str | None = None,
                 slo_ttft_ms: int | None = None, slo_itl_ms: int | None = None,
-                tls: ClientTls | None = None) -> GrpcTarget | OpenAITarget:
+                tls: ClientTls | None = None, api: str = "completions") -> GrpcTarget | OpenAITarget:
     """An OpenAI target for an ``http(s)://`` URL, else a gRPC target (see :func:`parse_target`)."""
     parsed = parse_target(address)
     if parsed.kind == "http":
@@ -445,7 +459,9 @@ def make_target(address: str, api_key: str | None = None, model: str | None = No
             raise ValueError(f"--target {address!r}: TLS options need an https:// URL")
         if tls is not None and tls.server_name:
             raise ValueError("tls_server_name: applies to gRPC targets only (an https:// URL names its host)")
-        return OpenAITarget(parsed.address, model=model, api_key=api_key, tls=tls)
+        return OpenAITarget(parsed.address, model=model, api_key=api_key, tls=tls, api=api)
+    if api != "completions":
+        raise ValueError(f"--api {api}: applies to http(s) targets only (a gRPC target takes token ids)")
     return GrpcTarget(parsed.address, api_key=api_key, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms, tls=tls)
 
 

@@ -30,14 +30,15 @@ def _usage(prompt: int, completion: int) -> dict:
 class Server:
     """A scripted OpenAI server: ``completions(body) -> httpx.Response``; records request bodies."""
 
-    def __init__(self, completions):
+    def __init__(self, completions, path: str = "/v1/completions"):
         self.completions = completions
+        self.path = path
         self.bodies: list[dict] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json=MODELS)
-        assert request.url.path == "/v1/completions"
+        assert request.url.path == self.path
         body = json.loads(request.content)
         self.bodies.append(body)
         return self.completions(body)
@@ -83,6 +84,29 @@ def test_continuous_usage_counts_tokens_per_chunk():
     assert len(times) == 5 and times[1] == times[2] == times[3]
     assert result.session_id == "s" and result.round_index == 1
     assert server.bodies[0]["session_id"] == "s"
+
+
+def test_the_chat_api_sends_one_user_message_and_counts_content_deltas():
+    def delta(content: str, usage=None) -> dict:
+        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}}],
+                "usage": usage}
+
+    events = [delta("a", _usage(9, 1)), delta("bc", _usage(9, 3)), delta("d", _usage(9, 4)),
+              {"object": "chat.completion.chunk", "choices": [], "usage": _usage(9, 4)}]
+    server = Server(lambda body: httpx.Response(200, content=_sse(*events)), path="/v1/chat/completions")
+    target, (result,) = _send(server, REQUEST, api="chat")
+    assert result.ok and result.output_len == 4 and len(result.token_times_s) == 4
+    body = server.bodies[0]
+    assert body["messages"] == [{"role": "user", "content": synthetic_text([5, 6, 7])}] and "prompt" not in body
+    assert body["max_tokens"] == 5 and body["stream"] is True
+    assert not target.token_id_prompts
+
+
+def test_the_chat_api_needs_an_http_target():
+    with pytest.raises(ValueError, match="--api chat"):
+        make_target("127.0.0.1:50051", api="chat")
+    with pytest.raises(ValueError, match="api"):
+        OpenAITarget("http://test/v1", api="embeddings")
 
 
 def test_output_shown_only_at_the_end_gets_one_time():
