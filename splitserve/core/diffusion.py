@@ -182,7 +182,8 @@ class DiffusionSequence:
 
     @property
     def num_transfer(self) -> int:
-        """Tokens this step unmasks (a block starts fully masked: only its own steps unmask it)."""
+        """Transfers this step makes: positions written with the model's prediction (a prediction
+        that is the mask token itself leaves its position masked, as in LLaDA's reference)."""
         p = self.params
         return transfer_token_schedule(p.block_length, p.steps_per_block)[self.step_in_block]
 
@@ -226,7 +227,8 @@ class DiffusionBatch:
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows whose logits the step needs: each request's current block."""
+        """Rows whose logits the step needs: each request's current block (a Refresh step also
+        re-predicts positions left masked in earlier blocks; `max_num_logits` chunking bounds the rest)."""
         return sum(e.seq.params.block_length for e in self.entries)
 
 

@@ -6,6 +6,13 @@ output is streamed a block at a time, when the block is final (its last denoisin
 ran); a final block holding an end-of-sequence token ends the request there (the
 reference's later blocks cannot change the tokens before it, so the output up to EOS is
 the same and the rest is not computed).
+
+The mask token is never emitted. A model may predict it; LLaDA's reference then keeps the
+position masked and decides it again at later steps, later blocks' included
+(`reference.py`), so a final block's output stops at its first position still masked and the
+rest follows once that is filled. Positions still masked after the last step are dropped, as
+LLaDA's decode (`skip_special_tokens=True`) drops them: the request then has fewer than
+`max_tokens` output tokens.
 """
 
 from __future__ import annotations
@@ -105,7 +112,8 @@ class DiffusionEngine:
             kv_capacity_tokens=max(1, budget // self.kv_bytes_per_token), cache=config.dllm_cache,
             policy=config.diffusion_policy, static_batch_size=config.static_batch_size))
         self._requests: dict[str, tuple[StageKey, list[int], SamplingParams]] = {}
-        self._emitted: dict[str, int] = {}
+        self._emitted: dict[str, int] = {}  # output tokens sent
+        self._decided: dict[str, int] = {}  # output positions sent or dropped (>= _emitted)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self.last_output = StepOutput()
 
@@ -168,14 +176,19 @@ class DiffusionEngine:
             params.seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         self._requests[seq.key] = (key, list(prompt_ids), params)
         self._emitted[seq.key] = 0
+        self._decided[seq.key] = 0
 
     def abort(self, key: StageKey) -> bool:
         name = str(key)
         found = self.scheduler.abort(name)
         self.runner.release(name)
+        self._forget(name)
+        return found
+
+    def _forget(self, name: str) -> None:
         self._requests.pop(name, None)
         self._emitted.pop(name, None)
-        return found
+        self._decided.pop(name, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -253,14 +266,23 @@ class DiffusionEngine:
         final_blocks, _ = self.scheduler.finish_step(batch)
         events = []
         for seq in final_blocks:
-            events.append(self._block_event(seq))
+            event = self._block_event(seq)
+            if event.token_ids or event.finish_reason is not None:  # nothing new: a masked position holds it back
+                events.append(event)
         return events
 
     def _block_event(self, seq: DiffusionSequence) -> TokenEvent:
         key, prompt, params = self._requests[seq.key]
-        done = self._emitted[seq.key]
+        done, decided = self._emitted[seq.key], self._decided[seq.key]
         end = seq.prompt_len + (seq.params.num_blocks if seq.finished else seq.block) * seq.params.block_length
-        tokens = self.runner.tokens(seq.key, seq.prompt_len + done, end)
+        window = self.runner.tokens(seq.key, seq.prompt_len + decided, end)
+        mask = self.model_config.mask_token_id
+        if seq.finished:  # what is still masked stays so: dropped, as LLaDA's decode drops it
+            tokens = [t for t in window if t != mask]
+            decided += len(window)
+        else:  # up to the first position still masked: a later step may fill it
+            tokens = window[: window.index(mask)] if mask in window else window
+            decided += len(tokens)
         reason = "length" if seq.finished else None
         if not params.ignore_eos:
             stops = self.eos_token_ids | set(params.stop_token_ids)
@@ -268,12 +290,12 @@ class DiffusionEngine:
             if cut is not None:
                 tokens, reason = tokens[: cut + 1], "stop"
         self._emitted[seq.key] = done + len(tokens)
+        self._decided[seq.key] = decided
         if reason is not None:
             if not seq.finished:
                 self.scheduler.stop_early(seq.key)
             self.runner.release(seq.key)
-            self._requests.pop(seq.key, None)
-            self._emitted.pop(seq.key, None)
+            self._forget(seq.key)
         text = ""
         if self.tokenizer is not None and self.config.detokenize:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -11,10 +11,20 @@ Refresh/Reuse engine (dLLM-Serve §2.3) is checked against. Per prompt:
   of a block unmasks the same number of tokens, the remainder going to the first steps);
 * the candidate at each position is the argmax of the logits, after Gumbel noise (float64,
   LLaDA's `add_gumbel_noise`) when `temperature > 0`;
-* of the block's still-masked positions, those with the highest confidence are unmasked:
-  the softmax probability of the candidate (`low_confidence`, computed from the logits
-  without the noise) or a uniform draw (`random`); positions past the current block are
-  never unmasked, and unmasked tokens never change again;
+* of the still-masked positions up to the end of the current block, the step's
+  `num_transfer` with the highest confidence are transferred: the softmax probability of
+  the candidate (`low_confidence`, computed from the logits without the noise) or a uniform
+  draw (`random`); positions past the current block are never unmasked, and unmasked tokens
+  never change again;
+* **a candidate may be the mask token itself** (a mask predictor can predict its mask). LLaDA
+  writes the candidate at the transferred positions all the same (`x[transfer_index] =
+  x0[transfer_index]`), so such a position stays masked — its transfer is spent — and is a
+  candidate again at every later step, in later blocks too: LLaDA excludes only the positions
+  *past* the current block (`x0_p[:, prompt_len + (num_block + 1) * block_length:] = -inf`),
+  not the earlier blocks' positions still masked. Positions still masked after the last step
+  are in LLaDA's returned sequence, and its `batch_decode(..., skip_special_tokens=True)`
+  shows nothing for them: `DiffusionOutput.output_tokens` drops them, and no engine may emit
+  the mask token;
 * with `cfg_scale > 0` (classifier-free guidance) the logits are
   `uncond + (cfg_scale + 1) * (cond - uncond)`, `uncond` from the same sequence with the
   prompt masked.
@@ -28,12 +38,19 @@ Where this definition is more precise than LLaDA's code:
   prompt's own). A batched engine must reproduce each prompt's solo output.
 * **Randomness** comes only from an explicit `torch.Generator` per prompt (so a prompt's
   draws do not depend on the others in the batch), consumed in a fixed order: at each step,
-  first the Gumbel noise for the current block's positions, `[block_length, vocab]` float64
-  uniforms (when `temperature > 0`), then `[block_length]` float32 uniforms for `random`
-  remasking. LLaDA draws the same distributions from the global RNG over the whole
-  sequence; only the current block's draws can matter, so only they are drawn.
+  first the Gumbel noise for the step's rows, `[rows, vocab]` float64 uniforms (when
+  `temperature > 0`), then `[rows]` float32 uniforms for `random` remasking. The step's rows
+  are the earlier blocks' positions still masked (ascending; none unless the model predicted
+  the mask) followed by the current block's `block_length` positions. LLaDA draws the same
+  distributions from the global RNG over the whole sequence; only those rows' draws can
+  matter, so only they are drawn.
 * **Ties**: the candidate is the first maximal vocabulary id (torch.argmax); among equal
   confidences the lower position is unmasked first (LLaDA's topk leaves ties unspecified).
+* The dual cache (`generate_dual_cache`) follows Fast-dLLM's `generate_with_dual_cache`: a
+  block's first step (the Refresh, which computes every position) considers the earlier
+  blocks' positions still masked as LLaDA does; its Reuse steps compute the block alone and
+  consider only the block's positions. The block has LLaDA's fixed `steps_per_block` steps
+  (Fast-dLLM loops until the block holds no mask).
 * A prompt may not contain the mask token (LLaDA would count it as a position to fill and
   give it one of the current block's transfer slots).
 * LLaDA's `logits_eos_inf` / `confidence_eos_eot_inf` (EOS suppression options, off by
@@ -51,22 +68,30 @@ import torch.nn.functional as F
 from splitserve.core.diffusion import REMASKING_STRATEGIES, DiffusionParams, transfer_token_schedule
 
 __all__ = ["REMASKING_STRATEGIES", "DiffusionOutput", "DiffusionParams", "add_gumbel_noise", "denoise_block_step",
-           "generate", "generate_dual_cache", "transfer_token_schedule"]
+           "generate", "generate_dual_cache", "step_positions", "transfer_token_schedule"]
 
 # input_ids [B, T] -> logits [B, T, vocab] (LladaModel.__call__ is one).
 MaskPredictor = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class DiffusionOutput:
-    """One prompt's generation: `gen_length` tokens, and for each the step that unmasked it."""
+    """One prompt's generation: `gen_length` positions (the mask token where a position was
+    still masked after the last step), and for each the step that unmasked it (-1: none)."""
 
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
     commit_step: tuple[int, ...]  # 0-based global step (block * steps_per_block + step in block)
+    mask_token_id: int | None = None
 
     @property
     def sequence(self) -> tuple[int, ...]:
         return self.prompt + self.tokens
+
+    @property
+    def output_tokens(self) -> tuple[int, ...]:
+        """The output as LLaDA's decode shows it (`skip_special_tokens=True`): `tokens` without
+        the positions left masked. What an engine emits (before any stop token cuts it)."""
+        return tuple(t for t in self.tokens if t != self.mask_token_id)
 
 
 def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -88,11 +113,15 @@ def denoise_block_step(
     params: DiffusionParams,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One denoising step of the current block: `block_logits` [L, vocab] (guidance applied),
-    `block_ids` [L]. Returns the new block ids and the positions unmasked (ascending)."""
+    """One denoising step over the step's rows (`step_positions`: the earlier blocks' positions
+    still masked, then the current block): `block_logits` [R, vocab] (guidance applied),
+    `block_ids` [R]. Of the masked rows, the `num_transfer` most confident get their candidate —
+    which stays the mask where the model predicted the mask (LLaDA: `x[transfer_index] =
+    x0[transfer_index]`, the mask a candidate like any token). Returns the new ids and the rows
+    unmasked (ascending; a transfer to the mask unmasks nothing)."""
     masked = block_ids == mask_token_id
     if num_transfer > int(masked.sum()):
-        raise ValueError(f"num_transfer ({num_transfer}) exceeds the block's masked positions ({int(masked.sum())})")
+        raise ValueError(f"num_transfer ({num_transfer}) exceeds the step's masked positions ({int(masked.sum())})")
     if params.uses_randomness and generator is None:
         raise ValueError(f"a generator is required with temperature={params.temperature}, "
                          f"remasking={params.remasking!r}")
@@ -109,7 +138,20 @@ def denoise_block_step(
     chosen = order[:num_transfer].sort().values
     new_ids = block_ids.clone()
     new_ids[chosen] = candidates[chosen]
-    return new_ids, chosen
+    return new_ids, chosen[new_ids[chosen] != mask_token_id]
+
+
+def step_positions(ids: torch.Tensor, prompt_len: int, block_start: int, block_end: int,
+                   mask_token_id: int, *, earlier: bool = True) -> torch.Tensor:
+    """The positions a step decides over, ascending: with `earlier` (a step that computes the
+    whole sequence), the positions of the earlier blocks still masked — LLaDA's
+    `mask_index = (x == mask_id)` with only the positions past the block excluded — then the
+    current block's positions."""
+    block = torch.arange(block_start, block_end, device=ids.device)
+    if not earlier:
+        return block
+    left_masked = (ids[prompt_len:block_start] == mask_token_id).nonzero().flatten() + prompt_len
+    return torch.cat((left_masked, block))
 
 
 def generate(
@@ -172,12 +214,12 @@ def _generate_one(
             if mask_token_id >= logits.shape[-1]:
                 raise ValueError(f"mask_token_id ({mask_token_id}) is outside the model's vocabulary "
                                  f"({logits.shape[-1]})")
-            new_block, chosen = denoise_block_step(
-                logits[start:end], x[start:end], mask_token_id, num_transfer, params, generator
-            )
-            x[start:end] = new_block
-            commit_step[block * params.block_length + chosen.cpu()] = block * params.steps_per_block + step
-    return DiffusionOutput(tuple(prompt), tuple(x[prompt_len:].tolist()), tuple(commit_step.tolist()))
+            rows = step_positions(x, prompt_len, start, end, mask_token_id)
+            new_ids, unmasked = denoise_block_step(logits[rows], x[rows], mask_token_id, num_transfer, params,
+                                                   generator)
+            x[rows] = new_ids
+            commit_step[rows[unmasked].cpu() - prompt_len] = block * params.steps_per_block + step
+    return DiffusionOutput(tuple(prompt), tuple(x[prompt_len:].tolist()), tuple(commit_step.tolist()), mask_token_id)
 
 
 def _guided_logits(
@@ -230,15 +272,19 @@ def generate_dual_cache(
                 schedule = transfer_token_schedule(params.block_length, params.steps_per_block)
                 cached = None
                 for step, num_transfer in enumerate(schedule):
+                    # Fast-dLLM: the Refresh decides over the earlier blocks' masked positions too
+                    # (`mask_index = (x == mask_id); mask_index[:, end:] = 0`), a Reuse over the block.
+                    rows = step_positions(x, prompt_len, start, end, mask_token_id, earlier=step == 0)
                     if step == 0:
                         refreshed = model.forward_with_kv(x[None])
-                        cached, block_logits = refreshed.kv, refreshed.logits[0, start:end]
+                        cached, row_logits = refreshed.kv, refreshed.logits[0, rows]
                     else:
                         query_index = torch.arange(start, end)[None]
-                        block_logits = model.forward_queries(x[None, start:end], query_index, cached).logits[0]
-                    new_block, chosen = denoise_block_step(block_logits, x[start:end], mask_token_id, num_transfer,
+                        row_logits = model.forward_queries(x[None, start:end], query_index, cached).logits[0]
+                    new_ids, unmasked = denoise_block_step(row_logits, x[rows], mask_token_id, num_transfer,
                                                            params, generator)
-                    x[start:end] = new_block
-                    commit_step[block * params.block_length + chosen] = block * params.steps_per_block + step
-            outputs.append(DiffusionOutput(tuple(prompt), tuple(x[prompt_len:].tolist()), tuple(commit_step.tolist())))
+                    x[rows] = new_ids
+                    commit_step[rows[unmasked] - prompt_len] = block * params.steps_per_block + step
+            outputs.append(DiffusionOutput(tuple(prompt), tuple(x[prompt_len:].tolist()), tuple(commit_step.tolist()),
+                                           mask_token_id))
     return outputs

@@ -19,7 +19,15 @@ key of its own sequence):
   with no index map and no position recomputation. `uniform` (Sparse-dLLM, the baseline)
   sums the scores over heads and keeps one shared set.
 
-**Logit decomposition** (§4.3): only the current block's rows need logits; they are computed
+**A predicted mask** (LLaDA's reference, `reference.py`): a transferred position whose
+candidate is the mask token stays masked and is decided again at later steps; a Refresh (which
+computes every position) also decides over the earlier blocks' positions still masked (LLaDA's
+`mask_index = (x == mask_id)`, only the positions past the block excluded; Fast-dLLM's dual
+cache likewise at its Refresh), a Reuse over its block alone. Those positions are kept on the
+host (`_RequestState.left_masked`), so the common step needs no device-to-host copy.
+
+**Logit decomposition** (§4.3): only the step's rows need logits (the current block's, and at
+a Refresh the earlier blocks' positions still masked); they are computed
 `max_num_logits` rows at a time, each chunk decoded at once (candidate, confidence; Gumbel
 noise drawn row-sequentially from the request's own generator) and freed before the next —
 also when one request's block alone is larger than the limit. The denoising decision per
@@ -67,6 +75,9 @@ class _RequestState:
     # Per layer (keys, values) [n_kv_heads, cached, head_dim]: the whole sequence (dense) or
     # the packed retained context (sparse); empty without a cache.
     cache: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # The earlier blocks' positions still masked, ascending (the model predicted the mask there):
+    # a Refresh decides over them again. Empty unless the mask was predicted.
+    left_masked: list[int] = field(default_factory=list)
 
 
 class DiffusionRunner:
@@ -212,22 +223,28 @@ class DiffusionRunner:
 
     def _denoise(self, batch: DiffusionBatch, states: list[_RequestState], positions, hidden: torch.Tensor,
                  guided: list[int]) -> None:
-        """Logits of every request's block in chunks of at most `max_num_logits` rows (§4.3), each
-        chunk decoded and freed at once; then each request unmasks its step's tokens. A guided
-        request's rows count twice: its unconditional logits are materialised beside them."""
-        rows, owners = [], []
+        """Logits of every request's step rows in chunks of at most `max_num_logits` rows (§4.3),
+        each chunk decoded and freed at once; then each request transfers its step's tokens. A
+        guided request's rows count twice: its unconditional logits are materialised beside them."""
+        rows, owners, step_rows = [], [], []
         first_row_of: dict[int, int] = {}  # request index -> its first row among `owners`
         offset = 0
-        for index, (state, pos) in enumerate(zip(states, positions)):
+        for index, (work, state, pos) in enumerate(zip(batch.entries, states, positions)):
             seq = state.seq
-            first = offset + (seq.block_start if pos.numel() == seq.length else 0)
-            rows.append(torch.arange(first, first + seq.params.block_length, device=self.device))
+            block = torch.arange(seq.block_start, seq.block_start + seq.params.block_length, device=self.device)
+            if work.phase is Phase.REFRESH:  # every position computed: the reference's step rows
+                if state.left_masked:
+                    block = torch.cat((torch.tensor(state.left_masked, dtype=torch.long, device=self.device), block))
+                rows.append(offset + block)
+            else:  # the packed rows are the block's
+                rows.append(torch.arange(offset, offset + pos.numel(), device=self.device))
+            step_rows.append(block)
             first_row_of[index] = len(owners)
-            owners.extend([index] * seq.params.block_length)
+            owners.extend([index] * block.numel())
             offset += pos.numel()
-        unconditional_first = {}  # request index -> the first row of its block in its unconditional pass
+        unconditional_rows = {}  # request index -> its step rows in its unconditional pass
         for index in guided:
-            unconditional_first[index] = offset + states[index].seq.block_start
+            unconditional_rows[index] = offset + step_rows[index]
             offset += positions[index].numel()
         row_index = torch.cat(rows)
         candidates = torch.empty(row_index.numel(), dtype=torch.long, device=self.device)
@@ -248,8 +265,8 @@ class DiffusionRunner:
                 part = logits[start - chunk.start: stop - chunk.start]
                 params = states[owner].seq.params
                 if params.cfg_scale > 0:  # LLaDA's guidance: uncond + (s + 1) (cond - uncond)
-                    first = unconditional_first[owner] + start - first_row_of[owner]
-                    uncond = F.linear(transformer.ln_f(hidden[first: first + stop - start]), head).float()
+                    own = unconditional_rows[owner][start - first_row_of[owner]: stop - first_row_of[owner]]
+                    uncond = F.linear(transformer.ln_f(hidden[own]), head).float()
                     part = uncond + (params.cfg_scale + 1) * (part - uncond)
                     guided_rows += stop - start
                     del uncond
@@ -267,21 +284,35 @@ class DiffusionRunner:
             self.peak_logit_rows = max(self.peak_logit_rows, logits.shape[0] + guided_rows)
             del logits
         offset = 0
-        for work, state in zip(batch.entries, states):
+        for work, state, where in zip(batch.entries, states, step_rows):
             seq = state.seq
-            size = seq.params.block_length
-            block = slice(seq.block_start, seq.block_start + size)
-            block_ids = state.ids[block]
+            size = where.numel()
+            ids = state.ids[where]
             cand, conf = candidates[offset:offset + size], confidence[offset:offset + size]
             offset += size
             if seq.params.remasking == "random":
                 conf = torch.rand(size, generator=state.generator, device=self.device)
-            masked = block_ids == self.mask_token_id
+            masked = ids == self.mask_token_id
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
             order = torch.sort(conf, descending=True, stable=True).indices
             chosen = order[: seq.num_transfer].sort().values
-            block_ids[chosen] = cand[chosen]
-            state.ids[block] = block_ids
+            # LLaDA: `x[transfer_index] = x0[transfer_index]` — a candidate that is the mask
+            # leaves its position masked, to be decided again at a later step.
+            ids[chosen] = cand[chosen]
+            state.ids[where] = ids
+            self._track_left_masked(state, work.phase)
+
+    def _track_left_masked(self, state: _RequestState, phase: Phase) -> None:
+        """Keep `left_masked` for the next step: after a block's last step its positions still
+        masked join it; after a Refresh that decided over them, those unmasked leave it. Reads
+        the device only then (a block's end, or when the mask was predicted)."""
+        seq = state.seq
+        last_step = seq.step_in_block == seq.params.steps_per_block - 1
+        if not last_step and not (phase is Phase.REFRESH and state.left_masked):
+            return
+        end = seq.block_start + (seq.params.block_length if last_step else 0)
+        masked = (state.ids[seq.prompt_len:end] == self.mask_token_id).nonzero().flatten() + seq.prompt_len
+        state.left_masked = masked.tolist()
 
 
 def _logit_chunks(owners: list[int], guided: set[int], max_rows: int):
