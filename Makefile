@@ -8,15 +8,17 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-unit lint run model bench protos clean
+.PHONY: setup test test-unit lint run model bench protos clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# constraints.txt: the exact versions of every runtime dependency (scripts/freeze_constraints.py,
+# `make constraints`); the dev extra pulls the server and every optional part (docs/packaging.md).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	# NIXL (KV transfer over UCX): the CUDA-13 wheel carries the UCX plugins; --no-deps
 	# keeps pip from also pulling the CUDA-12 variant. Without it, KV moves over gRPC.
 	$(PY) -c "import nixl" 2>/dev/null || ($(PIP) install -q "nixl-cu13>=1.5" && $(PIP) install -q --no-deps "nixl>=1.5") \
@@ -54,6 +56,10 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# Rewrite constraints.txt from the versions installed in the virtualenv (after an upgrade there).
+constraints:
+	$(PY) scripts/freeze_constraints.py
 
 # Regenerate the committed gRPC stubs from protos/ (a test fails when they are stale).
 protos: setup

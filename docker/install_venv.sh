@@ -35,7 +35,16 @@ deps)
     echo "online build: torch from $url"
     $PIP install --index-url "$url" "torch==${TORCH_VERSION}"
   fi
-  /opt/venv/bin/python -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt
+  # The SDK's base dependencies and the extras a serving image needs (server, gguf, tracing;
+  # docs/packaging.md), without the extras' references to the project itself.
+  /opt/venv/bin/python - > /tmp/requirements.txt <<'PY'
+import tomllib
+project = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]
+wanted = list(project["dependencies"])
+for extra in ("server", "gguf", "tracing"):
+    wanted += [d for d in project["optional-dependencies"][extra] if not d.startswith("splitserve")]
+print("\n".join(dict.fromkeys(wanted)))
+PY
   $PIP install $FROM -r /tmp/requirements.txt
   nixl=${WITH_NIXL:-auto}
   [ "$nixl" = auto ] && { [ "$VARIANT" = cuda ] && nixl=1 || nixl=0; }

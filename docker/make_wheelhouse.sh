@@ -21,7 +21,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$PIP" freeze --exclude-editable | grep -v -E '^(-e |splitserve(==| @))' > "$tmp/freeze.txt"
 # 2. The runtime closure of the project under those pins (no dev extras): pip's resolver in
 #    dry-run mode, constrained to the installed versions.
-"$PIP" install -q --dry-run --ignore-installed --report "$tmp/report.json" -c "$tmp/freeze.txt" . >/dev/null \
+"$PIP" install -q --dry-run --ignore-installed --report "$tmp/report.json" -c "$tmp/freeze.txt" ".[server,gguf,tracing]" >/dev/null \
   2> >(grep -v 'is ignored: it is neither' >&2)
 "$PY" - "$tmp/report.json" "$tmp/freeze.txt" > "$tmp/runtime.txt" <<'PY'
 import json, re, sys

@@ -15,6 +15,7 @@ from prometheus_client import Counter
 from gateway import metrics
 from gateway.admission import Admission
 from gateway.coordinator_client import CoordinatorClient, GenerationDelta
+from gateway.priority_check import check_priority
 from gateway.rate_limit import KeyRateLimiter, TokensTaken
 from gateway.tokenization import Tokenization
 from gateway.validation import GenerationRequest, Limits
@@ -72,6 +73,7 @@ class GatewayCore:
         self.tokenization = tokenization
         self.coordinator = coordinator
         self.model_name = served_model_name(config)
+        check_priority(0, config.scheduling_policy)  # an unknown --scheduling-policy stops the start
         self.limits = Limits(served_model=self.model_name, max_model_len=config.max_model_len or tokenization.max_model_len,
                              default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit,
                              engine_family=tokenization.engine_family, mask_token_id=tokenization.mask_token_id)
@@ -168,6 +170,7 @@ class GatewayCore:
         Traced as `gateway.request` under the caller's W3C trace context, if it sent one.
         `caller` (from `authorize`): its tenant labels the metrics and its limits apply;
         without it, `owner` alone (the gateway's default limits)."""
+        check_priority(request.priority, self.config.scheduling_policy)  # 400 naming priority unless honoured
         caller = caller or Caller(owner=owner)
         loop = asyncio.get_running_loop()
         arrived = loop.time()

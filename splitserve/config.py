@@ -65,7 +65,8 @@ class WorkerConfig(CommonConfig):
     role: str = opt("both", "both | prefill | decode")
     prefill_pool: str = opt("", "LAPS spatial mode: the prefill pool this worker starts in: short | long | '' (none; "
                             "the laps pool controller assigns one).")
-    model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer); with --backend "
+    model: str = opt("", "Hugging Face model directory (config.json + safetensors + tokenizer), .gguf file, or "
+                     "repository id Org/Name (from the local Hugging Face cache, downloaded unless HF_HUB_OFFLINE); with --backend "
                      "emulated optional: only its config.json's vocabulary and EOS are used (the max length is the "
                      "preset model's context).")
     backend: str = opt("real", "real: the engine on CPU/CUDA | emulated: the real service, scheduler and block manager, "
@@ -81,7 +82,8 @@ class WorkerConfig(CommonConfig):
     perf_framework: str = opt("vllm", "emulated: the framework whose measured kernels time the steps: vllm | sglang | "
                               "trtllm.")
     perf_database_version: str = opt("", "emulated: aiconfigurator database version (empty: its current one).")
-    dtype: str = opt("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = opt("auto", "Weights and KV cache dtype (vLLM's --dtype): auto (float32 on the CPU; on CUDA the "
+                     "checkpoint's, float32 for a .gguf) | bfloat16 | float16 | float32 (half, float: as vLLM).")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     block_size: int = opt(0, "Tokens per KV block; 0: 256 on CUDA with flash-attn (its paged kernels need a "
                           "multiple of 256), else 16.")
@@ -106,7 +108,16 @@ class WorkerConfig(CommonConfig):
                                         "CPU) | cuda_graph (captured once per bucket, replayed) | eager | compile "
                                         "(torch.compile per bucket).")
     max_captured_buckets: int = opt(64, "Most captured buckets (CUDA graphs) kept; a step of another runs unpadded.")
-    batch_policy: str = opt("fcfs", "Local batch policy (splitserve/core/policies): fcfs | slo_aware (DynaServe "
+    design: str = opt("", "A research design: dynaserve | laps | ampd, or '' (none). Selects the design's local "
+                      "batch policy (slo_aware | laps | prefill_reorder) unless --batch-policy is given (an ablation); "
+                      "give the scheduler the same --design (or --policy). One variable for every service.",
+                      common=True)
+    scheduling_policy: str = opt("fcfs", "Order of waiting requests, as vLLM's --scheduling-policy: fcfs (arrival; "
+                                 "the gateway refuses a nonzero priority) | priority (a lower priority value first, "
+                                 "ties by arrival; out of KV memory the running request with the largest (priority, "
+                                 "arrival) is preempted first). Give the gateway the same value (one variable for "
+                                 "both).", common=True)
+    batch_policy: str = opt("", "Local batch policy (splitserve/core/policies); '' = the --design's, else fcfs: fcfs | slo_aware (DynaServe "
                             "Alg. 2: decodes first, then prefill up to what the ITL SLO leaves room for, by a latency "
                             "table seeded from --perf-model, the emulated preset, or learned from scratch) | prefill_reorder (AMPD "
                             "Alg. 2: the waiting queue's head window reordered to meet the most TTFT SLOs) | laps (LAPS: short and long (re-)prefills never in "
@@ -156,7 +167,10 @@ class SchedulerConfig(CommonConfig):
     """The global scheduler: placement of requests onto workers."""
 
     port: int = opt(50071, "gRPC port of the GlobalScheduler service.")
-    policy: str = opt("least_loaded", "Placement policy: round_robin | least_loaded | pd_disaggregated | split | "
+    design: str = opt("", "A research design: dynaserve | laps | ampd, or '' (none): its placement policy unless "
+                      "--policy is given (an ablation); give the workers the same --design. One variable for every "
+                      "service.", common=True)
+    policy: str = opt("", "Placement policy ('' = the --design's, else least_loaded): round_robin | least_loaded | pd_disaggregated | split | "
                       "dynaserve (DynaServe Alg. 1: a split point per request from the worker pair's predicted load).")
     split_ratio: float = opt(0.5, "split policy: phi, the fraction of prompt + max_tokens run on the first worker.")
     policy_params: str = opt("", "The placement policy's parameters: a JSON object or key=value pairs separated by "
@@ -211,8 +225,10 @@ class GatewayConfig(CommonConfig):
     http_port: int = opt(8000, "Port of the OpenAI-compatible HTTP API (also serves /metrics).")
     coordinator_address: str = opt("127.0.0.1:50081", "host:port of the coordinator, or 'embedded': run the "
                                    "coordinator in this process (configured by SPLITSERVE_COORDINATOR_* variables).")
-    model: str = opt("", "Model directory: its tokenizer and config (max length) are used here.")
-    served_model_name: str = opt("", "Model id clients send; default: the model directory's name.")
+    model: str = opt("", "Model directory, .gguf file or Hugging Face repository id Org/Name: its tokenizer and "
+                     "config (max length) are used here.")
+    served_model_name: str = opt("", "Model id clients send; default: the Hugging Face id given as --model, else "
+                                 "the model directory's name.")
     api_keys: list[str] = opt(list, "Accepted API keys (comma-separated in the env var); empty: no auth.")
     max_model_len: int = opt(0, "Longest prompt + output accepted; 0: the model directory's config (an emulated "
                              "cluster's gateway takes the preset model's context, as its workers do).")
@@ -234,6 +250,10 @@ class GatewayConfig(CommonConfig):
     tls_cert_file: str = opt("", "TLS certificate (PEM, with its chain) of the gateway's public gRPC and HTTP "
                              "listeners; with --tls-key-file. Empty: plaintext (the default).")
     tls_key_file: str = opt("", "Private key (PEM) of --tls-cert-file.")
+    scheduling_policy: str = opt("fcfs", "The workers' --scheduling-policy: fcfs (a request with a nonzero priority "
+                                 "is refused, 400 naming priority, as vLLM) | priority (priority is accepted; lower "
+                                 "values are served first). One variable for the gateway and the workers.",
+                                 common=True)
     tls_client_ca_file: str = opt("", "With TLS: clients of the public listeners must present a certificate "
                                   "signed by this CA (PEM); empty: no client certificate asked for.")
 

@@ -12,7 +12,13 @@ dequantizing; this module checks the architecture first, saves a model the engin
 transformers load without any GGUF code, and fixes what the conversion loses.
 
 Float32, not bfloat16: a Q4_1 weight is d * q + m with float16 d and m and a 4-bit q, up to
-15 significant bits, which float32 holds exactly and bfloat16 (8 bits) would round.
+15 significant bits, which float32 holds exactly and bfloat16 (8 bits) would round. That is
+the directory on disk; what the engine computes in is the worker's `--dtype`: auto keeps
+float32 (the checkpoint's dtype, so exact), `--dtype bfloat16` rounds the weights once at load
+and halves the weights' and the KV cache's memory, as vLLM serves a GGUF in 16 bits.
+
+Reading a GGUF needs the `gguf` extra (`pip install "splitserve[gguf]"`: gguf and accelerate);
+`check_gguf_extra` says so before a conversion starts.
 """
 
 from __future__ import annotations
@@ -71,10 +77,16 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """The Hugging Face directory to load for `model`: itself, or a `.gguf` file's dequantized copy."""
+    """The Hugging Face directory to load for `model`: itself, a `.gguf` file's dequantized copy,
+    or a Hugging Face repository id's snapshot in the local cache (downloaded where the hub is
+    reachable: splitserve.hub_models)."""
+    from splitserve.hub_models import hub_model_dir, is_repo_id
+
     path = Path(model)
     if is_gguf_file(path):
         return dequantized_model_dir(path)
+    if is_repo_id(model):
+        return hub_model_dir(os.fspath(model))
     return path
 
 
@@ -131,6 +143,27 @@ def read_gguf_metadata(path: str | os.PathLike, keys: Iterator[str] | set[str] |
             if wanted is not None and wanted <= values.keys():
                 break
     return values
+
+
+# What transformers needs to read and dequantize a GGUF: the `gguf` extra of the distribution.
+GGUF_EXTRA_MODULES = ("gguf", "accelerate")
+
+
+class GgufExtraMissingError(ModuleNotFoundError):
+    """Serving a .gguf without the packages that read it (`pip install "splitserve[gguf]"`)."""
+
+
+def check_gguf_extra(find_spec: Callable[[str], object] | None = None) -> None:
+    """GgufExtraMissingError naming what is missing, before a conversion that would fail deep in transformers."""
+    import importlib.util
+
+    find_spec = find_spec or importlib.util.find_spec
+    missing = [name for name in GGUF_EXTRA_MODULES if find_spec(name) is None]
+    if missing:
+        raise GgufExtraMissingError(
+            f"a .gguf model needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+            f"pip install \"splitserve[gguf]\" (a converted model directory or a Hugging Face id needs neither)",
+            name=missing[0])
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
@@ -206,6 +239,7 @@ def dequantized_model_dir(gguf_path: str | os.PathLike, *, sha256: str | None = 
     wanted = {"builder_version": BUILDER_VERSION, "gguf_sha256": digest}
     if marker_matches(final, wanted):
         return final
+    check_gguf_extra()  # converting needs it; a converted directory in the cache does not
     root.mkdir(parents=True, exist_ok=True)
     with file_lock(root / f".{final.name}.lock"):
         if marker_matches(final, wanted):  # another process converted it while we waited

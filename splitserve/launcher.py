@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.core.designs import DesignChoice, resolve_design
+from splitserve.core.policy import scheduling_policy_option
 from splitserve.redis_server import DEFAULT_REDIS_URL, PrivateRedis, ensure_redis, redis_reachable
 from splitserve.redis_server import free_port as pick_free_port
 from splitserve.tls import ClientTls, TlsConfigError
@@ -25,7 +27,11 @@ class ClusterSpec:
 
     model: str
     workers: int = 2
+    # Placement, or a design's name (dynaserve | laps | ampd), which also gives the workers the
+    # design's local batch policy unless worker_args["batch_policy"] names another (an ablation).
     policy: str = "least_loaded"
+    # The workers' and the gateway's scheduling policy: fcfs (nonzero priorities refused) | priority.
+    scheduling_policy: str = "fcfs"
     http_port: int = 8000
     grpc_port: int = 50051
     redis_url: str = DEFAULT_REDIS_URL
@@ -65,6 +71,12 @@ class ClusterSpec:
     tls_ca_file: str = ""
     tls_client_cert_file: str = ""
     tls_client_key_file: str = ""
+
+    @property
+    def design(self) -> DesignChoice:
+        """The placement and local batch policy the cluster runs."""
+        batch_policy = self.worker_args.get("batch_policy")
+        return resolve_design(self.policy, str(batch_policy) if batch_policy else None)
 
     def internal_tls(self) -> ClientTls | None:
         """How a tool reaches the scheduler, coordinator and workers (None: plaintext)."""
@@ -240,6 +252,15 @@ def default_placement(policy: str) -> str:
     return "scheduler" if policy == "laps" else "local"
 
 
+def worker_options(spec: ClusterSpec, index: int) -> dict[str, object]:
+    """What worker `index` of `spec` is told besides its ports and the common options: its id,
+    model, role, `worker_args`, the scheduling policy, and the local batch policy of the design
+    `spec.policy` names unless `worker_args` names another."""
+    role = ("prefill" if index < spec.prefill_workers else "decode") if spec.prefill_workers else "both"
+    return {"worker_id": f"worker-{index}", "model": spec.model, "role": role,
+            "scheduling_policy": spec.scheduling_policy, **spec.worker_args, "batch_policy": spec.design.batch_policy}
+
+
 def threads_per_worker(cores: int, workers: int) -> int:
     """torch threads of each of `workers` local workers on `cores` cores: an equal share, at least one.
 
@@ -279,6 +300,7 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
     if spec.coordinator not in ("process", "embedded"):
         raise ValueError(f"coordinator must be process or embedded, got {spec.coordinator!r}")
     internal_tls, gateway_tls = spec.internal_tls(), spec.gateway_tls()  # a bad option before anything starts
+    scheduling_policy_option(spec.scheduling_policy)  # ValueError naming it, before anything starts
     fallback = spec.redis_url == DEFAULT_REDIS_URL if spec.redis_fallback is None else spec.redis_fallback
     redis_url, private = ensure_redis(spec.redis_url, fallback=fallback)  # RedisUnreachableError names it
     prefix = spec.redis_prefix or f"ss:{os.getpid()}-{int(time.time())}:"
@@ -323,12 +345,11 @@ def start_cluster(spec: ClusterSpec, ready_timeout_s: float = 120.0) -> Cluster:
         port = free_port()
         worker_addresses.append(f"{spec.host}:{port}")
         plan.append((f"worker-{i}", f"{spec.host}:{port}",
-                     {**common, "port": port, "worker_id": f"worker-{i}", "model": spec.model, "metrics_port": 0,
-                      "role": ("prefill" if i < spec.prefill_workers else "decode") if spec.prefill_workers else "both",
-                      **spec.worker_args}))
+                     {**common, "port": port, "metrics_port": 0, **worker_options(spec, i)}))
     plan.append(("gateway", f"{spec.host}:{spec.grpc_port}",
                  {**common, "port": spec.grpc_port, "http_port": spec.http_port, "model": spec.model,
-                  "coordinator_address": coordinator_address, **gateway_public, **spec.gateway_args}))
+                  "coordinator_address": coordinator_address, "scheduling_policy": spec.scheduling_policy,
+                  **gateway_public, **spec.gateway_args}))
 
     children: list[Child] = []
     cluster = Cluster(spec, redis_url, prefix, children, private, f"{spec.host}:{spec.grpc_port}",

@@ -33,6 +33,7 @@ from services.global_scheduler.policy import (
 from services.global_scheduler.pool_control import PoolControlLoop
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
+from splitserve.core.designs import resolve_design
 from splitserve.errors import InvalidArgument, SplitserveError, abort
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, channel_factory, run
@@ -265,8 +266,10 @@ class SchedulerHandle:
 async def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
     """Connect to Redis, load the first cluster view, start serving; raises StateUnavailableError."""
     runtime = ServiceRuntime(SERVICE_NAME, config, config.port, GRPC_SERVICE_NAME)  # first: it configures logging
-    params = configured_policy_params(config.policy, config.split_ratio, config.policy_params)
-    policy = make_policy(config.policy, **params)  # ValueError before touching Redis
+    # --policy, else the --design's placement (its workers take the design's local batching).
+    placement = resolve_design(config.policy, design=config.design).placement
+    params = configured_policy_params(placement, config.split_ratio, config.policy_params)
+    policy = make_policy(placement, **params)  # ValueError before touching Redis
     store = StateStore(config.redis_url, config.redis_prefix,
                        retry_policy=RedisRetryPolicy(attempts=config.redis_connect_attempts))
     views = ClusterViewSource(store, config.view_refresh_s, idle_refresh_s=config.view_idle_refresh_s)

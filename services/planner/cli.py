@@ -24,6 +24,7 @@ from loadgen.options import (build_slo, check_rate_options, console, report_run,
 from services.planner.sim_config import NetworkLatency
 from services.planner.sim_workload import SimWorkload, build_sim_workload
 from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
+from splitserve.core.designs import DesignChoice, resolve_design
 from splitserve.perf_aiconfigurator import (PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP,
                                             perf_model_for)
 from splitserve.perf_store import load_perf_model
@@ -63,9 +64,9 @@ class ClusterOptions:
     perf_backend: str = "auto"
     perf_framework: str = "vllm"
     perf_database_version: str | None = None
-    policy: str = "least_loaded"
+    policy: str = "least_loaded"  # placement, or a design's name (dynaserve | laps | ampd): the whole design
     policy_params: dict[str, str] = field(default_factory=dict)
-    batch_policy: str = "fcfs"
+    batch_policy: str | None = None  # None / "": the design's local batch policy, else fcfs
     batch_policy_options: dict[str, str] = field(default_factory=dict)
     prefill_workers: int | None = None
     max_num_batched_tokens: int = 2048
@@ -80,9 +81,19 @@ class ClusterOptions:
     handoff_ms: float = 0.5
     stream_ms: float = 0.5
 
+    def __post_init__(self) -> None:
+        self.batch_policy = self.design.batch_policy  # the resolved name goes to the Simulator and the report
+
+    @property
+    def design(self) -> DesignChoice:
+        """The placement and local batch policy simulated (a design's, or its ablation)."""
+        return resolve_design(self.policy, self.batch_policy)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able view."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        data = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        data["design"] = self.design.describe()
+        return data
 
 
 def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: int = 0) -> Simulator:
@@ -129,6 +140,7 @@ def run_simulation(opts: BenchOptions, cluster: ClusterOptions) -> dict[str, Any
     send = opts.send_slo
     sim = build_simulator(cluster, round(opts.slo_ttft_ms) if send else 0, round(opts.slo_itl_ms) if send else 0)
     console.print(sim.config.perf_model.timing_note)
+    console.print(f"design: {cluster.design.describe()}")
     target = {"kind": "simulator", "cluster": cluster.to_dict(), "simulator": sim.config.to_dict(),
               "step_times": sim.config.perf_model.timing_note}
     config = {"options": opts.to_dict(), "target": target, "vocab_size": None,
@@ -179,10 +191,14 @@ def simulate(
     perf_framework: str = perf_option(PERF_FRAMEWORK_OPTION),
     perf_database_version: Optional[str] = perf_option(PERF_DATABASE_VERSION_OPTION),
     policy: str = typer.Option("least_loaded", "--policy", help="Placement policy (round_robin | least_loaded | "
-                               "pd_disaggregated | split | any registered)."),
+                               "pd_disaggregated | split | any registered), or a design's name (dynaserve | laps | "
+                               "ampd): its placement and its local batch policy."),
     policy_param: Optional[List[str]] = typer.Option(None, "--policy-param", help="Placement policy parameter "
                                                      "key=value (repeatable), e.g. split_ratio=0.4."),
-    batch_policy: str = typer.Option("fcfs", "--batch-policy", help="Workers' local batch policy: fcfs | slo_aware "
+    batch_policy: Optional[str] = typer.Option(None, "--batch-policy", envvar="SPLITSERVE_SIMULATE_BATCH_POLICY",
+                                     show_default=False, help="Default: the --policy design's (dynaserve: "
+                                     "slo_aware, laps: laps, ampd: prefill_reorder), else fcfs; another one beside a "
+                                     "design is an ablation. Workers' local batch policy: fcfs | slo_aware "
                                      "(DynaServe Alg. 2: decodes first, prefill up to what the ITL SLO leaves room "
                                      "for, by a latency table seeded from the simulated perf model) | prefill_reorder (AMPD Alg. 2: the "
                                      "queue head's window reordered to meet the most TTFT SLOs) | laps (LAPS: short/long prefills "

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.global_scheduler.policy import ROLES
+from splitserve.core.designs import resolve_design
 from splitserve.perf_model import PerfModel
 
 __all__ = ["NetworkLatency", "SimulatorConfig", "worker_id"]
@@ -115,6 +116,8 @@ class SimulatorConfig:
             data["worker_perf_models"] = [m.describe() for m in self.worker_perf_models]
             data["worker_kv_blocks"] = list(self.worker_kv_blocks) if self.worker_kv_blocks is not None else None
         data["roles"] = list(self.worker_roles)
+        # The design its two policies make, or the ablation of one ("dynaserve (...; ablation: local batching fcfs ...)").
+        data["design"] = resolve_design(self.placement_policy, self.batch_policy).describe()
         data["latency"] = asdict(self.latency)
         data["perf_model"] = self.perf_model.describe()
         data["kv_capacity_tokens_per_worker"] = self.num_kv_blocks * self.block_size

@@ -22,6 +22,14 @@ cannot know in advance is whether KV memory suffices: `add` answers that, after 
 scheduler's one preemption rule (recompute the newest running request not yet in this
 step); a policy that wants first-come-first-served stops at the first waiting request
 that did not fit, another may skip it.
+
+**Scheduling policy** (vLLM's `--scheduling-policy`): under `fcfs` (the default) the waiting
+queue is in arrival order, preempted requests first, and the victim of a preemption is the
+newest running request; under `priority` the scheduler shows the policy the waiting requests
+ordered by `(priority, arrival)` (a lower value first, as vLLM) and preempts the running
+request with the largest `(priority, arrival)` first, the growing request itself when that is
+it. A policy says which by its `scheduling_policy` attribute, which
+`make_batch_policy(name, scheduling_policy=...)` sets for any registered policy.
 """
 
 from __future__ import annotations
@@ -31,6 +39,29 @@ from typing import NamedTuple, Protocol, Sequence
 
 from splitserve.core.sequence import StageKey
 from splitserve.core.step_cost import StepShape
+
+
+FCFS = "fcfs"
+PRIORITY = "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)
+
+
+def scheduling_policy_option(value: object) -> str:
+    """A scheduling policy's name; ValueError naming the option and the choices."""
+    text = str(value).strip().lower() if value is not None else FCFS
+    if text not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {' | '.join(SCHEDULING_POLICIES)}, got {value!r}")
+    return text
+
+
+class _Prioritised(Protocol):
+    priority: int
+    arrival_time: float
+
+
+def priority_key(req: _Prioritised) -> tuple[int, float]:
+    """Where a request stands under the priority policy: lower first, ties by arrival."""
+    return req.priority, req.arrival_time
 
 
 class PolicyContractError(ValueError):
@@ -90,7 +121,7 @@ class StepBuilder(Protocol):
     """The scheduler's half of the contract, handed to `BatchPolicy.next_batch`."""
 
     running: Sequence[QueuedRequest]  # oldest first
-    waiting: Sequence[QueuedRequest]  # queue order; preempted requests first
+    waiting: Sequence[QueuedRequest]  # queue order (preempted requests first); priority: by `priority_key`
     budget: StepBudget
 
     @property
@@ -140,7 +171,9 @@ class BatchPolicy(Protocol):
     skip the calls (the simulator applies millions of decode steps in bulk);
     `steady_decodes` [False]: True when, with only decodes running and nothing it could
     admit, the policy always schedules every running request with one token whatever
-    the time, so identical decode steps may be fast-forwarded.
+    the time, so identical decode steps may be fast-forwarded;
+    `scheduling_policy` ["fcfs"]: "priority" orders the waiting queue and the preemption
+    victims by `priority_key` (see the module's docstring).
     """
 
     name: str

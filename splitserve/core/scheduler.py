@@ -15,7 +15,9 @@ KV accounting and step shape exist here once.
 One token budget per step for prefill and decode together; chunked prefill; preemption
 by recompute when blocks run out. Which requests run, in which order and with how many
 tokens is the `BatchPolicy`'s choice, made through a `StepBuilder` (`splitserve.core.policy`);
-this module keeps the queues and the memory.
+this module keeps the queues and the memory, in the order the policy's `scheduling_policy`
+names: arrival (fcfs) or `(priority, arrival)` for the waiting queue and the reverse for
+preemption victims (priority, as vLLM's `--scheduling-policy priority`).
 
 Every new stage waits, including one whose KV arrived from another worker (a later stage:
 its blocks are already in its table). Such a stage is admitted, as any other, only under
@@ -28,6 +30,7 @@ about to preempt itself) it is dropped, newest first, and those stages recompute
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections import Counter, deque
@@ -36,7 +39,8 @@ from itertools import islice
 from typing import Callable, Mapping
 
 from splitserve.core.block_manager import BlockManager
-from splitserve.core.policy import BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget
+from splitserve.core.policy import (PRIORITY, BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget,
+                                    priority_key, scheduling_policy_option)
 from splitserve.core.sampling import SamplingParams
 from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.session_pins import SessionPins
@@ -135,6 +139,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.policy = policy
+        # Waiting order and preemption victims by (priority, arrival) instead of arrival.
+        self.priority_order = scheduling_policy_option(getattr(policy, "scheduling_policy", None)) == PRIORITY
         self.budget = StepBudget(config.max_num_batched_tokens, config.max_num_seqs)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
@@ -461,7 +467,11 @@ class Scheduler:
         if not bm.can_grow(seq, n):
             self.session_pins.evict_lru(bm.blocks_to_grow(seq, n), _session_of(seq))  # idle histories before running requests
         while not bm.can_grow(seq, n):
-            victim = next((s for s in reversed(self.running) if s is not seq and s.key not in scheduled), None)
+            victim = self._preemption_victim(seq, scheduled)
+            if victim is seq:  # priority: everything it could displace outranks it
+                self._preempt(seq)
+                preempted.append(seq)
+                return False
             if victim is None:
                 # Alone and preempting itself, it would come back to the same wall (a livelock)
                 # while waiting stages' KV holds the blocks it needs.
@@ -474,6 +484,19 @@ class Scheduler:
             preempted.append(victim)
         return True
 
+    def _preemption_victim(self, seq: Sequence, scheduled: set[StageKey]) -> Sequence | None:
+        """Whom `seq` displaces to grow: a running sequence not in this step, the newest (fcfs)
+        or the one with the largest (priority, arrival) (priority: `seq` itself when its own key
+        is larger still, as vLLM preempts the lowest-priority request even when that is the one
+        growing); None when there is no one."""
+        candidates = (s for s in reversed(self.running) if s is not seq and s.key not in scheduled)
+        if not self.priority_order:
+            return next(candidates, None)
+        victim = max(candidates, key=priority_key, default=None)
+        if victim is not None and priority_key(seq) > priority_key(victim):
+            return seq
+        return victim
+
     def _drop_waiting_kv(self, need: int, keep: Sequence | None = None) -> bool:
         """Drop the KV waiting stages hold (newest first, never `keep`'s) until `need` blocks are
         free; whether they are. Nothing is dropped when even all of it would not be enough
@@ -485,6 +508,8 @@ class Scheduler:
         if bm.num_free_blocks >= need:
             return True
         holders = [s for s in reversed(self.waiting) if s is not keep and s.block_table]
+        if self.priority_order:  # the lowest-priority stages' KV goes first
+            holders.sort(key=priority_key, reverse=True)
         references = Counter(b for s in holders for b in s.block_table)
         held = list(references)
         freeable = sum(ref == references[b] for b, ref in zip(held, bm.ref_counts(held)))
@@ -521,7 +546,11 @@ class _Step:
         self.budget = budget = scheduler.budget
         self.running = [_view(s, s.num_computed_tokens) for s in scheduler.running]
         waiting = []
-        for s in islice(scheduler.waiting, budget.max_num_seqs):
+        if scheduler.priority_order:  # the best max_num_seqs by (priority, arrival); ties keep queue order
+            head = heapq.nsmallest(budget.max_num_seqs, scheduler.waiting, key=priority_key)
+        else:
+            head = islice(scheduler.waiting, budget.max_num_seqs)
+        for s in head:
             # A waiting sequence holding blocks got its KV from another worker: no lookup.
             computed = s.num_computed_tokens if s.block_table else len(bm.cached_prefix_blocks(s)) * bm.block_size
             waiting.append(_view(s, computed))

@@ -22,6 +22,17 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = ("bfloat16", "float16", "float32")
+# vLLM's --dtype spellings: half and float name float16 and float32 there.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPE_CHOICES = ("auto", *_DTYPES, *DTYPE_ALIASES)
+
+
+def normalize_dtype(name: str) -> str:
+    """'auto' or the canonical name of a --dtype value (torch-free: the CLI checks before starting workers)."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name != "auto" and name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {name!r}")
+    return name
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -29,8 +40,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
     if isinstance(name, torch.dtype):
         return name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    name = normalize_dtype(name)
+    if name == "auto":
+        raise ValueError("dtype must be a concrete dtype here, got 'auto'")
     return getattr(torch, name)
 
 
@@ -103,8 +115,7 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype != "auto":
-            parse_dtype(self.dtype)
+        normalize_dtype(self.dtype)
         # The batch policy and its options, before any weights are loaded (ValueError naming them).
         if not isinstance(self.batch_policy_options, dict):
             raise ValueError(f"batch_policy_options must be a JSON object, got {self.batch_policy_options!r}")

@@ -7,6 +7,10 @@ and the simulator run the very same policy objects (ARCHITECTURE principle 1).
 `build_batch_policy(name, options, perf_model=...)`, which also hands their performance
 model (the emulated worker's preset, the simulator's model, a real worker's
 `--perf-model`) to a policy whose constructor takes a `perf_model` its options do not set.
+
+Every policy also takes the option `scheduling_policy` (`fcfs` | `priority`, vLLM's
+`--scheduling-policy`): it is not the policy constructor's but the scheduler's, which reads it
+from the built policy (`splitserve.core.policy`) to order the waiting queue and preemptions.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from splitserve.core.policies.latency_table import LatencyTable
 from splitserve.core.policies.prefill_first import PrefillFirstPolicy
 from splitserve.core.policies.prefill_reorder import PrefillReorderPolicy
 from splitserve.core.policies.slo_aware import SloAwarePolicy
-from splitserve.core.policy import BatchPolicy
+from splitserve.core.policy import FCFS, BatchPolicy, scheduling_policy_option
 
 if TYPE_CHECKING:
     from splitserve.perf_model import PerfModel
@@ -44,14 +48,25 @@ def unregister_batch_policy(name: str) -> None:
 
 
 def make_batch_policy(name: str, **options: Any) -> BatchPolicy:
-    """Build a registered local batch policy by name; ValueError names unknown ones or bad options."""
+    """Build a registered local batch policy by name; ValueError names unknown ones or bad options.
+
+    `scheduling_policy` (any policy): "priority" marks the built policy so the scheduler
+    orders waiting requests and preemption victims by (priority, arrival)."""
     cls = _POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown batch policy {name!r}; known: {known_batch_policies()}")
     try:
-        return cls(**options)
+        scheduling = scheduling_policy_option(options.pop("scheduling_policy", FCFS))
+        policy = cls(**options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"bad options for batch policy {name!r}: {err}") from None
+    if scheduling != getattr(policy, "scheduling_policy", FCFS):
+        try:
+            policy.scheduling_policy = scheduling
+        except AttributeError:  # slots or a frozen object: it cannot be told
+            raise ValueError(f"bad options for batch policy {name!r}: it cannot take scheduling_policy "
+                             f"{scheduling!r}") from None
+    return policy
 
 
 def takes_option(name: str, option: str) -> bool:

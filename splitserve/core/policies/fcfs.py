@@ -1,8 +1,11 @@
-"""First-come-first-served with one token budget and chunked prefill (the baseline)."""
+"""First-come-first-served with one token budget and chunked prefill (the baseline).
+
+"First come" is the scheduler's queue order: arrival, or `(priority, arrival)` when built with
+`scheduling_policy="priority"` (vLLM's `--scheduling-policy priority`)."""
 
 from __future__ import annotations
 
-from splitserve.core.policy import ExecutedBatch, StepBuilder
+from splitserve.core.policy import FCFS, ExecutedBatch, StepBuilder
 
 
 class FcfsPolicy:
@@ -11,6 +14,7 @@ class FcfsPolicy:
     it, so none overtakes the head of the queue."""
 
     name = "fcfs"
+    scheduling_policy = FCFS  # the scheduler's queue order; make_batch_policy(..., scheduling_policy=) sets it
     observes_steps = False  # observe() below is a no-op
     steady_decodes = True  # decodes only, nothing admissible: every running request, one token
 

@@ -6,7 +6,9 @@ Each step:
 1. **Started work first**: every running request (decodes, one token; unfinished prefill
    chunks, as much as the budget allows), oldest first, exactly as under fcfs. Their
    remaining prefill time is the offset every waiting task queues behind.
-2. **The window** W: the first `window` (w, default 3) waiting requests in queue order.
+2. **The window** W: the first `window` (w, default 3) waiting requests in queue order; under
+   the priority scheduling policy only those of the head's priority (a reordering never puts
+   a request before one of a better priority).
 3. **The ordering** π* = argmax_π S_π over the permutations of W that postpone no capped
    task (Alg. 2 lines 2-6), where S_π counts the tasks of W with
    `now + C(π(k)) <= ttft_deadline`, C(π(k)) = offset + Σ_{j<=k} t_pre(π(j)) (Eq. 3-4;
@@ -43,7 +45,7 @@ import itertools
 from typing import Sequence
 
 from splitserve.core.policies.options import number_option, perf_model_option
-from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
+from splitserve.core.policy import FCFS, PRIORITY, ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
 from splitserve.perf_model import PerfModel
 
@@ -83,6 +85,7 @@ class PrefillReorderPolicy:
     TTFT objectives, each task overtaken at most `window` times (AMPD Alg. 2)."""
 
     name = "prefill_reorder"
+    scheduling_policy = FCFS  # the scheduler's queue order; make_batch_policy(..., scheduling_policy=) sets it
     observes_steps = True  # learns seconds per prefill token when it has no perf model
     steady_decodes = True  # decodes only, nothing admissible: every running request, one token
 
@@ -111,6 +114,9 @@ class PrefillReorderPolicy:
             self.postponements.clear()
             return
         window = list(waiting[:self.window])
+        if self.scheduling_policy == PRIORITY:  # overtake only within the head's priority
+            head_priority = window[0].priority
+            window = list(itertools.takewhile(lambda r: r.priority == head_priority, window))
         order = self._ordering(window, now, offset)
         admission = [window[i] for i in order] + list(waiting[len(window):])
         admitted: set[StageKey] = set()
