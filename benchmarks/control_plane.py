@@ -61,8 +61,7 @@ import grpc  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, percentile_linear  # noqa: E402
 
 from splitserve.cli import ensure_demo_model  # noqa: E402
 from splitserve.client import AsyncClient, Client, SplitserveClientError  # noqa: E402
@@ -92,20 +91,9 @@ PROMPT_VOCAB = 256
 
 # ---------------------------------------------------------------------------------------------
 # statistics
-def pct(values: list[float], p: float) -> float:
-    """Percentile with linear interpolation (numpy's default), without numpy."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def summary_ms(values_s: list[float]) -> dict:
     ms = [v * 1e3 for v in values_s]
-    out = {f"p{p}": pct(ms, p) for p in PERCENTILES}
+    out = {f"p{p}": percentile_linear(ms, p) for p in PERCENTILES}
     out.update(mean=statistics.fmean(ms) if ms else float("nan"), n=len(ms), max=max(ms) if ms else float("nan"))
     return out
 
@@ -221,10 +209,10 @@ def added(base: list[dict], other: list[dict]) -> dict:
     paired_gaps = [og - bg for rb, ro in zip(base, other) for bg, og in zip(rb["gaps"], ro["gaps"])]
     out = {}
     for p in PERCENTILES:
-        out[f"ttft_paired_p{p}_ms"] = pct(paired, p) * 1e3
-        out[f"ttft_dist_p{p}_ms"] = (pct(o_ttft, p) - pct(b_ttft, p)) * 1e3
-        out[f"itl_dist_p{p}_ms"] = (pct(o_gaps, p) - pct(b_gaps, p)) * 1e3
-        out[f"itl_paired_p{p}_ms"] = pct(paired_gaps, p) * 1e3
+        out[f"ttft_paired_p{p}_ms"] = percentile_linear(paired, p) * 1e3
+        out[f"ttft_dist_p{p}_ms"] = (percentile_linear(o_ttft, p) - percentile_linear(b_ttft, p)) * 1e3
+        out[f"itl_dist_p{p}_ms"] = (percentile_linear(o_gaps, p) - percentile_linear(b_gaps, p)) * 1e3
+        out[f"itl_paired_p{p}_ms"] = percentile_linear(paired_gaps, p) * 1e3
     out["ttft_paired_mean_ms"] = statistics.fmean(paired) * 1e3
     out["itl_mean_ms"] = (statistics.fmean(o_gaps) - statistics.fmean(b_gaps)) * 1e3
     return out

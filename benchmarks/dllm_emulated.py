@@ -69,8 +69,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, percentile_round_rank
 
 from splitserve.core import SamplingParams, StageKey  # noqa: E402
 from splitserve.diffusion_perf import LOGIT_BYTES_PER_ELEMENT, diffusion_perf_model  # noqa: E402
@@ -154,11 +153,6 @@ class Workload:
                 for _ in range(self.requests)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def system_engine(system: str, gpu: str, workload: Workload, backend: str = "datasheet"):
     """(engine, clock, memory plan, retention ratio) of one system on a fresh virtual clock;
     `backend` times the steps (`reuse_prefill`: the measured backend, Reuse attention per request
@@ -219,9 +213,9 @@ def serve(system: str, gpu: str, workload: Workload, prompt_lengths: list[int], 
     return {"system": system, "gpu": gpu, "backend": backend, "timed_by": engine.runner.perf.describe(),
             "requests": len(arrivals), "makespan_s": makespan,
             "output_tokens": tokens, "output_tok_s": tokens / makespan, "req_s": len(arrivals) / makespan,
-            "latency_mean_s": statistics.mean(latency), "latency_p50_s": percentile(latency, 50),
-            "latency_p99_s": percentile(latency, 99), "latency_std_s": statistics.pstdev(latency),
-            "first_block_p50_s": percentile(first_block, 50), "steps": stats.steps,
+            "latency_mean_s": statistics.mean(latency), "latency_p50_s": percentile_round_rank(latency, 50),
+            "latency_p99_s": percentile_round_rank(latency, 99), "latency_std_s": statistics.pstdev(latency),
+            "first_block_p50_s": percentile_round_rank(first_block, 50), "steps": stats.steps,
             "compute_bound_share": stats.compute_bound_steps / max(1, stats.steps),
             "busy_share": stats.busy_s / makespan, "peak_logit_rows": stats.peak_logit_rows,
             "mean_batch": (stats.refresh_entries + stats.reuse_entries) / max(1, stats.steps),

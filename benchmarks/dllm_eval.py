@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, percentile_round_rank
 
 import torch  # noqa: E402
 
@@ -43,11 +42,6 @@ from workers.engine import LLM  # noqa: E402
 # What times this benchmark's steps (every dLLM report says it; benchmarks/dllm_emulated.py's are
 # virtual time on a perf model): the real engine and model, on this machine's CPU.
 TIMING = "measured wall clock of the real diffusion engine and the tiny LLaDA on this CPU (no perf model)"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def serve(model: Path, prompts: list[list[int]], arrivals: list[float], params: SamplingParams, policy: str,
@@ -81,8 +75,8 @@ def serve(model: Path, prompts: list[list[int]], arrivals: list[float], params: 
     first_block = [first[i] - arrivals[i] for i in range(len(prompts))]
     return {"policy": policy, "requests": len(prompts), "makespan_s": makespan, "output_tok_s": tokens / makespan,
             "req_s": len(prompts) / makespan, "latency_mean_s": statistics.mean(latency),
-            "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-            "latency_std_s": statistics.pstdev(latency), "first_block_p50_s": percentile(first_block, 50)}
+            "latency_p50_s": percentile_round_rank(latency, 50), "latency_p99_s": percentile_round_rank(latency, 99),
+            "latency_std_s": statistics.pstdev(latency), "first_block_p50_s": percentile_round_rank(first_block, 50)}
 
 
 def cpu_part(args, prompts: list[list[int]]) -> list[dict]:

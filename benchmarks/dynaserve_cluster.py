@@ -38,8 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

@@ -52,8 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, percentile_floor_rank
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -325,11 +324,9 @@ def run_case(case: Case, *, perf, requests: int, warmup_per_worker: int, load: f
     wall = time.perf_counter() - started
     ordered = sorted(times)
 
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
     pool = min(case.candidates, case.workers)
-    return CaseResult(case, len(times), pct(0.5), pct(0.9), pct(0.99), ordered[-1], statistics.fmean(times),
+    return CaseResult(case, len(times), percentile_floor_rank(ordered, 50), percentile_floor_rank(ordered, 90),
+                      percentile_floor_rank(ordered, 99), ordered[-1], statistics.fmean(times),
                       statistics.fmean(probes) if probes else 0.0,
                       float(np.percentile(probes, 99)) if probes else 0.0,
                       pool * (pool - 1) // 2 if case.policy == "dynaserve" else 0,

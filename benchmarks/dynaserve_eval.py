@@ -53,8 +53,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file by path
+from common import REPO  # noqa: E402
 
 from loadgen import arrivals  # noqa: E402
 from loadgen.metrics import RequestResult, Slo, find_capacity, meets_slo, summarize  # noqa: E402

@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import REPO
 
 from dynaserve_eval import SETUPS, Bench, workloads  # noqa: E402
 

@@ -36,14 +36,12 @@ import platform
 import random
 import re
 import statistics
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -51,7 +49,7 @@ from rich.table import Table  # noqa: E402
 
 from splitserve.client import AsyncClient  # noqa: E402
 from splitserve.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
-from splitserve.perf_model import preset  # noqa: E402
+from splitserve.perf_presets import preset  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
 console = Console(stderr=True, width=220)

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO  # noqa: E402
 
 from loadgen.traces import read_trace, scale_lengths  # noqa: E402
 from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402

@@ -34,15 +34,13 @@ import dataclasses
 import json
 import logging
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 from scipy.optimize import least_squares  # noqa: E402
 

@@ -11,7 +11,7 @@ for every measured point, estimates the same step with
     + context attention of L tokens on a prefix of H            (when L > 0)
     + generation attention of B sequences at context C          (when B > 0)
   (`EngineHandle.evaluate_context_ops` / `evaluate_generation_ops`, batch 1 for the context part);
-* the project's performance model, `splitserve.perf_model.preset("H100", "Llama-3-8B")`,
+* the project's performance model, `splitserve.perf_presets.preset("H100", "Llama-3-8B")`,
   `step_time(prefills=[(H, L)], decode_batch=B, decode_ctx=C)`.
 
 It prints a table (ms, and each estimate over the measurement) and writes it as JSON and
@@ -32,8 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import common  # noqa: F401  (puts the repository on sys.path)
 
 LLAMA3_8B_SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                    "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256}
@@ -173,7 +172,7 @@ def main() -> int:
             notes.append(f"aiconfigurator unavailable: {err!r}")
     perf_model = None
     try:
-        from splitserve.perf_model import preset
+        from splitserve.perf_presets import preset
 
         perf_model = preset(args.preset_gpu, args.preset_model)
         notes.append(f"perf model: {perf_model.label}")

@@ -38,7 +38,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO
+
 METHOD = "/floor.Floor/Stream"
 
 

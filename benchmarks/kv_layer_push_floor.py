@@ -45,8 +45,7 @@ from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO  # noqa: E402
 
 import numpy as np  # noqa: E402
 

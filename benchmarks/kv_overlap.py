@@ -31,8 +31,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO  # noqa: E402
 
 from splitserve.client import Client  # noqa: E402
 from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402

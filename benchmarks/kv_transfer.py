@@ -37,8 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 import grpc  # noqa: E402
 import torch  # noqa: E402

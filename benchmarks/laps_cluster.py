@@ -38,8 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 from benchmarks.dynaserve_cluster import console, model_dir, run_bench  # noqa: E402
 from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402

@@ -84,9 +84,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file by path
+from common import REPO  # noqa: E402
 
 import laps_multiturn  # noqa: E402  (registers the pd_session baseline)
 from loadgen import arrivals  # noqa: E402

@@ -40,8 +40,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, percentile_floor_rank
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -336,7 +335,7 @@ def main() -> int:
     bad = {k: counts[k] for k in (REFUSED_NO_HINT, SERVER_ERROR, DROPPED, OTHER) if counts[k]}
 
     def pct(values, q):
-        return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+        return round(percentile_floor_rank(values, q), 3) if values else None
 
     checks = {
         "no admitted request dropped": counts[DROPPED] == 0,
@@ -362,9 +361,9 @@ def main() -> int:
         "goodput_rps": round(goodput, 3),
         "goodput_rps_incl_drain": round(goodput_all, 3),
         "goodput_over_capacity": round(goodput / capacity, 3),
-        "completed_latency_s": {"p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99)},
-        "refusal_latency_s": {"p50": pct(refusals, 0.5), "p99": pct(refusals, 0.99)},
-        "retry_after_s": {"min": hints[0] if hints else None, "p50": pct(hints, 0.5),
+        "completed_latency_s": {"p50": pct(latencies, 50), "p99": pct(latencies, 99)},
+        "refusal_latency_s": {"p50": pct(refusals, 50), "p99": pct(refusals, 99)},
+        "retry_after_s": {"min": hints[0] if hints else None, "p50": pct(hints, 50),
                           "max": hints[-1] if hints else None},
         "bad_samples": [asdict(o) for o in outcomes if o.outcome in bad][:30],
         "alive": alive,

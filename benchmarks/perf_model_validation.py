@@ -37,9 +37,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import REPO
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

@@ -28,9 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import REPO
 
 from serve_vs_vllm import bench, free_port, machine, process_tree, splitserve_server, role_of  # noqa: E402
 

@@ -27,8 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import timeit
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import common  # noqa: F401  (puts the repository on sys.path)
 
 from splitserve.core import (FcfsPolicy, LatencyTable, QueuedRequest, SloAwarePolicy, StageKey,  # noqa: E402
                              StepBudget, StepShape, step_time)

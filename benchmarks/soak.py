@@ -39,8 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from splitserve.errors import InvalidArgument
 from splitserve.model_kind import DIFFUSION_MODEL_TYPES
 from splitserve.detokenizer import IncrementalDetokenizer
+from splitserve.state_records import DIFFUSION
 
 # Used when the tokenizer ships no chat_template. Each message becomes "<|role|>\ncontent\n"
 # and the prompt ends with "<|assistant|>\n"; the tokenizer adds its BOS (if it has one)
@@ -66,7 +67,7 @@ class Tokenization:
     @property
     def engine_family(self) -> str:
         """"diffusion" for a diffusion model, "" for an autoregressive one."""
-        return "diffusion" if self.model_type in DIFFUSION_MODEL_TYPES else ""
+        return DIFFUSION if self.model_type in DIFFUSION_MODEL_TYPES else ""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenization":

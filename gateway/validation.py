@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from splitserve.core.diffusion import DiffusionParamError, diffusion_params
 from splitserve.errors import InvalidArgument, NotFound
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
+from splitserve.state_records import DIFFUSION  # the engine family of diffusion models (LLaDA)
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_STOP_STRINGS = 16
@@ -34,7 +35,6 @@ UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
 PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
-DIFFUSION = "diffusion"  # the engine family of diffusion models (LLaDA): RequestMeta.engine_family
 DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio", "cfg_scale")
 
 

@@ -6,7 +6,6 @@ the simulator) raises these errors on machines without grpc installed.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -113,7 +112,6 @@ ANSWERED_KEY = "splitserve-answered"
 _CONNECTION_FAILURES = ("failed to connect", "connection refused", "connection reset", "socket closed",
                         "broken pipe", "goaway", "connection attempt timed out")
 MAX_DETAILS_CHARS = 512  # of a status message: sent percent-encoded in a header (soft limit 8 KiB)
-_PARAM_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*): ")
 
 
 async def abort(context: grpc.aio.ServicerContext, err: SplitserveError):
@@ -149,11 +147,9 @@ def from_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError) -> SplitserveError
     code = err.code()
     details = err.details() or code.name
     # The field at fault, for the client's error body: `abort` sends it as trailing metadata
-    # (and in front of a message that does not name it: "session_id: ...").
-    field = _PARAM_PREFIX.match(details)
-    param = field.group(1) if field else None
+    # (never read back out of the message).
     trailing = err.trailing_metadata() or ()
-    param = next((value for key, value in trailing if key == PARAM_KEY), param)
+    param = next((value for key, value in trailing if key == PARAM_KEY), None)
     for cls in (InvalidArgument, FailedPrecondition, Unauthenticated, NotFound, Conflict, Unavailable,
                 DeadlineExceeded, Cancelled):
         if cls.status == code.name:

@@ -4,8 +4,8 @@ Pure arithmetic on plain numbers (no torch, no clock, no I/O but JSON helpers). 
 `PerfModel` serves the DynaServe predictor, AMPD's cost estimates (Eq. 1-2), LAPS'
 short/long boundary, the emulated worker, the simulator and the planner. Coefficients
 come from a fit of measured profiles (`fit_perf_model`) or from a roofline preset
-(`splitserve.perf_presets.preset`, re-exported here). docs/perf_model.md has the
-derivations.
+(`splitserve.perf_presets.preset`, which imports this module, never the other way round).
+docs/perf_model.md has the derivations.
 
 Piecewise alpha-beta form. A step runs prefill chunks {(H_i, L_i)} (L_i new tokens on
 H_i cached ones) and B decode sequences of mean context C. With
@@ -41,9 +41,6 @@ if TYPE_CHECKING:  # numpy and scipy are imported only by the fitting code
 __all__ = [
     "DecodeCoeffs", "FitError", "FitReport", "PerfModel", "PrefillCoeffs", "ProfileSample",
     "TransferCoeffs", "fit_perf_model",
-    # re-exported lazily from splitserve.perf_presets
-    "DEFAULT_EFFICIENCY", "Efficiency", "GPU_SPECS", "GpuSpec", "LINK_SPECS", "LinkSpec",
-    "MODEL_SPECS", "ModelSpec", "fits_in_memory", "max_kv_tokens", "preset",
 ]
 
 FORMAT = "splitserve.perf_model"
@@ -758,15 +755,3 @@ def fit_perf_model(samples: Sequence[ProfileSample], *, base: PerfModel | None =
     return PerfModel(prefill=prefill, decode=decode, transfer=transfer,
                      kv_bytes_per_token=kv_bytes_per_token, label=label, diffusion=diffusion,
                      fit=FitReport(**report))
-
-
-_PRESET_EXPORTS = frozenset(__all__[__all__.index("DEFAULT_EFFICIENCY"):])
-
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-export of the preset tables and functions (perf_presets imports this module)."""
-    if name in _PRESET_EXPORTS:
-        from splitserve import perf_presets
-
-        return getattr(perf_presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,15 @@
 """Plain records to and from their wire messages, each in one place.
 
 Services speak protobuf at their edges and plain dataclasses inside; the conversions
-live here so that a field added to a record is added to its message once.
+live here so that a field added to a record is added to its message once. So does the
+one from the core's typed errors to the services' (`service_error`).
 """
 
 from __future__ import annotations
 
+from splitserve.core.errors import InvalidInput
 from splitserve.core.sampling import SamplingParams
+from splitserve.errors import InvalidArgument
 from splitserve.proto import types_pb2
 from splitserve.state_records import WorkerLoad
 
@@ -60,3 +63,9 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
     if message.HasField("cfg_scale"):
         params.cfg_scale = message.cfg_scale
     return params
+
+
+def service_error(err: InvalidInput) -> InvalidArgument:
+    """The core's refusal of a stage as the services' error: INVALID_ARGUMENT on gRPC, 400 over
+    HTTP, naming the same field."""
+    return InvalidArgument(err.message, param=err.param)

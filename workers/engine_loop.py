@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitserve.core import KvInBlocks, StageKey, StageSpec, TokenEvent
+from splitserve.core import KvInBlocks, StageKey, StageKeyTaken, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.engine import Engine
@@ -40,9 +40,9 @@ class _Add:
     events: asyncio.Queue
 
 
-class StageBusy(ValueError):
+class StageBusy(StageKeyTaken):
     """An earlier attempt of this stage still holds its key after the wait: retriable (the
-    caller places it again, elsewhere), unlike the engine's other ValueErrors (bad input)."""
+    caller places it again, elsewhere), unlike the engine's InvalidInput (bad input)."""
 
 
 class EngineLoop:
@@ -87,7 +87,8 @@ class EngineLoop:
         return list(self._streams)
 
     async def add(self, spec: StageSpec, superseded_wait_s: float = 3.0) -> asyncio.Queue:
-        """Queue a stage; raises the engine's ValueError for bad input. Returns its event queue.
+        """Queue a stage; raises the engine's InvalidInput for bad input, StageBusy while an
+        earlier attempt holds the key. Returns its event queue.
 
         The stream opens when the engine thread has taken the stage (`_accepted`), so no event
         of an earlier stage under the same key can reach it. A stage whose key is still
@@ -120,9 +121,9 @@ class EngineLoop:
                 try:
                     await accepted
                     return events
-                except ValueError as err:
-                    in_engine_hands = False  # refused: the blocks are still only reserved
-                    if "already in the engine" not in str(err):
+                except ValueError as err:  # refused: the blocks are still only reserved
+                    in_engine_hands = False
+                    if not isinstance(err, StageKeyTaken):
                         raise
                     if time.monotonic() >= give_up:
                         raise StageBusy(str(err)) from None
@@ -156,7 +157,7 @@ class EngineLoop:
             return
         if command.spec.key in self._streams:  # cannot happen: one attempt per key at a time
             self._send(("abort", command.spec.key))
-            command.accepted.set_exception(ValueError(
+            command.accepted.set_exception(StageKeyTaken(
                 f"request_id {command.spec.key.request_id!r} (stage {command.spec.key.stage_index}) "
                 "is already in the engine"))
             return

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 
 from prometheus_client import Counter, Histogram
 
-from splitserve.core import KvCapacityError, KvInBlocks, KvPushPlan, KvSink, StageKey, whole_block_chunk
+from splitserve.core import InvalidInput, KvCapacityError, KvInBlocks, KvPushPlan, KvSink, StageKey, whole_block_chunk
 from splitserve.telemetry import percentile_buckets
 from workers.engine_loop import EngineLoop
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError, KvTransport
@@ -120,13 +120,13 @@ class KvStageManager:
     # ---- receiving ----------------------------------------------------------------
     async def prepare(self, request_id: str, transfer_id: str, num_tokens: int, start: int = 0) -> list[int]:
         """Reserve blocks for [start, num_tokens) of a request's KV; raises KvCapacityError, or
-        ValueError for a start that is not whole blocks below num_tokens."""
+        InvalidInput for a start that is not whole blocks below num_tokens."""
         self.reap_expired()
         if transfer_id in self._reservations:
             return self._reservations[transfer_id].block_ids
         if not 0 <= start < num_tokens or (start and start % self.memory.block_size):
-            raise ValueError(f"start must be a multiple of the block size {self.memory.block_size} "
-                             f"below num_tokens={num_tokens}, got {start}")
+            raise InvalidInput(f"start must be a multiple of the block size {self.memory.block_size} "
+                               f"below num_tokens={num_tokens}, got {start}", param="start")
         blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - start), undo=_release_reserved)
         self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic(), start)
         self.tracker.expect(transfer_id, request_id, num_tokens - start, blocks, token_start=start)

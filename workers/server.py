@@ -3,49 +3,44 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 
-from opentelemetry.trace import SpanKind
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 
 from splitserve.config import WorkerConfig, default_worker_id, load_config
-from splitserve.errors import Conflict, FailedPrecondition, InvalidArgument, SplitserveError, Unavailable, abort
+from splitserve.errors import Conflict, FailedPrecondition, InvalidArgument, SplitserveError, abort
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.service import ServiceRuntime, open_channel, run
-from splitserve.core import KvCapacityError, KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent, takes_option
+from splitserve.core import InvalidInput, KvCapacityError, takes_option
 from splitserve.core.designs import resolve_design
 from splitserve.core.policy import FCFS, scheduling_policy_option
-from splitserve.core.session_pins import SessionHold
 from splitserve.state_records import DIFFUSION, engine_family
 from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
                               WorkerLoad)
-from splitserve.telemetry import (end_span, incoming_context, percentile_buckets, record_interval, request_id_var,
-                                  start_span)
-from splitserve.wire import load_to_proto, sampling_from_proto
+from splitserve.telemetry import incoming_context, request_id_var
+from splitserve.wire import load_to_proto, service_error
 from workers.engine import Engine, EngineConfig
 from workers.engine.config import resolve_block_size
-from workers.engine_loop import EngineLoop, StageBusy
+from workers.engine_loop import EngineLoop
 from workers.kv_stages import KvStageManager
 from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
 from workers.kv_transfer.tracker import TransferTracker
+from workers.stage_call import StageCall
+from workers.stage_call import merge_pending as _merge_pending  # noqa: F401 (tests/unit/test_control_plane_helpers.py)
 from workers.vllm_metrics import WORKER_METRICS, engine_prefix_counts, served_model_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SESSION_PIN_TTL_S = 600.0  # a round that names no TTL (the coordinator always sends its session's)
 BACKENDS = ("real", "emulated")
 
-STAGES = Counter("splitserve_worker_stages_total", "Stages finished, by finish reason", ["finish_reason"])
-TTFT = Histogram("splitserve_worker_ttft_seconds", "Stage arrival to first token", buckets=percentile_buckets(30.0))
-ITL = Histogram("splitserve_worker_itl_seconds", "Gap between consecutive tokens", buckets=percentile_buckets(2.0))
 KV_USED = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
 LENGTH_BOUNDARY = Gauge("splitserve_worker_length_boundary_tokens",
                         "LAPS L_m(0) by the laps batch policy, refitted online (0: none, -1: never compute-bound)")
@@ -58,27 +53,6 @@ PINNED_BLOCKS = Gauge("splitserve_worker_pinned_kv_blocks", "KV blocks held by p
 SESSION_EVENTS = Gauge("splitserve_worker_session_history_events",
                        "Session rounds and pins since start: hit (history found pinned), lost (expected but gone: "
                        "recomputed), evicted (memory pressure), expired (idle TTL)", ["event"])
-
-
-def stage_spec_from_proto(stage: types_pb2.Stage, key: StageKey, kv: KvInBlocks | None) -> StageSpec:
-    """The core's stage from the wire's, with its incoming KV already resolved to local blocks."""
-    sink = None
-    if stage.HasField("kv_sink") and stage.kv_sink.worker_id:
-        s = stage.kv_sink
-        sink = KvSink(s.worker_id, s.transfer_id, tuple(s.block_ids), s.chunk_tokens, s.start)
-    slo = StageSlo(stage.slo.ttft_ms / 1000 or None, stage.slo.itl_ms / 1000 or None)
-    return StageSpec(key, tuple(stage.prompt_token_ids), sampling_from_proto(stage.sampling),
-                     output_ids=tuple(stage.generated_token_ids), end=stage.end or None, kv=kv, sink=sink,
-                     keep_kv=stage.keep_kv, emit=stage.emit, priority=stage.priority, slo=slo,
-                     session=session_hold_from_proto(stage))
-
-
-def session_hold_from_proto(stage: types_pb2.Stage) -> SessionHold | None:
-    """The session round this stage ends, if any (its KV is pinned here when it finishes)."""
-    if not stage.HasField("session") or not stage.session.session_id:
-        return None
-    s = stage.session
-    return SessionHold(s.session_id, float(s.ttl_s or DEFAULT_SESSION_PIN_TTL_S), s.history_len)
 
 
 def dialable_host(host: str) -> str:
@@ -161,17 +135,6 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
     )
 
 
-def _merge_pending(event: TokenEvent, events: asyncio.Queue) -> TokenEvent:
-    """One event for everything already queued: a stream that fell behind catches up in one message."""
-    token_ids, text = list(event.token_ids), event.text
-    while not event.finished and not events.empty():
-        event = events.get_nowait()
-        token_ids += event.token_ids
-        text += event.text
-    return TokenEvent(event.key, token_ids, text, event.finish_reason, event.num_prompt_tokens,
-                      event.num_output_tokens)
-
-
 @dataclass
 class _LatencySamples:
     ttft: list[float]
@@ -182,25 +145,6 @@ def _flip_a_payload_byte(chunk) -> None:
     if chunk.payload:
         middle = len(chunk.payload) // 2
         chunk.payload = chunk.payload[:middle] + bytes([chunk.payload[middle] ^ 0x5A]) + chunk.payload[middle + 1:]
-
-
-def _record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, first_token_ns: int, end_ns: int,
-                         output_tokens: int) -> None:
-    """The stage's phases as child spans: queue wait (arrival to first scheduled, as the engine
-    measured it), prefill (to the first token, or to the end of a prefill-only stage) and decode."""
-    scheduled_ns = arrived_ns + int((queue_wait_s or 0.0) * 1e9)
-    if queue_wait_s is not None:
-        record_interval("worker.queue", span, arrived_ns, scheduled_ns)
-    prefilled_ns = first_token_ns or end_ns
-    record_interval("worker.prefill", span, scheduled_ns, prefilled_ns)
-    if first_token_ns and end_ns > first_token_ns:
-        record_interval("worker.decode", span, first_token_ns, end_ns, {"gen_ai.usage.output_tokens": output_tokens})
-
-
-def _first_word(message: str) -> str:
-    """The field a core error names: its messages start with it ("top_p must be in (0, 1], ...")."""
-    match = re.match(r"[a-z_]+", message)
-    return match.group(0) if match else ""
 
 
 def _NO_KV_HERE(worker_id: str) -> FailedPrecondition:  # noqa: N802 (reads as the error it builds)
@@ -214,128 +158,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.server = server
 
     async def Execute(self, stage: types_pb2.Stage, context):
-        srv = self.server
         request_id_var.set(stage.request_id)
-        key = StageKey(stage.request_id, stage.stage_index)
-        sink = stage.kv_sink if stage.HasField("kv_sink") and stage.kv_sink.worker_id else None
-        # Traced as worker.stage (queue wait, prefill, decode and KV transfers below it) under the
-        # coordinator's stage span, whose W3C context arrives in the call's metadata.
-        span = start_span("worker.stage", incoming_context(context.invocation_metadata()), kind=SpanKind.SERVER,
-                          attributes={"splitserve.request_id": stage.request_id, "splitserve.worker_id": srv.worker_id,
-                                      "splitserve.stage_index": stage.stage_index, "splitserve.start": stage.start,
-                                      "splitserve.end": stage.end})
+        # Under the coordinator's stage span, whose W3C context arrives in the call's metadata.
+        call = StageCall(self.server, stage, incoming_context(context.invocation_metadata()))
         try:
-            if srv.draining:
-                raise Unavailable(f"worker {srv.worker_id} is draining")
-            if len(stage.kv_sources) > 1:
-                raise InvalidArgument("kv_sources: at most one source per stage", param="kv_sources")
-            if srv.kv is None and (stage.kv_sources or sink is not None):
-                param = "kv_sources" if stage.kv_sources else "kv_sink"
-                raise InvalidArgument(f"{param}: worker {srv.worker_id} serves a diffusion model, whose requests "
-                                      "run whole on one worker (no KV moves)", param=param)
-            kv = None
-            if stage.kv_sources:
-                source = stage.kv_sources[0]
-                waited = time.time_ns()
-                if source.lazy:
-                    kv = await srv.kv.pull_prefix(stage.request_id, source.worker_id, list(source.block_ids),
-                                                  source.end, source.transfer_id or str(key),
-                                                  list(stage.prompt_token_ids) + list(stage.generated_token_ids))
-                else:
-                    kv = await srv.kv.acquire_prefix(source.transfer_id, source.end)
-                record_interval("worker.kv_receive", span, waited, time.time_ns(), {
-                    "splitserve.source_worker": source.worker_id, "splitserve.lazy_pull": source.lazy,
-                    "splitserve.kv_tokens": kv.num_tokens if kv is not None else 0})
-            try:
-                spec = stage_spec_from_proto(stage, key, kv)
-            except BaseException:
-                if kv is not None:  # from here on `add` owns the received blocks; before it, we do
-                    srv.loop.release_reserved(kv.block_ids)
-                raise
-            arrived = time.monotonic()
-            arrived_ns = time.time_ns()
-            try:
-                # Takes the received KV blocks, or releases them if the stage does not start
-                # (refused, busy, or this call cancelled while it waited).
-                events = await srv.loop.add(spec)
-            except ValueError as err:
-                if isinstance(err, StageBusy):  # an earlier attempt still runs here: retry elsewhere
-                    raise Unavailable(str(err)) from None
-                # The core's DiffusionParamError names its field; other messages start with it.
-                param = getattr(err, "param", None) or _first_word(str(err)) or "stage"
-                raise InvalidArgument(str(err), param=param) from None
-            finally:
-                # A history this worker lent for the request's prefill elsewhere: that pull ended
-                # before this stage could start, and the stage holds its own references now.
-                if srv.kv is not None:
-                    await srv.kv.release_leases(stage.request_id)
-            if spec.sink is not None:
-                total = len(spec.prompt_ids) + spec.sampling.max_tokens
-                srv.kv.start_push(key, spec.sink, spec.end if spec.end is not None and spec.end < total else total)
+            await call.start()
         except SplitserveError as err:
-            end_span(span, err)
             await abort(context, err)
             return
-        except BaseException as err:  # cancelled while waiting for KV, or a failure below the RPC layer
-            end_span(span, err if not isinstance(err, asyncio.CancelledError) else None)
-            raise
-        finished = False
-        last = arrived
-        first_ns = 0
-        queue_wait_s = None
-        error: BaseException | None = None
-        try:
-            while True:
-                ev = await events.get()
-                if queue_wait_s is None:
-                    queue_wait_s = ev.queue_wait_s
-                if not ev.finished and not events.empty():
-                    ev = _merge_pending(ev, events)
-                now = time.monotonic()
-                if ev.token_ids:
-                    if last == arrived:
-                        srv.samples.ttft.append(now - arrived)
-                        TTFT.observe(now - arrived)
-                        first_ns = time.time_ns()
-                    else:
-                        srv.samples.itl.append(now - last)
-                        ITL.observe(now - last)
-                    last = now
-                finished = ev.finished
-                kv_blocks, kv_tokens = [], 0
-                if finished:
-                    _record_stage_phases(span, arrived_ns, queue_wait_s, first_ns, time.time_ns(),
-                                         ev.num_output_tokens)
-                if finished and sink is not None:
-                    # The next stage may start once its KV is in place: push the rest first.
-                    pushing = time.time_ns()
-                    await srv.kv.finish_push(key, completed=ev.finish_reason == "stage_end")
-                    record_interval("worker.kv_push", span, pushing, time.time_ns(),
-                                    {"splitserve.sink_worker": sink.worker_id})
-                elif finished and stage.keep_kv:  # held for a lazy pull; Cancel(request_id) frees it
-                    kv_blocks, kv_tokens = await srv.loop.call(lambda engine: engine.kv_blocks(key))
-                yield types_pb2.TokenChunk(
-                    request_id=stage.request_id, token_ids=ev.token_ids, text=ev.text,
-                    finish_reason=ev.finish_reason or "", num_prompt_tokens=ev.num_prompt_tokens,
-                    num_output_tokens=ev.num_output_tokens, first_token_unix_ns=first_ns,
-                    emitted_unix_ns=time.time_ns(), stage_index=stage.stage_index, worker_id=srv.worker_id,
-                    kv_block_ids=kv_blocks, kv_tokens=kv_tokens,
-                )
-                if finished:
-                    STAGES.labels(ev.finish_reason).inc()
-                    span.set_attribute("splitserve.finish_reason", ev.finish_reason)
-                    return
-        except BaseException as err:
-            error = err
-            raise
-        finally:
-            if not finished:  # caller went away or cancelled: free the blocks now
-                srv.loop.abort(key)
-                if sink is not None:
-                    asyncio.ensure_future(srv.kv.finish_push(key, completed=False))
-                STAGES.labels("abort").inc()
-                span.set_attribute("splitserve.finish_reason", "abort")
-            end_span(span, error if not isinstance(error, (GeneratorExit, asyncio.CancelledError)) else None)
+        # Closed with this call, so that a caller that leaves aborts the stage at once.
+        async with contextlib.aclosing(call.stream()) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def Cancel(self, request: types_pb2.CancelRequest, context):
         loop = self.server.loop
@@ -400,8 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                   request.start)
         except KvCapacityError as err:
             return worker_pb2.PrepareKvResponse(ok=False, error=str(err))
-        except ValueError as err:
-            await abort(context, InvalidArgument(str(err), param="start"))
+        except InvalidInput as err:
+            await abort(context, service_error(err))
         return worker_pb2.PrepareKvResponse(ok=True, block_ids=blocks)
 
     async def LeaseSessionKv(self, request: worker_pb2.LeaseSessionKvRequest, context):
@@ -416,12 +250,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PullKv(self, request, context):
         if self.server.grpc_kv is None:
             await abort(context, _NO_KV_HERE(self.server.worker_id))
+        num_blocks = self.server.grpc_kv.memory.num_blocks
+        if not request.block_ids or any(not 0 <= b < num_blocks for b in request.block_ids):
+            await abort(context, InvalidArgument(f"block_ids: pull {request.transfer_id}: {len(request.block_ids)} "
+                                                 f"block ids, valid range [0, {num_blocks})", param="block_ids"))
         try:
             async for chunk in self.server.grpc_kv.handle_pull(request):
                 yield chunk
-        except KvTransferError as err:  # a bad request: blocks this worker does not have, a bad token range
-            field = "block_ids" if "block ids" in str(err) else "start"
-            await abort(context, InvalidArgument(f"{field}: {err}", param=field))
+        except KvTransferError as err:  # the blocks are this worker's (above): a bad token range
+            await abort(context, InvalidArgument(f"start: {err}", param="start"))
 
     async def PushKv(self, request_iterator, context):
         if self.server.grpc_kv is None:

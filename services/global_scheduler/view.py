@@ -13,12 +13,12 @@ import time
 from typing import Callable, Iterable
 
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
-from services.global_scheduler.policy import (DIFFUSION, ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
+from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementPolicy,
                                              PlacementRequest, WorkerSignals, orient_kv_transfers,
                                              place_diffusion)
 from splitserve.service import cancel_and_wait
 from splitserve.errors import Unavailable
-from splitserve.state import StateStore, WorkerActivity, WorkerInfo, WorkerLoad
+from splitserve.state import DIFFUSION, StateStore, WorkerActivity, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 

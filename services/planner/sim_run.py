@@ -32,7 +32,7 @@ from services.planner.sim_view import SimClusterView
 from services.planner.sim_worker import SimWorker, StageRun
 from services.planner.sim_workload import PromptIds, SimItem
 from splitserve.core import FinishReason, StageKey, StageSlo
-from splitserve.core.session_pins import SessionHold
+from splitserve.core.sequence import SessionHold
 
 __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 

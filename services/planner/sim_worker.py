@@ -31,7 +31,7 @@ import numpy as np
 from splitserve.core import (BlockManager, DecodeRun, FinishReason, KvCapacityError, KvInBlocks, KvPushPlan, KvSink, SamplingParams,
                              Scheduler, SchedulerConfig, SchedulerOutput, Sequence, StageKey, StageSlo, StageSpec,
                              build_batch_policy, step_time, whole_block_chunk)
-from splitserve.core.session_pins import SessionHold
+from splitserve.core.sequence import SessionHold
 from splitserve.perf_model import PerfModel
 from splitserve.state_records import WorkerLoad
 

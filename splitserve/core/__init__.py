@@ -8,6 +8,7 @@ contract; `splitserve.core.scheduler` is where to start reading.
 
 from splitserve.core.block_manager import BlockManager
 from splitserve.core.decode_run import DecodeRun
+from splitserve.core.errors import InvalidInput, StageKeyTaken
 from splitserve.core.policies import (FcfsPolicy, LatencyTable, SloAwarePolicy, build_batch_policy,
                                       known_batch_policies, make_batch_policy, register_batch_policy, takes_option,
                                       unregister_batch_policy)
@@ -22,9 +23,9 @@ from splitserve.core.step_cost import StepShape, step_time
 
 __all__ = [
     "BatchPolicy", "BlockManager", "DecodeRun", "FcfsPolicy", "ExecutedBatch", "LatencyTable", "SloAwarePolicy",
-    "build_batch_policy", "takes_option", "FinishReason", "KvCapacityError", "KvInBlocks",
+    "build_batch_policy", "takes_option", "FinishReason", "InvalidInput", "KvCapacityError", "KvInBlocks",
     "KvPayload", "KvPushPlan", "KvSink", "OutputText", "PolicyContractError", "QueuedRequest", "SamplingParams",
     "ScheduledEntry", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "StageKey",
-    "StageSlo", "StageSpec", "StepBudget", "StepBuilder", "StepShape", "TokenEvent", "known_batch_policies",
+    "StageKeyTaken", "StageSlo", "StageSpec", "StepBudget", "StepBuilder", "StepShape", "TokenEvent", "known_batch_policies",
     "make_batch_policy", "register_batch_policy", "step_time", "unregister_batch_policy", "whole_block_chunk",
 ]

@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from splitserve.core.errors import InvalidInput
+
 __all__ = ["CACHE_MODES", "DEFAULT_BLOCK_LENGTH", "DIFFUSION_POLICIES", "REMASKING_STRATEGIES", "DiffusionBatch",
            "DiffusionParamError", "DiffusionParams", "DiffusionScheduler", "DiffusionSchedulerConfig",
            "DiffusionSequence", "DiffusionWork", "Phase", "diffusion_params", "profile_batch",
@@ -42,12 +44,11 @@ DIFFUSION_POLICIES = ("phase_multiplexed", "static")
 DEFAULT_BLOCK_LENGTH = 32
 
 
-class DiffusionParamError(ValueError):
+class DiffusionParamError(InvalidInput):
     """A request's denoising knob out of range; `param` names the field (the API's 400 carries it)."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 def _positive_param(name: str, value) -> None:
@@ -291,11 +292,12 @@ class DiffusionScheduler:
                                       f"{seq.length} tokens twice, {2 * seq.length} > max_num_batched_tokens "
                                       f"({c.max_num_batched_tokens})")
         if seq.length > c.max_num_batched_tokens:
-            raise ValueError(f"prompt + gen_length = {seq.length} tokens exceeds max_num_batched_tokens "
-                             f"({c.max_num_batched_tokens}): a Refresh step computes the whole sequence at once")
+            raise InvalidInput(f"prompt + gen_length = {seq.length} tokens exceeds max_num_batched_tokens "
+                               f"({c.max_num_batched_tokens}): a Refresh step computes the whole sequence at once",
+                               param="prompt")
         if seq.kv_tokens(c.cache) > c.kv_capacity_tokens:
-            raise ValueError(f"the request's KV ({seq.kv_tokens(c.cache)} tokens) exceeds the KV pool "
-                             f"({c.kv_capacity_tokens} tokens)")
+            raise InvalidInput(f"the request's KV ({seq.kv_tokens(c.cache)} tokens) exceeds the KV pool "
+                               f"({c.kv_capacity_tokens} tokens)", param="prompt")
 
     def add(self, seq: DiffusionSequence) -> None:
         self.check_fits(seq)

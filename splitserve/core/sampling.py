@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from splitserve.core.errors import InvalidInput
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,21 +59,21 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the offending field and its limit."""
+        """Raise InvalidInput (a ValueError) naming the offending field and its limit."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+            raise InvalidInput(f"max_tokens must be an integer > 0, got {self.max_tokens!r}", param="max_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidInput(f"temperature must be >= 0, got {self.temperature}", param="temperature")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidInput(f"top_k must be >= 0 (0 disables it), got {self.top_k}", param="top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidInput(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidInput("stop strings must be non-empty", param="stop")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+            raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size}), got {bad}", param="stop_token_ids")

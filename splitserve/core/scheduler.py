@@ -39,6 +39,7 @@ from itertools import islice
 from typing import Callable, Mapping
 
 from splitserve.core.block_manager import BlockManager
+from splitserve.core.errors import InvalidInput, StageKeyTaken
 from splitserve.core.policy import (PRIORITY, BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget,
                                     priority_key, scheduling_policy_option)
 from splitserve.core.sampling import SamplingParams
@@ -162,16 +163,18 @@ class Scheduler:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
     def add_stage(self, spec: StageSpec, text: OutputText | None = None) -> Sequence:
-        """Queue a stage; ValueError naming the field for anything it cannot run.
+        """Queue a stage; InvalidInput naming the field for anything it cannot run (StageKeyTaken
+        while an earlier attempt of the stage is still here).
 
         `text` detokenises the output and matches stop strings (it has seen the prompt and
         any earlier stages' output); without it, stop strings cannot be honoured.
         """
         if spec.key in self.sequences:
-            raise ValueError(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
-                             "is already in the engine")
+            raise StageKeyTaken(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
+                                "is already in the engine")
         if spec.kv is not None and not isinstance(spec.kv, KvInBlocks):
-            raise ValueError(f"kv: the scheduler takes KV already in blocks, got {type(spec.kv).__name__}")
+            raise InvalidInput(f"kv: the scheduler takes KV already in blocks, got {type(spec.kv).__name__}",
+                               param="kv")
         params = spec.sampling
         prompt, outputs = list(spec.prompt_ids), list(spec.output_ids)
         self._validate(prompt, outputs, spec, text)
@@ -206,7 +209,8 @@ class Scheduler:
         prefix: list[int] = []
         if kv.start:
             if kv.start % bm.block_size:
-                raise ValueError(f"kv start must be a multiple of the block size {bm.block_size}, got {kv.start}")
+                raise InvalidInput(f"kv start must be a multiple of the block size {bm.block_size}, got {kv.start}",
+                                   param="kv")
             prefix = bm.cached_prefix_blocks(seq)[: kv.start // bm.block_size]
             if len(prefix) * bm.block_size < kv.start:
                 bm.release_reserved(list(kv.block_ids))
@@ -377,30 +381,33 @@ class Scheduler:
         cfg, params = self.config, spec.sampling
         vocab = cfg.vocab_size
         if not prompt:
-            raise ValueError("prompt must contain at least 1 token")
+            raise InvalidInput("prompt must contain at least 1 token", param="prompt")
         if vocab is not None:
             for name, ids in (("prompt", prompt), ("output_token_ids", outputs)):
                 bad = _first_token_outside(ids, vocab)
                 if bad is not None:
-                    raise ValueError(f"{name} token id {ids[bad]!r} at index {bad} is outside the vocabulary "
-                                     f"[0, {vocab})")
+                    raise InvalidInput(f"{name} token id {ids[bad]!r} at index {bad} is outside the vocabulary "
+                                       f"[0, {vocab})", param=name)
         params.validate(vocab if vocab is not None else 1 << 63)
         if params.stop and text is None:
-            raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
+            raise InvalidInput("stop strings need a tokenizer; the model directory has none (use stop_token_ids)",
+                               param="stop")
         total = len(prompt) + params.max_tokens
         if total > cfg.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({cfg.max_model_len})")
+            raise InvalidInput(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                               f"exceeds max_model_len ({cfg.max_model_len})", param="prompt")
         if len(outputs) >= params.max_tokens:
-            raise ValueError(f"output_token_ids ({len(outputs)}) must be fewer than max_tokens ({params.max_tokens})")
+            raise InvalidInput(f"output_token_ids ({len(outputs)}) must be fewer than max_tokens ({params.max_tokens})",
+                               param="output_token_ids")
         if total > self.kv_capacity_tokens:
-            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity "
-                             f"({self.kv_capacity_tokens} tokens)")
+            raise InvalidInput(f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity "
+                               f"({self.kv_capacity_tokens} tokens)", param="prompt")
         known, supplied = len(prompt) + len(outputs), spec.kv_tokens
         if spec.kv is not None and not 0 < supplied < known:
-            raise ValueError(f"kv covers {supplied} tokens; it must cover 1..{known - 1} of the {known} known tokens")
+            raise InvalidInput(f"kv covers {supplied} tokens; it must cover 1..{known - 1} of the {known} known "
+                               "tokens", param="kv")
         if spec.end is not None and spec.end < total and spec.end <= supplied:
-            raise ValueError(f"end ({spec.end}) must be beyond the supplied KV ({supplied} tokens)")
+            raise InvalidInput(f"end ({spec.end}) must be beyond the supplied KV ({supplied} tokens)", param="end")
 
     def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
         seq.token_ids.append(token)

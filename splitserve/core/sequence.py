@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from splitserve.core.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from splitserve.core.session_pins import SessionHold
 
 
 class StageKey(NamedTuple):
@@ -52,6 +49,24 @@ class OutputText(Protocol):
     stopped: bool
 
     def push(self, token_ids: list[int], final: bool = False) -> str: ...
+
+
+@dataclass(frozen=True)
+class SessionHold:
+    """A stage that ends one round of a session: pin its KV under the session when it finishes
+    (`splitserve.core.session_pins`)."""
+
+    session_id: str
+    ttl_s: float  # idle time after which the pin is dropped
+    history_len: int = 0  # tokens of history the coordinator expects this worker to hold (0: first round)
+
+    def __post_init__(self) -> None:
+        if not self.session_id:
+            raise ValueError("session_id must not be empty")
+        if not self.ttl_s > 0:
+            raise ValueError(f"session ttl_s must be > 0, got {self.ttl_s}")
+        if self.history_len < 0:
+            raise ValueError(f"session history_len must be >= 0, got {self.history_len}")
 
 
 @dataclass(eq=False, slots=True)

@@ -28,24 +28,7 @@ from itertools import count
 from typing import NamedTuple
 
 from splitserve.core.block_manager import BlockManager
-from splitserve.core.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class SessionHold:
-    """A stage that ends one round of a session: pin its KV under the session when it finishes."""
-
-    session_id: str
-    ttl_s: float  # idle time after which the pin is dropped
-    history_len: int = 0  # tokens of history the coordinator expects this worker to hold (0: first round)
-
-    def __post_init__(self) -> None:
-        if not self.session_id:
-            raise ValueError("session_id must not be empty")
-        if not self.ttl_s > 0:
-            raise ValueError(f"session ttl_s must be > 0, got {self.ttl_s}")
-        if self.history_len < 0:
-            raise ValueError(f"session history_len must be >= 0, got {self.history_len}")
+from splitserve.core.sequence import Sequence, SessionHold
 
 
 class SessionPinStats(NamedTuple):

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.core.sampling import SamplingParams
-from splitserve.core.sequence import StageKey
-from splitserve.core.session_pins import SessionHold
+from splitserve.core.sequence import SessionHold, StageKey
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,7 @@ def _stage(key, prompt, max_tokens=8, **fields):
 
 def test_engine_serves_whole_stages_and_refuses_split_or_kv(llada_dir):
     from splitserve.core import KvInBlocks, KvSink, StageKey
-    from splitserve.core.session_pins import SessionHold
+    from splitserve.core.sequence import SessionHold
     from workers.diffusion.engine import DiffusionEngine
     from workers.engine.config import EngineConfig
 

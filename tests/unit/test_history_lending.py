@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from splitserve.core import KvInBlocks, KvSink, SamplingParams, StageKey, StageSpec
-from splitserve.core.session_pins import SessionHold
+from splitserve.core.sequence import SessionHold
 from tests.unit.test_kv_reservations import _Loop
 from tests.unit.test_scheduler import Sim
 from tests.unit.test_session_pins import run_round

@@ -13,18 +13,14 @@ from hypothesis import strategies as st
 
 from splitserve import perf_presets
 from splitserve.perf_model import (
-    GPU_SPECS,
-    MODEL_SPECS,
     DecodeCoeffs,
     PerfModel,
     PrefillCoeffs,
     ProfileSample,
     TransferCoeffs,
     fit_perf_model,
-    fits_in_memory,
-    max_kv_tokens,
-    preset,
 )
+from splitserve.perf_presets import GPU_SPECS, MODEL_SPECS, fits_in_memory, max_kv_tokens, preset
 
 # A hand-made model with round numbers, both regimes reachable (roughly CPU-like).
 TOY = PerfModel(

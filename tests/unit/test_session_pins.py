@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from splitserve.core import FinishReason, SamplingParams, StageSpec
 from splitserve.core.policies.fcfs import FcfsPolicy
-from splitserve.core.session_pins import SessionHold
+from splitserve.core.sequence import SessionHold
 from tests.unit.test_scheduler import Sim
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from splitserve.core.session_pins import SessionPinStats
-from splitserve.core import (BlockManager, KvCapacityError, KvInBlocks, KvPayload, Scheduler, SchedulerConfig,
-                             SchedulerOutput, StageKey, StageSpec, TokenEvent, build_batch_policy)
+from splitserve.core import (BlockManager, InvalidInput, KvCapacityError, KvInBlocks, KvPayload, Scheduler,
+                             SchedulerConfig, SchedulerOutput, StageKey, StageSpec, TokenEvent, build_batch_policy)
 from splitserve.detokenizer import IncrementalDetokenizer
 from splitserve.state_records import PrefillTask, WorkerLoad
 from workers.engine.config import EngineConfig, load_model_spec
@@ -237,10 +237,11 @@ class Engine:
         n = kv.shape[2]
         expected = (self.spec.num_layers, 2, n, self.spec.num_kv_heads, self.spec.head_dim)
         if tuple(kv.shape) != expected:
-            raise ValueError(f"kv has shape {tuple(kv.shape)}, expected {expected}")
+            raise InvalidInput(f"kv has shape {tuple(kv.shape)}, expected {expected}", param="kv")
         known = len(spec.prompt_ids) + len(spec.output_ids)
         if not 0 < n < known or n != spec.kv.num_tokens:
-            raise ValueError(f"kv covers {n} tokens; it must cover 1..{known - 1} of the {known} known tokens")
+            raise InvalidInput(f"kv covers {n} tokens; it must cover 1..{known - 1} of the {known} known tokens",
+                               param="kv")
         blocks = self.scheduler.reserve_kv(n)
         self.runner.import_kv(blocks, 0, kv)
         return KvInBlocks(tuple(blocks), n)
