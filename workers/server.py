@@ -34,7 +34,6 @@ from workers.kv_transfer.base import KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
 from workers.kv_transfer.tracker import TransferTracker
 from workers.stage_call import StageCall
-from workers.stage_call import merge_pending as _merge_pending  # noqa: F401 (tests/unit/test_control_plane_helpers.py)
 from workers.vllm_metrics import WORKER_METRICS, engine_prefix_counts, served_model_name
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from splitserve.config import CoordinatorConfig, load_config
 from splitserve.launcher import coordinator_environment
 from workers.engine.engine import TokenEvent
-from workers.server import _merge_pending, resolve_num_threads
+from workers.server import resolve_num_threads
+from workers.stage_call import merge_pending as _merge_pending
 
 
 def _event(tokens, finish=None, n_out=0):

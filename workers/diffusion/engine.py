@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from splitserve.core import SamplingParams, StageKey, StageSpec, TokenEvent
+from splitserve.core import InvalidInput, SamplingParams, StageKey, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
 from splitserve.core.diffusion import (DiffusionParamError, DiffusionParams, DiffusionScheduler,
                                        DiffusionSchedulerConfig, DiffusionSequence, profile_batch)
@@ -159,15 +159,15 @@ class DiffusionEngine:
             raise DiffusionParamError("cfg_scale", "cfg_scale: classifier-free guidance runs on workers with "
                                       f"dllm_cache none; this one has dllm_cache {self.config.dllm_cache}")
         if not prompt_ids:
-            raise ValueError("prompt must hold at least one token")
+            raise InvalidInput("prompt must hold at least one token", param="prompt")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+            raise InvalidInput(f"prompt token ids must be in [0, {self.model_config.vocab_size})", param="prompt")
         if self.model_config.mask_token_id in prompt_ids:
-            raise ValueError(f"prompt contains the mask token (id {self.model_config.mask_token_id})")
+            raise InvalidInput(f"prompt contains the mask token (id {self.model_config.mask_token_id})", param="prompt")
         length = len(prompt_ids) + knobs.gen_length
         if length > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({knobs.gen_length}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+            raise InvalidInput(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({knobs.gen_length}) exceeds "
+                               f"max_model_len ({self.max_model_len})", param="max_tokens")
         if str(key) in self._requests:
             raise ValueError(f"stage {key} is already running here")
         seq = DiffusionSequence(str(key), len(prompt_ids), knobs, self.clock())
@@ -198,7 +198,7 @@ class DiffusionEngine:
 
     def add_stage(self, spec: StageSpec) -> None:
         """A whole request as one stage: a diffusion request is never split, disaggregated, fed
-        KV from elsewhere or kept for a session (its cache lives for one block); ValueError
+        KV from elsewhere or kept for a session (its cache lives for one block); InvalidInput
         naming the field otherwise."""
         total = len(spec.prompt_ids) + spec.sampling.max_tokens
         for field, refused in (("kv_sources", spec.kv is not None), ("kv_sink", spec.sink is not None),
@@ -206,8 +206,8 @@ class DiffusionEngine:
                                ("session", spec.session is not None),
                                ("end", spec.end is not None and spec.end != total)):
             if refused:
-                raise ValueError(f"{field}: a diffusion model runs each request whole on one worker "
-                                 "(no split, KV transfer or session)")
+                raise InvalidInput(f"{field}: a diffusion model runs each request whole on one worker "
+                                   "(no split, KV transfer or session)", param=field)
         self.add_request(spec.key, list(spec.prompt_ids), spec.sampling)
 
     def abort_all(self) -> list[TokenEvent]:
