@@ -38,12 +38,14 @@ FRAMES = [
     ("  model forward", "execute (workers/engine/model_runner.py"),
     ("  scheduling", "schedule (splitserve/core/scheduler.py"),
     ("  sampling", "sample (workers/engine/sampler.py"),
-    ("worker Execute stream (per chunk)", "Execute (workers/server.py"),
+    ("worker stage stream (per chunk)", "stream (workers/stage_call.py"),
+    ("worker publishing load to Redis", "publish_load (workers/server.py"),
     ("gRPC (grpc.aio internals)", "grpc/_cython"),
     ("coordinator relay", "submit (services/coordinator/core.py"),
     ("gateway: generate", "generate (gateway/core.py"),
     ("gateway: SSE events", "_sse_events (gateway/http_api.py"),
     ("detokenizer", "splitserve/detokenizer.py"),
+    ("tokenizer + chat template", "gateway/tokenization.py"),
     ("Redis client", "redis/asyncio"),
     ("uvicorn/starlette", "starlette"),
     ("cluster view refresh", "view.py"),
@@ -85,7 +87,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "models/smollm2-135m-instruct"))
     ap.add_argument("--topology", default="default", help="a topology of serve_vs_vllm.TOPOLOGIES")
-    ap.add_argument("--concurrency", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--api", choices=("chat", "completions"), default="chat",
+                    help="what the client streams (as serve_vs_vllm.py)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -99,7 +103,7 @@ def main() -> None:
     server.start(300)
     result: dict = {"command": " ".join(sys.argv), "machine": machine(), "args": vars(args)}
     try:
-        bench(server, args.prompt_len, args.output_len, 8, 4, seed=1000)  # warm-up
+        bench(server, args, 8, 4, seed=1000)  # warm-up
         pids = {role_of(pid): pid for pid in process_tree(server.process.pid)}
         services = {role: pid for role, pid in pids.items() if role in ("gateway", "coordinator", "worker")}
         load_done = threading.Event()
@@ -108,7 +112,7 @@ def main() -> None:
         def drive() -> None:
             # Enough requests to outlast the sampling window.
             n = max(args.concurrency, int(args.seconds * 6))
-            load.update(bench(server, args.prompt_len, args.output_len, n, args.concurrency, seed=7))
+            load.update(bench(server, args, n, args.concurrency, seed=7))
             load_done.set()
 
         threading.Thread(target=drive, daemon=True).start()

@@ -172,14 +172,32 @@ class Server:
             time.sleep(0.5)  # polling readiness, bounded by the deadline
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the server and every process of its group (vLLM's engine core, splitserve's
+        services): none may still run, or exit slowly, while the next pass is measured."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGINT)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        group = self.process.pid
+        if self.process.poll() is None:
+            os.killpg(group, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 30
+        while self.process.poll() is None or _group_alive(group):  # poll(): the leader reaped, not a zombie
+            if time.monotonic() > deadline:
+                os.killpg(group, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.2)  # polling the group's exit, bounded by the deadline
+        self.process.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def vllm_server(python: str, model: str, port: int, log: Path, max_num_seqs: int) -> Server:
