@@ -48,7 +48,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from benchmarks.dynaserve_cluster import model_dir, run_bench  # noqa: E402
-from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
 console = Console(stderr=True, width=200)
@@ -210,7 +210,7 @@ def decode_pool_tp(tp: int | None):
     """Start decode workers at TP `tp` while the launcher gives every worker the same options
     (a deployment whose prefill and decode pools differ in TP): the worker command is rewritten
     for role=decode only. Restored on exit."""
-    from splitserve import launcher
+    from splitserve.cli import launcher
 
     original = launcher._serve_cmd
 

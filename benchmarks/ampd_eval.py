@@ -329,7 +329,7 @@ def _pct(value: float | None) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"Machine: {results['machine']}. Command: `{results['command']}`.",
-             "Step times: " + "; ".join(results.get("timing_notes", [])) + ".", ""]
+             "; ".join(results.get("timing_notes", [])) + ".", ""]  # each note says "step times: ..."
     for panel in results["panels"]:
         w = panel["workload"]
         gpu, model = panel.get("gpu", GPU), panel.get("model", MODEL)
@@ -380,11 +380,11 @@ def markdown(results: dict[str, Any]) -> str:
 
 def compare(paths: Sequence[Path]) -> str:
     """Runs side by side (`--compare A.json B.json ...`): each system's attainment averaged over
-    the five loads (mean ITL / strict), and AMPD's mean gain over each baseline beside the paper's."""
+    the run's loads (mean ITL / strict), and AMPD's mean gain over each baseline beside the paper's."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     names = [f"{r.get('gpu', GPU)} {r.get('perf_backend', 'datasheet')}" for r in runs]
-    lines = ["Attainment averaged over the five loads (20-80% of each run's own prefill capacity), mean ITL / "
-             "strict p99 gap; the best deployment in brackets.", "",
+    lines = ["Attainment averaged over each run's loads (shares of its own prefill capacity, 20-80% by default), "
+             "mean ITL / strict p99 gap; the best deployment in brackets.", "",
              "| workload | system | " + " | ".join(names) + " |", "|---|---" + "|---" * len(runs) + "|"]
     keys = list(dict.fromkeys((p.get("model", MODEL), p["workload"]["preset"]) for r in runs for p in r["panels"]))
 

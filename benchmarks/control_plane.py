@@ -63,10 +63,10 @@ from rich.table import Table  # noqa: E402
 
 from common import REPO, percentile_linear  # noqa: E402
 
-from splitserve.cli import ensure_demo_model  # noqa: E402
+from splitserve.cli.models import ensure_demo_model  # noqa: E402
 from splitserve.client import AsyncClient, Client, SplitserveClientError  # noqa: E402
 from splitserve.config import WorkerConfig  # noqa: E402
-from splitserve.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
 from splitserve.proto import (  # noqa: E402
     coordinator_pb2,
     coordinator_pb2_grpc,

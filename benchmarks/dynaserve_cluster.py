@@ -43,7 +43,7 @@ from common import REPO
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
 console = Console(stderr=True, width=200)
@@ -105,7 +105,7 @@ def model_dir(mode_name: str, work: Path, max_model_len: int = 8192) -> Path:
 
         return ensure_preset_model(DEFAULT_PRESET, work / DEFAULT_PRESET)
     # Emulated workers read only the config (vocabulary, max length, EOS) and the tokenizer.
-    from splitserve.demo_model import DemoModelSpec, build_demo_model
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 
     spec = DemoModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=128, vocab_size=259, max_position_embeddings=max_model_len)

@@ -48,7 +48,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from splitserve.client import AsyncClient  # noqa: E402
-from splitserve.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
 from splitserve.perf_presets import preset  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
@@ -318,7 +318,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model_dir = REPO / "models" / "demo-llama"  # the gateway's tokenizer; workers read its config.json
     if not (model_dir / "config.json").is_file():  # building it needs torch: only when missing
-        from splitserve.cli import ensure_demo_model
+        from splitserve.cli.models import ensure_demo_model
 
         model_dir = ensure_demo_model(model_dir)
     try:

@@ -29,7 +29,7 @@ from rich.table import Table
 from common import REPO  # noqa: E402
 
 from loadgen.traces import read_trace, scale_lengths  # noqa: E402
-from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402
+from splitserve.cli.demo_model import bench_model_spec, build_demo_model  # noqa: E402
 from workers.engine import Engine, EngineConfig, SamplingParams, StageSpec  # noqa: E402
 
 console = Console()

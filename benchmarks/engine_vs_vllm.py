@@ -158,7 +158,7 @@ def ensure_model(name: str) -> Path:
     if name == "smollm2-135m":
         raise SystemExit(f"{path} is missing: run `make model` first")
     sys.path.insert(0, str(REPO))
-    from splitserve.demo_model import DemoModelSpec, build_demo_model
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 
     hidden, layers = (512, 8) if name == "llama-512h-8l" else (256, 4)
     spec = DemoModelSpec(arch="llama", hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=4,

@@ -9,7 +9,7 @@ out-of-memory or a hang in one is recorded and the rest still run), in this orde
 * `env`: torch / CUDA / GPU, and which optional modules this machine has.
 * `token_exact`: the engine (`workers.engine.LLM`) on the device against transformers'
   greedy `generate` on the same device, float32, token for token: small random Llama and
-  Qwen2 models built offline (`splitserve.demo_model`), prompts one by one, all together
+  Qwen2 models built offline (`splitserve.cli.demo_model`), prompts one by one, all together
   (batched) and all together under a 16-token budget (chunked prefill).
 * `kv_digest`: `workers.kv_transfer.base.device_digest` of the same bytes on the device and
   on the CPU (one digest, exact integer ops: it must be equal), `KvMemory.checksum` of a
@@ -223,7 +223,7 @@ def check_env(ctx: Ctx) -> None:
 
 # ---- token_exact -------------------------------------------------------------------------------
 def _tiny_model(ctx: Ctx, arch: str) -> Path:
-    from splitserve.demo_model import DemoModelSpec, build_demo_model
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 
     spec = DemoModelSpec(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          vocab_size=384, max_position_embeddings=512, seed=1234, initializer_range=0.2)

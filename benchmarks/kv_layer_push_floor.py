@@ -242,7 +242,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from splitserve.demo_model import bench_model_spec, build_demo_model
+    from splitserve.cli.demo_model import bench_model_spec, build_demo_model
 
     console = Console()
     model_dir = build_demo_model(bench_model_spec(), args.model_dir)

@@ -34,8 +34,8 @@ from rich.table import Table
 from common import REPO  # noqa: E402
 
 from splitserve.client import Client  # noqa: E402
-from splitserve.demo_model import bench_model_spec, build_demo_model  # noqa: E402
-from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.demo_model import bench_model_spec, build_demo_model  # noqa: E402
+from splitserve.cli.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 

@@ -41,7 +41,7 @@ import numpy as np
 from common import REPO
 
 from benchmarks.dynaserve_cluster import console, model_dir, run_bench  # noqa: E402
-from splitserve.launcher import ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
 PRESET = {"gpu": "A100", "model_preset": "qwen2.5-14b", "tp": 1}

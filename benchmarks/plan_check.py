@@ -227,10 +227,11 @@ def main() -> None:
                "plan_256_wall_s": walls, "plan_256_median_s": statistics.median(walls) if walls else None,
                "emulated": emulated, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (args.out_dir / "plan_check.json").write_text(json.dumps(results, indent=1))
-    lines = [f"{args.model} on {args.gpu}; " + "; ".join(sorted(notes)) + ".", "",
-             "| workload | GPUs | rate (sessions/s) | planner's top 3 (Z, local share) | whole-cluster simulation's "
-             "top 3 (attainment, simulated Z; planner's rank) | top-1 / top-3 agree | by simulated Z: top-1 / top-3 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"{args.model} on {args.gpu}" + ("; " + "; ".join(sorted(notes)) if notes else "") + ".", ""]
+    if rows:  # no simulator check asked for (--workloads ''): no empty table
+        lines += ["| workload | GPUs | rate (sessions/s) | planner's top 3 (Z, local share) | whole-cluster "
+                  "simulation's top 3 (attainment, simulated Z; planner's rank) | top-1 / top-3 agree | by simulated "
+                  "Z: top-1 / top-3 |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         plan_text = "; ".join(f"{p['label']} ({p['z']:.2f}, {p['local_share']:g})" for p in row["planner"][:3])
         sim = "; ".join(f"{r['label']} ({r['attainment']:.1%}, {r['z']:.2f}; #{r['planner_rank']})"

@@ -6,7 +6,7 @@ profile` times such steps of the real engine (`workers/profiling.py`, `measure_m
 to prefill-only and decode-only steps, and `fit_perf_model` fits them. This benchmark
 profiles the real CPU engine on
 
-* a small random Llama (`splitserve.demo_model.bench_model_spec`, ~56M parameters, built
+* a small random Llama (`splitserve.cli.demo_model.bench_model_spec`, ~56M parameters, built
   offline), and
 * SmolLM2-135M-Instruct (`models/smollm2-135m-instruct`, else the model cache; `splitserve
   demo-model --preset smollm2-135m-instruct` makes it), skipped with a message when absent,
@@ -92,7 +92,7 @@ def machine() -> dict[str, Any]:
 
 
 def random_model(root: Path) -> Path:
-    from splitserve.demo_model import bench_model_spec, build_demo_model
+    from splitserve.cli.demo_model import bench_model_spec, build_demo_model
 
     return build_demo_model(bench_model_spec(), root / "random-llama-56m")
 

@@ -50,7 +50,7 @@ from loadgen.arrivals import PoissonArrivals  # noqa: E402
 from loadgen.plan import BenchRequest, StreamedResult  # noqa: E402
 from loadgen.runner import RunProgress, run_benchmark  # noqa: E402
 from loadgen.targets import vocab_size_of_model  # noqa: E402
-from splitserve.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
+from splitserve.cli.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
 from splitserve.redis_server import PrivateRedis, free_port, start_private_redis  # noqa: E402
 
 console = Console(stderr=True, width=200)
@@ -374,7 +374,7 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     model_dir = REPO / "models" / "demo-llama"  # the gateway's tokenizer; emulated workers read its config
     if not (model_dir / "config.json").is_file():
-        from splitserve.cli import ensure_demo_model
+        from splitserve.cli.models import ensure_demo_model
 
         model_dir = ensure_demo_model(model_dir)
     vocab = vocab_size_of_model(str(model_dir)) or 256

@@ -59,7 +59,7 @@ PY
   ;;
 app)
   $PIP install $FROM --no-deps --target /opt/app /src
-  PYTHONPATH=/opt/app /opt/venv/bin/python -c "import splitserve.cli, workers.server, gateway.server, services.coordinator.server, torch; print('torch', torch.__version__)"
+  PYTHONPATH=/opt/app /opt/venv/bin/python -c "import splitserve.cli.app, workers.server, gateway.server, services.coordinator.server, torch; print('torch', torch.__version__)"
   ;;
 strip)
   # (the bytecode pip compiled stays: the non-root user could not write it, every start would

@@ -53,7 +53,7 @@ class Detokenizer(Protocol):
 
 
 class DetokenizerFactory(Protocol):
-    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> Detokenizer: ...
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str], min_tokens: int = 0) -> Detokenizer: ...
 
 
 @dataclass
@@ -117,7 +117,7 @@ class CoordinatorClient:
 
         A Submit that fails with UNAVAILABLE is sent again when that keeps the output exact
         (module docstring); the client sees one uninterrupted stream."""
-        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
+        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop, request.min_tokens),
                                     len(request.prompt_token_ids))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delivered: list[int] = []  # output tokens the coordinator streamed so far, over every attempt
@@ -251,7 +251,7 @@ class EmbeddedCoordinatorClient:
     async def generate(self, request: GenerationRequest, timeout_s: float | None = None,
                        trace_context: Context | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request; closing the iterator early cancels it on the worker."""
-        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop),
+        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop, request.min_tokens),
                                     len(request.prompt_token_ids))
         deadline = time.monotonic() + (timeout_s or self.coordinator.config.request_timeout_s)
         submitted = self.coordinator.submit(request.submit_request(), deadline, trace_context=trace_context)

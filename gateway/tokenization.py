@@ -151,6 +151,6 @@ class Tokenization:
                     f"(0..{self.vocab_size - 1})", param=param)
         return ids
 
-    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str]) -> IncrementalDetokenizer:
+    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str], min_tokens: int = 0) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one request's output."""
-        return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), list(stop))
+        return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), list(stop), min_tokens)

@@ -28,6 +28,7 @@ from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
 from splitserve.state_records import DIFFUSION  # the engine family of diffusion models (LLaDA)
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's range)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer matches each against every step's text
 MAX_ID_CHARS = 256  # request and session ids
@@ -36,6 +37,9 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
 PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
 DIFFUSION_FIELDS = ("steps", "block_length", "remasking", "retention_ratio", "cfg_scale")
+# vLLM's penalties and filters, with the values that leave sampling as it is (sent only when they differ).
+PENALTY_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                    "min_tokens": 0}
 
 
 class PromptEncoder(Protocol):
@@ -104,6 +108,12 @@ class GenerationRequest:
     remasking: str = ""
     retention_ratio: float | None = None
     cfg_scale: float | None = None
+    # vLLM's penalties and filters (workers.engine.sampler); the defaults change nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     # Body fields neither OpenAI's, vLLM's nor ours: ignored, as vLLM does, and logged by the API.
     ignored_fields: tuple[str, ...] = ()
 
@@ -121,6 +131,9 @@ class GenerationRequest:
             value = getattr(self, name)
             if value is not None and value != "":
                 setattr(params, name, value)
+        for name, default in PENALTY_DEFAULTS.items():
+            if getattr(self, name) != default:
+                setattr(params, name, getattr(self, name))
         return params
 
     def submit_request(self) -> coordinator_pb2.SubmitRequest:
@@ -162,6 +175,9 @@ class _OpenAIBody(BaseModel):
     echo: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
+    min_tokens: int | None = None  # vLLM extension
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
@@ -212,9 +228,6 @@ class ChatCompletionBody(_OpenAIBody):
 _STRUCTURED = "structured output (guided decoding)"
 NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # sampling
-    "min_p": ((None, 0.0), "min_p other than 0"),
-    "repetition_penalty": ((None, 1.0), "repetition_penalty other than 1"),
-    "min_tokens": ((None, 0), "min_tokens other than 0"),
     "use_beam_search": ((None, False), "beam search"),
     "length_penalty": ((None, 1.0), "length_penalty other than 1 (beam search)"),
     "allowed_token_ids": ((None, []), "allowed_token_ids"),
@@ -508,7 +521,9 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
         stream=True, include_usage=True, echo_token_ids=msg.echo_token_ids,
         session_id=_id_string(msg.session_id, "session_id"), priority=msg.priority,
         slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
-        predicted_output_len=None if hint is None else min(hint, max_tokens))
+        predicted_output_len=None if hint is None else min(hint, max_tokens),
+        **_penalties(*(getattr(s, name) if s.HasField(name) else None for name in _FLOAT_PENALTIES),
+                     s.min_tokens, max_tokens))
     return _with_diffusion(req, limits, steps=s.steps if s.HasField("steps") else None,
                            block_length=s.block_length if s.HasField("block_length") else None,
                            remasking=s.remasking or None,
@@ -526,9 +541,6 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
     _check_model(b.model, limits)
     if b.n not in (None, 1):
         raise InvalidArgument(f"n must be 1 (got {b.n}): one choice per request is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(b, name):
-            _unsupported(name, f"{name} other than 0")
     if b.logit_bias:
         _unsupported("logit_bias", "logit_bias")
     if b.response_format and b.response_format.get("type", "text") != "text":
@@ -560,7 +572,8 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
                               and b.stream_options.continuous_usage_stats),
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
-        predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b))
+        predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b),
+        **_penalties(b.presence_penalty, b.frequency_penalty, b.repetition_penalty, b.min_p, b.min_tokens, max_tokens))
     return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
                            retention_ratio=b.retention_ratio, cfg_scale=b.cfg_scale)
 
@@ -581,6 +594,9 @@ def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> Gen
         _unsupported("top_p", "top_p below 1 on a diffusion model (use temperature)")
     if req.session_id:
         _unsupported("session_id", "a session on a diffusion model (its KV is not kept between rounds)")
+    for name, default in PENALTY_DEFAULTS.items():
+        if getattr(req, name) != default:
+            _unsupported(name, f"{name} on a diffusion model (it samples every position of a block at once)")
     if limits.mask_token_id is not None and limits.mask_token_id in req.prompt_token_ids:
         raise InvalidArgument(f"prompt holds the mask token (id {limits.mask_token_id}), which only the model "
                               "may place", param="prompt")
@@ -680,6 +696,29 @@ def _hint_from_header(raw: str) -> int:
         raise InvalidArgument(f"{name} header must be an integer in [0, {UINT32_MAX}] (output tokens), got "
                               f"{shown!r}", param=name)
     return value
+
+
+_FLOAT_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+def _penalties(presence: float | None, frequency: float | None, repetition: float | None, min_p: float | None,
+               min_tokens: int | None, max_tokens: int) -> dict[str, Any]:
+    """vLLM's penalties and filters checked against vLLM's SamplingParams ranges (None: the default)."""
+    values = dict(zip(PENALTY_DEFAULTS, (presence, frequency, repetition, min_p, min_tokens)))
+    values = {name: PENALTY_DEFAULTS[name] if value is None else value for name, value in values.items()}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not (math.isfinite(values[name]) and -MAX_PENALTY <= values[name] <= MAX_PENALTY):
+            raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {values[name]}",
+                                  param=name)
+    if not (math.isfinite(values["repetition_penalty"]) and values["repetition_penalty"] > 0):
+        raise InvalidArgument(f"repetition_penalty must be > 0 (1 disables it), got {values['repetition_penalty']}",
+                              param="repetition_penalty")
+    if not (math.isfinite(values["min_p"]) and 0.0 <= values["min_p"] <= 1.0):
+        raise InvalidArgument(f"min_p must be in [0, 1], got {values['min_p']}", param="min_p")
+    if not 0 <= values["min_tokens"] <= max_tokens:
+        raise InvalidArgument(f"min_tokens must be in [0, max_tokens] = [0, {max_tokens}], got "
+                              f"{values['min_tokens']}", param="min_tokens")
+    return values
 
 
 def _temperature(value: float | None) -> float | None:

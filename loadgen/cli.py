@@ -1,6 +1,6 @@
 """``splitserve bench``: run, sweep or capacity-search a benchmark; compare two runs.
 
-Mounted by ``splitserve.cli`` as ``app.add_typer(bench_app, name="bench")``; also runnable
+Mounted by ``splitserve.cli.app`` (``LAZY_COMMANDS["bench"]``, loaded when looked up); also runnable
 alone: ``python -c "from loadgen.cli import bench_app; bench_app()" --help``. The options it
 shares with ``splitserve simulate`` (and what both do with them) are in :mod:`loadgen.options`.
 """

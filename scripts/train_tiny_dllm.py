@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from splitserve.demo_model import MARKER, DemoModelSpec, build_demo_model  # noqa: E402
+from splitserve.cli.demo_model import MARKER, DemoModelSpec, build_demo_model  # noqa: E402
 from workers.diffusion import tiny_task  # noqa: E402
 from workers.diffusion.reference import DiffusionParams, generate  # noqa: E402
 from workers.engine.models.llada import CHECKPOINT_PREFIX, LladaModel, load_llada  # noqa: E402

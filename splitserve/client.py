@@ -198,6 +198,8 @@ class GenerateOptions:
     own prediction; None: no hint; above max_tokens counts as max_tokens). `steps`,
     `block_length`, `remasking`, `retention_ratio` and `cfg_scale` are a diffusion model's denoising knobs
     (dLLM-Serve; None: the server's defaults; an autoregressive model refuses them).
+    `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p` and `min_tokens`
+    are vLLM's (None: off); every stage of a split request applies them over the whole history.
     Frozen, so one instance can serve many calls:
 
         greedy = GenerateOptions(temperature=0.0, ignore_eos=True)
@@ -224,6 +226,11 @@ class GenerateOptions:
     remasking: str | None = None
     retention_ratio: float | None = None
     cfg_scale: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Tuples: the options stay as given even if the caller's list changes later.
@@ -264,7 +271,8 @@ def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions
     sampling = types_pb2.SamplingParams(top_k=opts.top_k or 0, ignore_eos=opts.ignore_eos, stop=list(opts.stop),
                                         stop_token_ids=list(opts.stop_token_ids))
     for name in ("max_tokens", "temperature", "top_p", "seed", "steps", "block_length", "remasking",
-                 "retention_ratio", "cfg_scale"):
+                 "retention_ratio", "cfg_scale", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                 "min_tokens"):
         value = getattr(opts, name)
         if value is not None:
             setattr(sampling, name, value)

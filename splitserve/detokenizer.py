@@ -24,9 +24,13 @@ class IncrementalDetokenizer:
     so a streamed delta never has to be taken back.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None, min_tokens: int = 0):
+        """`min_tokens`: stop strings count only once more output tokens than that were pushed
+        (vLLM's detokenizer skips the stop check up to `min_tokens`, as its sampler holds back EOS)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens pushed
         self._holdback = max(map(len, self.stop)) - 1 if self.stop else 0
         context = _clean_context(tokenizer, prompt_ids)
         self._ids = context
@@ -44,6 +48,7 @@ class IncrementalDetokenizer:
         for token in token_ids:
             if self.stopped:
                 break
+            self._num_tokens += 1
             if self._stream is not None:
                 new_text = self._stream.step(self._backend, token) or ""
             else:
@@ -52,7 +57,7 @@ class IncrementalDetokenizer:
             if not new_text:
                 continue
             self.text += new_text
-            if self.stop:
+            if self.stop and self._num_tokens > self.min_tokens:
                 cut = _find_stop(self.text, len(new_text), self.stop)
                 if cut is not None:
                     self.text = self.text[:cut]
@@ -87,7 +92,11 @@ def _clean_context(tokenizer, prompt_ids) -> list[int]:
     else:
         candidates = [prompt_ids[-n:] for n in range(_CONTEXT_TOKENS, min(len(prompt_ids), _MAX_CONTEXT_TOKENS) + 1)]
     for suffix in candidates:
-        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+        try:
+            text = tokenizer.decode(suffix, skip_special_tokens=True)
+        except (OverflowError, TypeError, ValueError, IndexError):
+            return []  # ids no tokenizer has: the request's validation refuses them, naming the field
+        if "\ufffd" not in text:
             return suffix
     return []
 

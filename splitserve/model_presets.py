@@ -8,7 +8,7 @@ once (workers/engine/gguf.py) into a float32 Hugging Face directory; every later
 that directory, offline. A model directory outside the cache (`models/...`) is made of hard
 links to the cached files, so it costs no extra disk.
 
-`random-<arch>` presets are the offline random-weight models of splitserve.demo_model.
+`random-<arch>` presets are the offline random-weight models of splitserve.cli.demo_model.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ SMOLLM2_135M_INSTRUCT = GgufPackagePreset(
 )
 
 GGUF_PRESETS = {SMOLLM2_135M_INSTRUCT.name: SMOLLM2_135M_INSTRUCT}
-# random-<arch>: random weights and a byte-level tokenizer, built offline (splitserve.demo_model).
+# random-<arch>: random weights and a byte-level tokenizer, built offline (splitserve.cli.demo_model).
 RANDOM_PRESETS = {f"random-{arch}": arch for arch in ("llama", "qwen2", "qwen3", "mistral")}
 PRESET_NAMES = (*GGUF_PRESETS, *RANDOM_PRESETS)
 DEFAULT_PRESET = SMOLLM2_135M_INSTRUCT.name

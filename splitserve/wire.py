@@ -43,7 +43,7 @@ def load_from_proto(message: types_pb2.WorkerLoad) -> WorkerLoad:
 def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
     """Sampling parameters from the wire message (unset optionals take the engine defaults)."""
     params = SamplingParams(top_k=message.top_k, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
-                            ignore_eos=message.ignore_eos)
+                            ignore_eos=message.ignore_eos, min_tokens=message.min_tokens)
     if message.HasField("max_tokens"):
         params.max_tokens = message.max_tokens
     if message.HasField("temperature"):
@@ -62,7 +62,34 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
         params.retention_ratio = message.retention_ratio
     if message.HasField("cfg_scale"):
         params.cfg_scale = message.cfg_scale
+    for name in SAMPLING_FILTER_FIELDS:
+        if message.HasField(name):
+            setattr(params, name, getattr(message, name))
     return params
+
+
+# vLLM's penalties and min_p: optional floats on the wire (unset: the engine's no-op default).
+SAMPLING_FILTER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
+    """The wire message of these parameters (the inverse of `sampling_from_proto`; a default
+    optional stays unset, a seed of None too)."""
+    defaults = SamplingParams()
+    message = types_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens)
+    if params.seed is not None:
+        message.seed = params.seed
+    for name in ("steps", "block_length"):
+        if getattr(params, name) is not None:
+            setattr(message, name, getattr(params, name))
+    for name in ("remasking", "retention_ratio", "cfg_scale", *SAMPLING_FILTER_FIELDS):
+        value = getattr(params, name)
+        if value != getattr(defaults, name):
+            setattr(message, name, value)
+    return message
 
 
 def service_error(err: InvalidInput) -> InvalidArgument:

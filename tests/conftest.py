@@ -84,7 +84,7 @@ def run_step(sched, perf_model):
 
 
 def _tiny_spec(arch: str, **overrides):
-    from splitserve.demo_model import DemoModelSpec
+    from splitserve.cli.demo_model import DemoModelSpec
 
     base = dict(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 intermediate_size=128, vocab_size=384, max_position_embeddings=512,
@@ -96,7 +96,7 @@ def _tiny_spec(arch: str, **overrides):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny float32 model directory per architecture, plus variants."""
-    from splitserve.demo_model import build_demo_model
+    from splitserve.cli.demo_model import build_demo_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     dirs = {arch: build_demo_model(_tiny_spec(arch), root / arch) for arch in TINY_ARCHS}
@@ -135,7 +135,7 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     """A whole local cluster: scheduler, coordinator, 2 workers, gateway, own Redis prefix."""
     import uuid
 
-    from splitserve.launcher import ClusterSpec, start_cluster
+    from splitserve.cli.launcher import ClusterSpec, start_cluster
     from splitserve.redis_server import free_port
 
     log_dir = tmp_path_factory.mktemp("cluster-logs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 from splitserve.core.errors import InvalidInput
@@ -14,6 +15,7 @@ _MASK64 = (1 << 64) - 1
 # smallest numbers the logits / temperature overflow to inf and the softmax to NaN (vLLM's
 # samplers use the same 1e-5 threshold).
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -52,6 +54,19 @@ class SamplingParams:
     remasking: str = "low_confidence"
     retention_ratio: float = 1.0
     cfg_scale: float = 0.0
+    # vLLM's penalties and filters (workers.engine.sampler applies them, in vLLM's order).
+    # Penalties see the request's whole history, so every stage of a split request applies
+    # them alike: repetition over prompt and output, presence/frequency over the output only.
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token the output holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: divides a seen token's positive logit, multiplies a negative one
+    min_p: float = 0.0  # in [0, 1]: keeps tokens whose probability is >= min_p x the top token's
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until the output holds this many tokens
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any of the presence, frequency or repetition penalties changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +89,19 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise InvalidInput("stop strings must be non-empty", param="stop")
+        # vLLM's SamplingParams ranges (NaN fails every comparison, so it is refused too).
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidInput(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", param=name)
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidInput(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
+                               param="repetition_penalty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidInput(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidInput(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                               f"{self.min_tokens!r}", param="min_tokens")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size}), got {bad}", param="stop_token_ids")

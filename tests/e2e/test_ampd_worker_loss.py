@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from splitserve.client import Client
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore
 from workers.engine import LLM, SamplingParams

@@ -22,7 +22,7 @@ import typer
 from real_model_support import splitserve_up, until, wait_for_workers
 from typer.testing import CliRunner
 
-from splitserve.chaos import ChaosOptions, chaos_command, parse_service_cmdline, plan_faults
+from splitserve.cli.chaos import ChaosOptions, chaos_command, parse_service_cmdline, plan_faults
 
 
 def _chaos_app() -> typer.Typer:
@@ -94,7 +94,7 @@ def test_the_schedule_is_seeded_and_bounded():
 
 
 def test_half_configured_mtls_is_refused_naming_the_missing_option(tmp_path):
-    from splitserve.chaos import _internal_tls
+    from splitserve.cli.chaos.command import _internal_tls
 
     assert _internal_tls("", "", "", "") is None
     with pytest.raises(ValueError, match="^mtls_server_name: "):

@@ -234,7 +234,7 @@ def test_oversized_grpc_message_is_rejected(cluster, sdk):
 @pytest.fixture(scope="module")
 def keyed_gateway(cluster, tiny_model_dirs):
     """A second gateway on the same cluster that requires an API key."""
-    from splitserve.launcher import _serve_cmd, wait_port_healthy
+    from splitserve.cli.launcher import _serve_cmd, wait_port_healthy
     from splitserve.redis_server import free_port
 
     grpc_port, http_port = free_port(), free_port()
@@ -274,7 +274,7 @@ def test_api_keys_on_both_apis(keyed_gateway):
 
 @pytest.mark.parametrize("service", ["scheduler", "coordinator", "worker"])
 def test_redis_unavailable_at_start_fails_clearly(service, tiny_model_dirs):
-    from splitserve.launcher import _serve_cmd
+    from splitserve.cli.launcher import _serve_cmd
     from splitserve.redis_server import free_port
 
     options = {"redis_url": f"redis://127.0.0.1:{free_port()}/0", "redis_connect_attempts": 2,

@@ -31,7 +31,7 @@ import redis
 from real_model_support import until
 
 from splitserve.client import Client, SplitserveClientError
-from splitserve.launcher import ClusterSpec, start_cluster, wait_port_healthy
+from splitserve.cli.launcher import ClusterSpec, start_cluster, wait_port_healthy
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
 from splitserve.redis_server import free_port, redis_reachable
 from splitserve.state import StateStore

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from splitserve.client import Client
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore

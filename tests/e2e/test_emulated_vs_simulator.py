@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from loadgen.cli import bench_app
 from services.planner.cli import simulate_app
 from splitserve.client import Client
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.perf_presets import preset
 from splitserve.redis_server import free_port
 

@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from real_model_support import until
 
-from splitserve.launcher import _serve_cmd, wait_port_healthy
+from splitserve.cli.launcher import _serve_cmd, wait_port_healthy
 from splitserve.redis_server import free_port
 
 TRACE_ID = uuid.uuid4().hex  # the caller's trace (32 hex digits)

@@ -27,7 +27,7 @@ import pytest
 
 from splitserve.client import AsyncClient
 from splitserve.core.sampling import request_seed
-from splitserve.launcher import ClusterSpec, RestartPolicy, start_cluster
+from splitserve.cli.launcher import ClusterSpec, RestartPolicy, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore

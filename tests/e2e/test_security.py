@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import AuthenticationError, Client, SplitserveClientError
 from splitserve.keys import hash_key
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore
@@ -187,11 +187,11 @@ def test_the_load_generator_runs_over_tls_with_a_client_certificate(cluster, cer
 
 
 def test_chaos_health_checks_reach_mtls_services_only_with_the_certificate(cluster):
-    from splitserve.chaos import _grpc_serving
+    from splitserve.cli.chaos.processes import grpc_serving
 
     port = int(cluster.scheduler_address.rsplit(":", 1)[1])
-    assert _grpc_serving(port, cluster.spec.internal_tls())
-    assert not _grpc_serving(port)  # plaintext to an mTLS server: never SERVING
+    assert grpc_serving(port, cluster.spec.internal_tls())
+    assert not grpc_serving(port)  # plaintext to an mTLS server: never SERVING
 
 
 # Last: every request above (the load generator's included) has been logged by now.

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from splitserve.client import Client, SplitserveClientError
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore
@@ -149,6 +149,25 @@ def test_an_unseeded_sampled_request_split_across_workers_samples_as_one_worker(
     assert result.token_ids == expected
     stages = _stages_of(transport_cluster, request_id)
     assert [(s["start"], s["end"]) for s in stages] == [(0, P + 5), (P + 5, L)]
+    assert stages[0]["worker_id"] != stages[1]["worker_id"]
+
+
+# vLLM's penalties, min_p and min_tokens (issue 37): the second stage applies them over the
+# request's whole prompt and output, as one worker would.
+PENALISED = dict(temperature=0.9, top_k=50, seed=77, presence_penalty=0.8, frequency_penalty=0.6,
+                 repetition_penalty=1.4, min_p=0.05, min_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("split", [P - 1, P + 4])
+def test_penalties_min_p_and_min_tokens_split_across_workers_equal_the_offline_llm(transport_cluster,
+                                                                                   tiny_model_dirs, split):
+    expected = LLM(str(tiny_model_dirs["llama"])).generate([PROMPT], SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, **PENALISED))[0].token_ids
+    _set_split(transport_cluster, split)
+    request_id = f"penalised-{split}-{uuid.uuid4().hex[:6]}"
+    assert _generate(transport_cluster, PENALISED, request_id).token_ids == expected
+    stages = _stages_of(transport_cluster, request_id)
+    assert [(s["start"], s["end"]) for s in stages] == [(0, split), (split, L)]
     assert stages[0]["worker_id"] != stages[1]["worker_id"]
 
 

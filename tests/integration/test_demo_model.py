@@ -6,7 +6,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from splitserve.demo_model import (
+from splitserve.cli.demo_model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

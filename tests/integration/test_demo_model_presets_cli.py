@@ -9,7 +9,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from splitserve.cli import app
+from splitserve.cli.app import app
 from splitserve.model_presets import MARKER, SMOLLM2_135M_INSTRUCT, cached_preset_dir
 from splitserve.gguf import BUILDER_VERSION
 from splitserve.gguf import MARKER as GGUF_MARKER

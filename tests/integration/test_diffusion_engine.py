@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve.core.diffusion import DiffusionParams
-from splitserve.demo_model import DemoModelSpec, build_demo_model
+from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 from workers.diffusion.reference import generate, generate_dual_cache
 from workers.diffusion.runner import select_context
 from workers.engine import LLM, SamplingParams

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from splitserve.core.diffusion import DiffusionParams
-from splitserve.demo_model import MASK_ID, DemoModelSpec, build_demo_model
+from splitserve.cli.demo_model import MASK_ID, DemoModelSpec, build_demo_model
 from workers.diffusion.reference import generate, generate_dual_cache
 from workers.engine import LLM, SamplingParams
 from workers.engine.models.llada import load_llada

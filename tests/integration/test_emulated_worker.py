@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from splitserve.client import AsyncClient, Client
-from splitserve.launcher import ClusterSpec, start_cluster, wait_port_healthy
+from splitserve.cli.launcher import ClusterSpec, start_cluster, wait_port_healthy
 from splitserve.perf_aiconfigurator import perf_model_for
 from splitserve.perf_presets import max_kv_tokens
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc

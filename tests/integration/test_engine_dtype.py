@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from splitserve.demo_model import DemoModelSpec, build_demo_model
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 
     spec = DemoModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=128, vocab_size=300, max_position_embeddings=256, seed=3)

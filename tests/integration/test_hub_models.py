@@ -1,7 +1,7 @@
 """`--model Org/Name`: a Hugging Face repository id resolved from the local Hugging Face cache (issue 37).
 
 The cache is laid out as huggingface_hub writes it (tests/hub_cache_support.py) with a tiny
-model from splitserve.demo_model. Each case runs in its own process: huggingface_hub reads
+model from splitserve.cli.demo_model. Each case runs in its own process: huggingface_hub reads
 HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_ENDPOINT when it is imported, as every tool
 started with them does. No hub is reachable here; "online" cases point HF_ENDPOINT at a port
 that refuses connections or at one that accepts and never answers.
@@ -35,7 +35,7 @@ except HubModelNotFoundError as err:
 
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory) -> Path:
-    from splitserve.demo_model import DemoModelSpec, build_demo_model
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 
     spec = DemoModelSpec(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=128, vocab_size=300, max_position_embeddings=256, seed=7)
@@ -133,8 +133,8 @@ def test_generate_and_serve_take_an_id(tmp_path, tiny_source):
                          env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "tokens/s" in out.stdout
-    probe = ("from splitserve.cli import _config_model_by_name\nfrom splitserve.config import GatewayConfig\n"
-             f"c = _config_model_by_name(GatewayConfig(model={REPO!r}))\nprint(c.model)\nprint(c.served_model_name)")
+    probe = ("from splitserve.cli.models import config_model_by_name\nfrom splitserve.config import GatewayConfig\n"
+             f"c = config_model_by_name(GatewayConfig(model={REPO!r}))\nprint(c.model)\nprint(c.served_model_name)")
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

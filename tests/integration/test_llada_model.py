@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from splitserve.cli import app
-from splitserve.demo_model import MASK_ID, DemoModelSpec, build_demo_model
+from splitserve.cli.app import app
+from splitserve.cli.demo_model import MASK_ID, DemoModelSpec, build_demo_model
 from workers.diffusion.reference import DiffusionParams, generate
 from workers.engine.models.llada import LladaConfig, expected_weight_shapes, load_llada, positions_from_mask
 

@@ -22,10 +22,10 @@ import uuid
 import grpc
 import pytest
 
-from splitserve.launcher import wait_port_healthy
+from splitserve.cli.launcher import wait_port_healthy
 from splitserve.perf_model import PerfModel, ProfileSample
 from splitserve.perf_presets import preset
-from splitserve.profile_cli import load_perf_model
+from splitserve.cli.profile import load_perf_model
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state import StateStore

@@ -236,7 +236,7 @@ def test_a_url_that_does_not_answer_may_fall_back_only_when_asked():
     ({"redis_url": "unix:///run/redis.sock", "redis_fallback": True}, True),  # a caller may allow it
 ])
 def test_the_launcher_lets_only_the_default_url_fall_back(monkeypatch, tmp_path, spec_kwargs, fallback):
-    import splitserve.launcher as launcher
+    import splitserve.cli.launcher as launcher
 
     calls = []
 
@@ -256,8 +256,8 @@ def test_up_passes_whether_the_user_configured_the_url(monkeypatch, tmp_path, ho
     them, the default URL among them); nothing configured is the default, which it may."""
     from typer.testing import CliRunner
 
-    import splitserve.launcher as launcher
-    from splitserve.cli import app
+    import splitserve.cli.launcher as launcher
+    from splitserve.cli.app import app
 
     specs = []
 

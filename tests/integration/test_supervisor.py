@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from splitserve.launcher import Child, Cluster, ClusterSpec, RestartPolicy
+from splitserve.cli.launcher import Child, Cluster, ClusterSpec, RestartPolicy
 from splitserve.redis_server import redis_reachable, start_private_redis
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.launcher import ClusterSpec, start_cluster
+from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.redis_server import free_port
 
 WORKER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from splitserve.errors import PARAM_KEY
-from splitserve.launcher import wait_port_healthy
+from splitserve.cli.launcher import wait_port_healthy
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 

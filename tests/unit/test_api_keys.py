@@ -445,7 +445,7 @@ def test_check_command_lists_tenants(tmp_path, capsys):
 
 
 def test_hash_key_command_mounts_on_a_typer_app(monkeypatch):
-    """The command `splitserve hash-key` becomes with one line in splitserve/cli.py."""
+    """The command `splitserve hash-key` becomes with one line in splitserve/cli/app.py."""
     import typer
     from typer.testing import CliRunner
 

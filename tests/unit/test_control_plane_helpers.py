@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitserve.config import CoordinatorConfig, load_config
-from splitserve.launcher import coordinator_environment
+from splitserve.cli.launcher import coordinator_environment
 from workers.engine.engine import TokenEvent
 from workers.server import resolve_num_threads
 from workers.stage_call import merge_pending as _merge_pending
@@ -57,7 +57,7 @@ def test_embedded_coordinator_environment_round_trips_through_load_config():
 
 
 def test_unknown_coordinator_topology_is_rejected(tmp_path):
-    from splitserve.launcher import ClusterSpec, start_cluster
+    from splitserve.cli.launcher import ClusterSpec, start_cluster
 
     with pytest.raises(ValueError, match="coordinator must be process or embedded"):
         start_cluster(ClusterSpec(model=str(tmp_path), coordinator="sideways", redis_url="redis://127.0.0.1:6379/0"))
@@ -75,7 +75,7 @@ def test_a_worker_bound_to_every_address_advertises_one_peers_can_dial():
 
 
 def test_up_shares_the_cores_among_its_workers_and_keeps_none_back():
-    from splitserve.launcher import threads_per_worker
+    from splitserve.cli.launcher import threads_per_worker
 
     assert threads_per_worker(2, 1) == 2
     assert threads_per_worker(8, 3) == 2
@@ -84,7 +84,7 @@ def test_up_shares_the_cores_among_its_workers_and_keeps_none_back():
 
 
 def test_up_places_in_the_coordinator_except_for_laps():
-    from splitserve.launcher import default_placement
+    from splitserve.cli.launcher import default_placement
 
     assert default_placement("least_loaded") == "local"
     assert default_placement("dynaserve") == "local"

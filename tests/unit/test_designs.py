@@ -57,8 +57,8 @@ def test_an_unknown_design_is_refused_naming_the_field():
 @pytest.fixture
 def captured_up(monkeypatch, tmp_path):
     """Runs `splitserve up ARGS` up to the cluster's start, which it records instead of doing."""
-    import splitserve.launcher as launcher
-    from splitserve.cli import app
+    import splitserve.cli.launcher as launcher
+    from splitserve.cli.app import app
 
     specs = []
 
@@ -88,7 +88,7 @@ def captured_up(monkeypatch, tmp_path):
     (["--policy", "laps", "--batch-policy", "fcfs"], "fcfs"),  # the ablation, explicit
 ])
 def test_up_gives_the_workers_the_designs_local_policy_unless_overridden(captured_up, args, batch_policy):
-    from splitserve.launcher import worker_options
+    from splitserve.cli.launcher import worker_options
 
     spec = captured_up(*args)
     assert {worker_options(spec, i)["batch_policy"] for i in range(spec.workers)} == {batch_policy}
@@ -96,7 +96,7 @@ def test_up_gives_the_workers_the_designs_local_policy_unless_overridden(capture
 
 
 def test_up_passes_the_scheduling_policy_to_the_workers(captured_up):
-    from splitserve.launcher import worker_options
+    from splitserve.cli.launcher import worker_options
 
     spec = captured_up("--scheduling-policy", "priority")
     assert spec.scheduling_policy == "priority" and worker_options(spec, 0)["scheduling_policy"] == "priority"
@@ -104,7 +104,7 @@ def test_up_passes_the_scheduling_policy_to_the_workers(captured_up):
 
 
 def test_start_cluster_refuses_an_unknown_scheduling_policy_before_starting_anything():
-    from splitserve.launcher import ClusterSpec, start_cluster
+    from splitserve.cli.launcher import ClusterSpec, start_cluster
 
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs | priority, got 'lifo'"):
         start_cluster(ClusterSpec(model="m", scheduling_policy="lifo", redis_url="redis://127.0.0.1:1/0"))
@@ -115,14 +115,15 @@ def test_start_cluster_refuses_an_unknown_scheduling_policy_before_starting_anyt
 @pytest.fixture
 def captured_serve(monkeypatch):
     """Runs `splitserve serve SERVICE ARGS` and returns the config its main would have run with."""
-    import splitserve.cli as cli
+    import splitserve.cli.serve as serve
+    from splitserve.cli.app import app
 
     configs = []
     for service in ("worker", "scheduler"):
-        monkeypatch.setitem(cli._SERVICE_MAINS, service, lambda: configs.append)
+        monkeypatch.setitem(serve._SERVICE_MAINS, service, lambda: configs.append)
 
     def run(service, *args, env=None):
-        result = CliRunner().invoke(cli.app, ["serve", service, *args], env=env)
+        result = CliRunner().invoke(app, ["serve", service, *args], env=env)
         assert result.exit_code == 0, result.output
         return configs[-1]
     return run

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.demo_model import BOS_ID, EOS_ID, _byte_tokenizer
+from splitserve.cli.demo_model import BOS_ID, EOS_ID, _byte_tokenizer
 from splitserve.detokenizer import IncrementalDetokenizer
 
 TOKENIZER = _byte_tokenizer(512)  # a fast (Rust) byte-level tokenizer: every UTF-8 split is possible
@@ -56,3 +56,14 @@ def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(prompt
     prompt_ids = TOKENIZER.encode(prompt)[:-1]  # the last byte of "€" cut off
     for python_path in (False, True):
         assert stream(prompt_ids, TOKENIZER.encode("ok", add_special_tokens=False), [], [1], python_path)[0] == "ok"
+
+
+def test_stop_strings_count_only_after_min_tokens():
+    """vLLM's detokenizer skips the stop check up to min_tokens output tokens (its sampler holds EOS)."""
+    output = TOKENIZER.encode("ab.cd.ef", add_special_tokens=False)  # one token per byte
+    for python_path in (False, True):
+        det = IncrementalDetokenizer(TOKENIZER, [BOS_ID], ["."], min_tokens=4)
+        if python_path:
+            det._stream = None
+        text = "".join(det.push([t]) for t in output) + det.push([], final=True)
+        assert (text, det.stopped) == ("ab.cd", True)  # the "." at token 3 does not count, the one at 6 does

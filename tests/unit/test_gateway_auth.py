@@ -58,10 +58,10 @@ def test_served_model_name_defaults_to_the_directory_name():
 def test_max_model_len_option_overrides_the_tokenizer_directory():
     """An emulated cluster's gateway takes the preset's context (its workers accept 8,192 tokens of
     Llama-3-8B although the tokenizer directory says 2,048)."""
-    from splitserve.cli import _emulated_gateway_args
+    from splitserve.cli.launcher import emulated_gateway_args
 
     assert core().limits.max_model_len == 128
-    args = _emulated_gateway_args("emulated", "llama-3-8b")
+    args = emulated_gateway_args("emulated", "llama-3-8b")
     assert args == {"max_model_len": 8192}
     assert core(**args).limits.max_model_len == 8192
-    assert _emulated_gateway_args("real", "llama-3-8b") == {}
+    assert emulated_gateway_args("real", "llama-3-8b") == {}

@@ -107,7 +107,7 @@ def test_only_chat_on_an_autoregressive_model_defaults_to_the_rest_of_the_contex
 
 # A value that asks for the behaviour, per field in the tables (a new entry needs one here).
 ASKING = {
-    "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4, "use_beam_search": True, "length_penalty": 0.8,
+    "use_beam_search": True, "length_penalty": 0.8,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["mod.fn"], "watermarking": True,
     "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 100,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
@@ -158,9 +158,52 @@ def test_a_refused_fields_default_values_are_accepted(name):
 
 
 def test_a_json_true_is_not_the_default_1_nor_0_false():
-    for name, value in (("repetition_penalty", True), ("min_tokens", False), ("include_stop_str_in_output", 0)):
+    for name, value in (("repetition_penalty", True), ("min_tokens", False), ("min_p", False),
+                        ("include_stop_str_in_output", 0)):
         with pytest.raises(InvalidArgument, match=name):
             completion(**{name: value})
+
+
+# --- vLLM's penalties and filters: accepted on every API and carried to the engine
+
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.5, "min_p": 0.25,
+             "min_tokens": 3}
+
+
+def test_penalties_min_p_and_min_tokens_reach_the_sampling_params_on_both_endpoints():
+    for call in (completion, chat):
+        sampling = call(**PENALTIES).submit_request().sampling
+        assert {name: getattr(sampling, name) for name in PENALTIES} == PENALTIES
+    # Unsent or at their defaults, they stay unset on the wire: the engine's no-op defaults apply.
+    plain = completion(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_p=0,
+                       min_tokens=0).submit_request().sampling
+    assert not any(plain.HasField(name) for name in ("presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty", "min_p"))
+    assert plain.min_tokens == 0
+
+
+def test_grpc_generate_takes_the_penalties_and_checks_their_ranges():
+    from splitserve.proto import types_pb2
+
+    def generate(**sampling):
+        msg = gateway_pb2.GenerateRequest(text="hi", sampling=types_pb2.SamplingParams(max_tokens=8, **sampling))
+        return generate_request(msg, TOK, LIMITS, "r")
+
+    sampling = generate(**PENALTIES).submit_request().sampling
+    assert {name: getattr(sampling, name) for name in PENALTIES} == PENALTIES
+    for field, value, limit in (("presence_penalty", -2.5, "[-2, 2]"), ("frequency_penalty", 3.0, "[-2, 2]"),
+                                ("repetition_penalty", 0.0, "> 0"), ("min_p", 1.5, "[0, 1]"),
+                                ("min_tokens", 9, "[0, 8]")):
+        with pytest.raises(InvalidArgument) as info:
+            generate(**{field: value})
+        assert info.value.param == field and field in info.value.message and limit in info.value.message
+
+
+@pytest.mark.parametrize("name", sorted(PENALTIES))
+def test_a_diffusion_model_refuses_the_penalties_naming_them(name):
+    with pytest.raises(InvalidArgument) as info:
+        completion(DIFFUSION, **{name: PENALTIES[name]})
+    assert info.value.param == name and "diffusion" in info.value.message
 
 
 def test_chat_refuses_echo_which_it_used_to_ignore():

@@ -82,6 +82,19 @@ def test_chat_without_max_tokens_asks_for_the_rest_of_the_context_and_completion
     assert [s.sampling.max_tokens for s in coordinator.submitted] == [MAX_LEN - len(CHAT_PROMPT), 16]
 
 
+def test_penalties_min_p_and_min_tokens_are_served_and_reach_the_coordinator():
+    fields = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.5, "min_p": 0.125,
+              "min_tokens": 2}
+    core, coordinator = gateway()
+    assert call(core, "POST", "/v1/chat/completions", {"messages": HI, **fields}).status_code == 200
+    assert call(core, "POST", "/v1/completions", {"prompt": "hi", **fields}).status_code == 200
+    for submitted in coordinator.submitted:
+        assert {name: getattr(submitted.sampling, name) for name in fields} == fields
+    reply = call(core, "POST", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "presence_penalty"
+    assert "[-2, 2]" in reply.json()["error"]["message"]
+
+
 def test_tokenize_answers_vllms_shape_for_a_prompt_and_for_messages():
     core, coordinator = gateway()
     reply = call(core, "POST", "/tokenize", {"prompt": "hi"})
@@ -132,11 +145,8 @@ def test_tokenizer_endpoints_sit_behind_the_api_keys_and_version_does_not():
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"messages": HI, "min_p": 0.1}, "min_p"),
-    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1.2}, "repetition_penalty"),
     ("/v1/chat/completions", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),

@@ -36,7 +36,7 @@ out_dir = sys.argv[1]
 
 from typer.testing import CliRunner
 
-from splitserve.cli import app
+from splitserve.cli.app import app
 
 result = CliRunner().invoke(app, ["simulate", "--workers", "2", "--shape", "P256/D16", "-n", "20",
                                   "--arrival", "poisson:rate=20", "--out-dir", out_dir])

@@ -147,8 +147,8 @@ def test_tokenization_round_trips():
 
 
 def test_token_ids_are_the_llada_demo_tokenizers():
-    # tiny_task repeats these (workers may not import splitserve.demo_model); they must agree.
-    from splitserve import demo_model
+    # tiny_task repeats these (workers may not import splitserve.cli.demo_model); they must agree.
+    from splitserve.cli import demo_model
 
     assert (BOS_ID, EOS_ID, tiny_task.PAD_ID, MASK_ID) == (
         demo_model.BOS_ID, demo_model.EOS_ID, demo_model.PAD_ID, demo_model.MASK_ID)

@@ -14,11 +14,11 @@ changes the answer, which is what a quality-versus-KV-retention evaluation measu
 (dLLM-Serve §6.4).
 
 Token ids are those of the byte-level tokenizer of `splitserve demo-model --arch llada`
-(splitserve/demo_model.py): a byte's id is its value, then `<|begin_of_text|>` 256,
+(splitserve/cli/demo_model.py): a byte's id is its value, then `<|begin_of_text|>` 256,
 `<|end_of_text|>` 257, `<|pad|>` 258 and the mask token `<|mdm_mask|>` 259; the trained model
 directory (scripts/train_tiny_dllm.py) carries that tokenizer, so the text prompt `31415926=`
 tokenizes, BOS prepended, to `prompt_ids`. The constants are repeated here rather than imported,
-because `workers` sits below `splitserve.demo_model` in the import layers; a test checks they agree.
+because `workers` sits below `splitserve.cli.demo_model` in the import layers; a test checks they agree.
 
 Problems are split, by a hash of the digit string, into a training and a held-out set that
 share no digit string, so held-out accuracy is measured on strings the model never saw.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-# The byte-level tokenizer's special ids (splitserve/demo_model.py: BOS_ID, EOS_ID, PAD_ID, MASK_ID).
+# The byte-level tokenizer's special ids (splitserve/cli/demo_model.py: BOS_ID, EOS_ID, PAD_ID, MASK_ID).
 BOS_ID, EOS_ID, PAD_ID, MASK_ID = 256, 257, 258, 259
 VOCAB_SIZE = 260  # 256 bytes + BOS, EOS, PAD + the mask token
 SPECIAL_TOKENS = {BOS_ID: "<|begin_of_text|>", EOS_ID: "<|end_of_text|>", PAD_ID: "<|pad|>",

@@ -111,7 +111,7 @@ class Engine:
         text = None
         params = spec.sampling
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
-            text = IncrementalDetokenizer(self.tokenizer, list(spec.prompt_ids), params.stop)
+            text = IncrementalDetokenizer(self.tokenizer, list(spec.prompt_ids), params.stop, params.min_tokens)
             if spec.output_ids:
                 text.push(list(spec.output_ids))  # text of earlier stages is not re-emitted
         if isinstance(spec.kv, KvPayload):

@@ -21,7 +21,7 @@ from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.cpu_linear import onednn_available, pack_linears
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
-from splitserve.core import ScheduledEntry, SchedulerOutput, StageKey
+from splitserve.core import ScheduledEntry, SchedulerOutput, Sequence, StageKey
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int):
         self.config = config
         self.spec = spec
+        self.eos_token_ids = frozenset(spec.eos_token_ids)  # masked under min_tokens with stop_token_ids
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -208,11 +209,7 @@ class ModelRunner:
         else:
             logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices,
                                 on_layer_kv=on_layer_kv)
-        seqs = [e.seq for e in batch.sampling_entries]
-        tokens = sampler.sample(
-            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
-        )
-        return {s.key: t for s, t in zip(seqs, tokens)}
+        return self._sample(logits, [e.seq for e in batch.sampling_entries])
 
     def _execute_bucket(self, out: SchedulerOutput) -> dict[StageKey, int] | None:
         """The step run as its captured shape (LAPS §3.1), or None when it has none."""
@@ -225,9 +222,15 @@ class ModelRunner:
         self.num_padded_steps += 1
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=logits.device)
         logits = logits[rows]  # a copy: a graph's output buffer is rewritten by its next replay
-        seqs = [e.seq for e in out.entries if e.samples]
+        return self._sample(logits, [e.seq for e in out.entries if e.samples])
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[StageKey, int]:
+        """One token per sequence; penalties read each one's whole history (a later stage's
+        sequence holds the earlier stages' output too, so it samples what one worker would)."""
         tokens = sampler.sample(
-            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs]
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
+            token_ids=[s.token_ids for s in seqs], prompt_lens=[s.prompt_len for s in seqs],
+            eos_token_ids=self.eos_token_ids,
         )
         return {s.key: t for s, t in zip(seqs, tokens)}
 

@@ -7,9 +7,21 @@ across workers or migrated (principle 3), with no generator object, no host roun
 row and one device-to-host copy per step (the sampled ids). All random rows are sampled in
 one vectorised pass (temperature, top-k, top-p per row); greedy rows take the argmax and
 draw no noise.
+
+vLLM's logit processing comes first, in the order of vLLM's v1 sampler
+(vllm/v1/sample/sampler.py, `Sampler.forward` and `Sampler.sample`): min_tokens (EOS and
+stop_token_ids masked while the output is shorter), then the penalties
+(vllm/v1/sample/ops/penalties.py -> vllm/model_executor/layers/utils.py `apply_penalties`:
+repetition over prompt and output, then frequency and presence over the output), then the
+greedy argmax; random rows then take temperature, min_p (over the tempered softmax), top-k
+and top-p. Each is elementwise or a reduction within a row, and reads only the row's own
+request history (prompt and output ids, which every stage of a split request is given), so a
+row's token does not depend on its batch nor on the worker the stage runs on.
 """
 
 from __future__ import annotations
+
+from typing import Collection, Sequence
 
 import torch
 
@@ -17,7 +29,7 @@ from splitserve.core import SamplingParams
 from splitserve.core.sampling import mix_seed
 from workers.tensor_hash import M32, hash32
 
-__all__ = ["argmax_rows", "counter_uniform", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
+__all__ = ["apply_penalties", "argmax_rows", "counter_uniform", "min_p_mask", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
 
 # Rows whose noise is made at once: bounds its temporaries (~5 int64 tables of NOISE_ROWS x
 # vocab: 48 MiB at a 152k vocabulary) whatever the batch, on the CPU and in GPU memory alike.
@@ -43,10 +55,18 @@ def sample(
     params: list[SamplingParams],
     seeds: list[int],
     output_indices: list[int],
+    token_ids: Sequence[Sequence[int]] | None = None,
+    prompt_lens: Sequence[int] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> list[int]:
-    """One token per row of `logits` [rows, vocab] (float32)."""
+    """One token per row of `logits` [rows, vocab] (float32).
+
+    `token_ids[i]` (prompt then output) and `prompt_lens[i]` are row i's request history, read
+    only by rows with penalties; `eos_token_ids` are masked with stop_token_ids under min_tokens
+    (`output_indices[i]` is the output's length so far)."""
     rows = len(params)
     vocab = logits.shape[-1]
+    logits = _processed(logits, params, output_indices, token_ids, prompt_lens, eos_token_ids)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -78,7 +98,85 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
-    return 0 < p.top_k < vocab or p.top_p < 1.0
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+# Rows whose penalties are computed at once: bounds the [rows, vocab] count tables.
+PENALTY_ROWS = 8
+
+
+def _processed(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
+               token_ids: Sequence[Sequence[int]] | None, prompt_lens: Sequence[int] | None,
+               eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits after min_tokens and the penalties (vLLM's order); `logits` itself when no
+    row asks for either, else a copy (the caller's tensor is left as it was)."""
+    stopping = [i for i, p in enumerate(params) if output_indices[i] < p.min_tokens]
+    penalised = [i for i, p in enumerate(params) if p.penalised]
+    if not stopping and not penalised:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in stopping:  # few rows, few ids each: masked in place
+        stop = {t for t in (*params[i].stop_token_ids, *eos_token_ids) if 0 <= t < vocab}
+        if stop:
+            logits[i, sorted(stop)] = float("-inf")
+    if penalised:
+        if token_ids is None or prompt_lens is None:
+            raise ValueError("penalties need each row's token_ids and prompt_lens")
+        for start in range(0, len(penalised), PENALTY_ROWS):
+            chunk = penalised[start:start + PENALTY_ROWS]
+            index = torch.tensor(chunk, dtype=torch.long, device=logits.device)
+            ps = [params[i] for i in chunk]
+            logits[index] = apply_penalties(
+                logits[index], [token_ids[i][:prompt_lens[i]] for i in chunk],
+                [token_ids[i][prompt_lens[i]:] for i in chunk], [p.presence_penalty for p in ps],
+                [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps])
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                    presence: Sequence[float], frequency: Sequence[float],
+                    repetition: Sequence[float]) -> torch.Tensor:
+    """vLLM's penalties (vllm/model_executor/layers/utils.py `apply_penalties`) on `logits`
+    [rows, vocab] in place, returned: a token of the prompt or the output has its logit divided
+    by the repetition penalty when positive, multiplied when not; then the output's count of it
+    times the frequency penalty and, once, the presence penalty are subtracted.
+
+    vLLM multiplies by 1 / penalty where this divides: a correctly rounded division gives the
+    same float on every device, so the tokens do not depend on where the row is sampled."""
+    rows, vocab = logits.shape
+    device = logits.device
+    prompt_seen = _token_counts(prompts, vocab, device) > 0
+    output_counts = _token_counts(outputs, vocab, device)
+    output_seen = output_counts > 0
+    column = dict(dtype=logits.dtype, device=device)
+    rep = torch.tensor(repetition, **column).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(prompt_seen | output_seen, penalised, logits))
+    logits -= torch.tensor(frequency, **column).unsqueeze(1) * output_counts.to(logits.dtype)
+    logits -= torch.tensor(presence, **column).unsqueeze(1) * output_seen.to(logits.dtype)
+    return logits
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] int64: how often each token id occurs in each row's ids (padded with an
+    extra column, as vLLM pads with vocab_size, then dropped)."""
+    width = max((len(row) for row in ids), default=0)
+    padded = torch.full((len(ids), max(width, 1)), vocab, dtype=torch.int64)
+    for r, row in enumerate(ids):
+        if len(row):
+            padded[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab]
+
+
+def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where a token falls below min_p x its row's top probability (vLLM's MinPLogitsProcessor,
+    over the softmax of the tempered logits); `min_p` [rows, 1], 0 masks nothing."""
+    probs = torch.softmax(scaled, dim=-1)
+    return probs < probs.amax(dim=-1, keepdim=True) * min_p
 
 
 def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
@@ -89,11 +187,16 @@ def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
                  filtering: bool) -> torch.Tensor:
-    """Temperature, top-k, top-p per row, then the exponential race over the kept tokens."""
+    """Temperature, min_p, top-k, top-p per row, then the exponential race over the kept tokens."""
     rows, vocab = logits.shape
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     scaled = logits / temperature
+    min_p = [p.min_p for p in params]
+    if filtering and any(min_p):
+        # vLLM: after temperature, before top-k and top-p (those renormalise over what min_p kept).
+        limit = torch.tensor(min_p, dtype=logits.dtype, device=device).unsqueeze(1)
+        scaled = scaled.masked_fill(min_p_mask(scaled, limit), float("-inf"))
     if not filtering:
         probs = torch.softmax(scaled, dim=-1)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -10,12 +11,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.core.designs import DesignChoice, resolve_design
 from splitserve.core.policy import scheduling_policy_option
+from splitserve.errors import InvalidArgument
 from splitserve.redis_server import DEFAULT_REDIS_URL, PrivateRedis, ensure_redis, redis_reachable
 from splitserve.redis_server import free_port as pick_free_port
 from splitserve.tls import ClientTls, TlsConfigError
@@ -100,6 +103,125 @@ class ClusterSpec:
                                                          "and --mtls-key-file): the launcher's own health checks "
                                                          "must present a client certificate to the gateway")
         return ClientTls(ca, cert, key)
+
+    @classmethod
+    def from_options(cls, options: UpOptions, model_dir: Path, *, served_name: str = "",
+                     note: Callable[[str], None] = lambda line: None) -> ClusterSpec:
+        """`splitserve up`'s cluster from its options (the dtype already normalized) and the model
+        directory it provisioned; `served_name`: the Hugging Face id the model was given by. A bad
+        option raises InvalidArgument naming its flag; `note` hears the advice worth printing."""
+        o = options
+        if o.worker_threads < 0:
+            raise InvalidArgument(f"must be >= 0, got {o.worker_threads}", param="--worker-threads")
+        worker_args: dict[str, object] = {"max_num_seqs": o.max_num_seqs, "kv_transport": o.kv_transport,
+                                          "backend": o.backend}
+        if o.batch_policy:  # else the design's (start_cluster resolves it)
+            worker_args["batch_policy"] = o.batch_policy
+        if o.backend == "real":
+            worker_args["num_threads"] = o.worker_threads or threads_per_worker(len(os.sched_getaffinity(0)),
+                                                                                o.workers)
+        if o.itl_slo_ms:  # the worker refuses an ITL objective for a policy that has no use for one
+            worker_args["itl_slo_ms"] = o.itl_slo_ms
+        if o.dtype != "auto":
+            worker_args["dtype"] = o.dtype
+        if o.backend == "emulated":
+            worker_args.update(gpu=o.gpu, model_preset=o.model_preset, tp=o.tp, perf_backend=o.perf_backend)
+        policy_params = key_value_options(o.policy_param, "--policy-param")
+        if o.policy in ("dynaserve", "laps") and o.backend == "emulated":
+            # The scheduler predicts with the times the emulated workers sleep.
+            policy_params.setdefault("perf_model", f"{o.perf_backend}:{o.gpu}/{o.model_preset}/{o.tp}")
+        elif o.policy == "dynaserve" and "perf_model" not in policy_params:
+            note("dynaserve predicts load with the H100/llama-3-8b preset: its split points balance by that "
+                 "model's shape, not this machine's; `splitserve profile` fits one (--policy-param perf_model=...)")
+        if o.kv_cache_memory_bytes is not None or o.backend != "emulated":
+            worker_args["kv_cache_memory_bytes"] = 256 << 20 if o.kv_cache_memory_bytes is None \
+                else o.kv_cache_memory_bytes
+        spec = cls(
+            model=str(model_dir), workers=o.workers, policy=o.policy, http_port=o.http_port, grpc_port=o.grpc_port,
+            redis_url=o.redis_url or DEFAULT_REDIS_URL, redis_fallback=not o.redis_url,  # one configured must answer
+            redis_prefix=o.redis_prefix, host=o.host, log_dir=o.log_dir,
+            prefill_workers=o.prefill_workers,
+            worker_args=worker_args, scheduling_policy=o.scheduling_policy,
+            scheduler_args={"split_ratio": o.split_ratio, "policy_params": json.dumps(policy_params)},
+            gateway_args=emulated_gateway_args(o.backend, o.model_preset),
+            coordinator=o.coordinator,
+            placement=default_placement(o.policy) if o.placement == "auto" else o.placement,
+            otlp_endpoint=o.otlp_endpoint,
+            mtls_ca_file=o.mtls_ca_file, mtls_cert_file=o.mtls_cert_file, mtls_key_file=o.mtls_key_file,
+            tls_cert_file=o.tls_cert_file, tls_key_file=o.tls_key_file, tls_client_ca_file=o.tls_client_ca_file,
+            tls_ca_file=o.tls_ca_file,
+        )
+        if served_name:  # a Hugging Face id: clients send it as the model, as with vllm serve
+            spec.gateway_args.setdefault("served_model_name", served_name)
+        if o.api_keys_file:
+            spec.gateway_args["api_keys_file"] = o.api_keys_file
+        return spec
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """`splitserve up`'s flags, typed: their defaults and help are the flags' (splitserve/cli/up.py)."""
+
+    workers: int
+    model: Path | None
+    dtype: str
+    demo_model: str | None
+    model_cache: Path | None
+    policy: str
+    policy_param: list[str] | None
+    batch_policy: str | None
+    scheduling_policy: str
+    itl_slo_ms: float
+    prefill_workers: int
+    split_ratio: float
+    kv_transport: str
+    http_port: int
+    grpc_port: int
+    redis_url: str | None
+    redis_prefix: str
+    host: str
+    log_dir: Path
+    demo_request: bool
+    max_num_seqs: int
+    worker_threads: int
+    kv_cache_memory_bytes: int | None
+    backend: str
+    gpu: str
+    model_preset: str
+    tp: int
+    perf_backend: str
+    coordinator: str
+    placement: str
+    otlp_endpoint: str
+    mtls_ca_file: str
+    mtls_cert_file: str
+    mtls_key_file: str
+    tls_cert_file: str
+    tls_key_file: str
+    tls_client_ca_file: str
+    tls_ca_file: str
+    api_keys_file: str
+
+
+def key_value_options(items: list[str] | None, flag: str) -> dict[str, str]:
+    """Repeatable key=value options -> dict; InvalidArgument names the flag."""
+    params: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InvalidArgument(f"expected key=value, got {item!r}", param=flag)
+        params[key.strip()] = value.strip()
+    return params
+
+
+def emulated_gateway_args(backend: str, model_preset: str) -> dict[str, object]:
+    """An emulated cluster's gateway accepts what its workers do: the preset model's context,
+    not the small tokenizer model's max_position_embeddings."""
+    if backend != "emulated":
+        return {}
+    from splitserve.perf_presets import model_spec
+
+    return {"max_model_len": model_spec(model_preset).context_len}
 
 
 @dataclass(frozen=True)
