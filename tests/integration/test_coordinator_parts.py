@@ -6,10 +6,8 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
 from services.coordinator.placement import LocalPlacer
 from services.coordinator.records import RequestRecordWriter
@@ -19,20 +17,6 @@ from splitserve.proto import scheduler_pb2, types_pb2
 from splitserve.state import RedisRetryPolicy, RequestRecord, StateStore, WorkerInfo, WorkerLoad
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-@pytest.fixture
-def prefix():
-    value = f"ss:test-coord-{uuid.uuid4().hex[:8]}:"
-    yield value
-
-    async def cleanup():
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"{value}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
-    asyncio.run(cleanup())
 
 
 @contextlib.asynccontextmanager

@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 
 from services.global_scheduler.server import start_scheduler
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-@pytest.fixture
-def prefix():
-    value = f"ss:test-design-{uuid.uuid4().hex[:8]}:"
-    yield value
-
-    async def cleanup():
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"{value}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
-    asyncio.run(cleanup())
 
 
 @pytest.mark.parametrize("options, environ, policy", [

@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import uuid
 
 import grpc
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.server import EMBEDDED, GatewayServer
 from gateway.tokenization import Tokenization
@@ -72,20 +70,6 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-@pytest.fixture
-def prefix():
-    value = f"ss:test-hint-{uuid.uuid4().hex[:8]}:"
-    yield value
-
-    async def cleanup():
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"{value}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
-    asyncio.run(cleanup())
 
 
 async def _until_the_scheduler_sees(address: str, worker_id: str, timeout_s: float = 5.0) -> None:

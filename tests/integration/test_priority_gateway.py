@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 
 import grpc
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.server import EMBEDDED, GatewayServer
 from gateway.tokenization import Tokenization
@@ -47,20 +45,6 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-@pytest.fixture
-def prefix():
-    value = f"ss:test-priority-{uuid.uuid4().hex[:8]}:"
-    yield value
-
-    async def cleanup():
-        client = aioredis.Redis.from_url(REDIS_URL)
-        keys = [k async for k in client.scan_iter(match=f"{value}*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
-    asyncio.run(cleanup())
 
 
 def _serve(prefix: str, scheduling_policy: str, send):
