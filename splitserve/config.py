@@ -69,6 +69,9 @@ class WorkerConfig(CommonConfig):
                      "repository id Org/Name (from the local Hugging Face cache, downloaded unless HF_HUB_OFFLINE); with --backend "
                      "emulated optional: only its config.json's vocabulary and EOS are used (the max length is the "
                      "preset model's context).")
+    served_model_name: str = opt("", "The model id clients send (the gateway's --served-model-name), used as the "
+                                 "model_name label of the vLLM-named metrics; default: the Hugging Face id given as "
+                                 "--model, else the model directory's name.")
     backend: str = opt("real", "real: the engine on CPU/CUDA | emulated: the real service, scheduler and block manager, "
                        "each forward pass replaced by sleeping the performance model's time (no weights).")
     gpu: str = opt("H100", "emulated: GPU of the performance-model preset (A100 | H100 | H200 | L40S | RTX4090).")

@@ -318,8 +318,7 @@ class WorkerServer:
         self.engine = await asyncio.to_thread(self._build_engine)
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), thread_init=self._engine_thread_init())
         self.loop.start()
-        # served_model_name: the gateway's name for the model, once WorkerConfig has that option
-        served = getattr(self.config, "served_model_name", "")
+        served = self.config.served_model_name  # the gateway's name for the model
         WORKER_METRICS.attach(served_model_name(self.config.model, self.config.model_preset, served),
                               lambda: self.loop.snapshot.load, engine_prefix_counts(self.engine))
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.runtime.server)

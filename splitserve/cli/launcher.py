@@ -153,6 +153,7 @@ class ClusterSpec:
         )
         if served_name:  # a Hugging Face id: clients send it as the model, as with vllm serve
             spec.gateway_args.setdefault("served_model_name", served_name)
+            spec.worker_args.setdefault("served_model_name", served_name)  # the metrics' model_name label
         if o.api_keys_file:
             spec.gateway_args["api_keys_file"] = o.api_keys_file
         return spec
