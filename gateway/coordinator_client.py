@@ -24,9 +24,11 @@ from opentelemetry.context import Context
 from prometheus_client import Counter
 
 from gateway.validation import GenerationRequest
+from splitserve.core.sampling import TokenLogprobs
 from splitserve.errors import DeadlineExceeded, Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.state_records import DIFFUSION
+from splitserve.wire import token_logprobs_from_proto
 from splitserve.telemetry import outgoing_metadata
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class GenerationDelta:
     finish_reason: str = ""  # "" while running; else "stop", "length" or "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0  # output tokens so far, as delivered to the client
+    # One per token of token_ids when the request asked for logprobs; else empty.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class OutputAssembler:
@@ -80,8 +84,10 @@ class OutputAssembler:
         self.completion_tokens = 0
         self.finished = False
 
-    def feed(self, token_ids: Sequence[int], finish_reason: str, num_prompt_tokens: int = 0) -> GenerationDelta | None:
-        """The delta for one upstream chunk, or None when it adds nothing visible."""
+    def feed(self, token_ids: Sequence[int], finish_reason: str, num_prompt_tokens: int = 0,
+             logprobs: Sequence[TokenLogprobs] = ()) -> GenerationDelta | None:
+        """The delta for one upstream chunk, or None when it adds nothing visible; `logprobs`
+        (one per token, when asked for) are cut with the tokens a stop string cuts."""
         if num_prompt_tokens:
             self.prompt_tokens = num_prompt_tokens
         finishing = finish_reason not in _RUNNING
@@ -100,7 +106,8 @@ class OutputAssembler:
         reason = "stop" if stopped else (finish_reason if finishing else "")
         if not (text or taken or reason):
             return None
-        return GenerationDelta(text, taken, reason, self.prompt_tokens, self.completion_tokens)
+        return GenerationDelta(text, taken, reason, self.prompt_tokens, self.completion_tokens,
+                               list(logprobs[:len(taken)]))
 
 
 class CoordinatorClient:
@@ -130,7 +137,8 @@ class CoordinatorClient:
                 async for chunk in call:
                     delivered.extend(chunk.token_ids)
                     down_since = None  # served again: a later failure gets the whole wait
-                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
+                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens,
+                                           [token_logprobs_from_proto(lp) for lp in chunk.logprobs])
                     if delta is not None:
                         yield delta
                     if assembler.finished:
@@ -257,7 +265,8 @@ class EmbeddedCoordinatorClient:
         submitted = self.coordinator.submit(request.submit_request(), deadline, trace_context=trace_context)
         async with contextlib.aclosing(submitted) as chunks:
             async for chunk in chunks:
-                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens)
+                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens,
+                                       [token_logprobs_from_proto(lp) for lp in chunk.logprobs])
                 if delta is not None:
                     yield delta
                 if assembler.finished:

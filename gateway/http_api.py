@@ -266,7 +266,8 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     if req.ignored_fields:
         log.warning("The following fields were present in the request but ignored: %s", list(req.ignored_fields))
     shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
-                            include_usage=req.include_usage, continuous_usage=req.continuous_usage)
+                            include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+                            logprobs=req.logprobs, token_text=_token_texts(core) if req.logprobs is not None else None)
     headers = {"X-Request-Id": request_id}
     stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), caller=caller)
     if not req.stream:
@@ -274,9 +275,9 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
             result = await _until_disconnected(request, _collect(stream))
         finally:
             await stream.aclose()
-        text, last = result
-        return JSONResponse(shaper.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens),
-                            headers=headers)
+        text, last, token_ids, logprobs = result
+        return JSONResponse(shaper.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                                            token_ids, logprobs), headers=headers)
     # The first delta is awaited before the 200 goes out, so admission and coordinator
     # errors (429, 503, ...) still reach the client as HTTP statuses.
     try:
@@ -287,12 +288,29 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     return EventStreamResponse(_sse_events(first, stream, shaper), stream.aclose, headers)
 
 
-async def _collect(stream: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta]:
+def _token_texts(core: GatewayCore) -> Callable[[int], str]:
+    """Each token id's text for logprobs: the id decoded alone, special tokens included (vLLM's
+    decoded_token: `tokenizer.decode([id])`), remembered for the request (top tokens recur)."""
+    texts: dict[int, str] = {}
+
+    def token_text(token: int) -> str:
+        if token not in texts:
+            texts[token] = core.tokenization.decode([token])
+        return texts[token]
+    return token_text
+
+
+async def _collect(stream: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta, list[int], list[Any]]:
+    """The whole output: its text, the last delta, and every token with its logprobs (when asked)."""
     parts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[Any] = []
     async for delta in stream:
         parts.append(delta.text)
+        token_ids += delta.token_ids
+        logprobs += delta.logprobs
         if delta.finish_reason:
-            return "".join(parts), delta
+            return "".join(parts), delta, token_ids, logprobs
     raise Unavailable("generation ended without a finish reason")
 
 
@@ -302,7 +320,8 @@ async def _sse_events(first: GenerationDelta, stream: AsyncIterator[GenerationDe
     try:
         while delta is not None:
             for chunk in shaper.chunks(delta.text, delta.finish_reason or None, delta.prompt_tokens,
-                                       delta.completion_tokens, len(delta.token_ids)):
+                                       delta.completion_tokens, len(delta.token_ids), delta.token_ids,
+                                       delta.logprobs):
                 yield sse_event(chunk)
             if delta.finish_reason:
                 if shaper.include_usage:

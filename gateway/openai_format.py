@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, Sequence
+
+from splitserve.core.sampling import TokenLogprobs
 
 from splitserve.errors import NotFound, Overloaded, PayloadTooLarge, SplitserveError, Unauthenticated
 
 SSE_DONE = b"data: [DONE]\n\n"
+# OpenAI's stand-in for a logprob of -inf (JSON has no infinity), as vLLM clamps it.
+MIN_LOGPROB = -9999.0
 
 # OpenAI's `code` strings for the errors that have one; others get their gRPC code's name.
 _ERROR_CODES = {Unauthenticated: "invalid_api_key", Overloaded: "rate_limit_exceeded",
@@ -56,11 +60,66 @@ def version_response(version: str) -> dict[str, Any]:
     return {"version": version}
 
 
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _step_logprobs(token: int, record: TokenLogprobs) -> dict[int, float]:
+    """One token's logprobs as vLLM's LogprobsProcessor orders them: the sampled token first,
+    then the top N by rank (the sampled one keeps its first place when it is among them)."""
+    step = {token: record.logprob}
+    for top_id, value in record.top:
+        step.setdefault(top_id, value)
+    return step
+
+
+def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprobs], num_logprobs: int,
+                        token_text: Callable[[int], str], initial_text_offset: int = 0) -> dict[str, Any]:
+    """A completions choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}), as
+    vLLM's serving_completion builds it: each token's text is its id decoded alone, top_logprobs
+    maps the sampled token and the top `num_logprobs` (so up to N + 1 entries, as OpenAI's spec
+    allows) to their logprobs, and text_offset counts the token texts from `initial_text_offset`
+    (the length of the text streamed before)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = initial_text_offset
+    for token, record in zip(token_ids, records):
+        text = token_text(token)
+        tokens.append(text)
+        token_logprobs.append(_logprob(record.logprob))
+        top_logprobs.append({token_text(t): _logprob(v) for i, (t, v) in
+                             enumerate(_step_logprobs(token, record).items()) if i <= num_logprobs})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprobs], top_logprobs: int,
+                  token_text: Callable[[int], str]) -> dict[str, Any]:
+    """A chat choice's `logprobs` ({content: [{token, logprob, bytes, top_logprobs}]}), as vLLM's
+    serving_chat builds it: `bytes` the token text's UTF-8 bytes, top_logprobs the first
+    `top_logprobs` entries of the step's logprobs (the sampled token first, then by rank)."""
+    content = []
+    for token, record in zip(token_ids, records):
+        text = token_text(token)
+        top = []
+        for t, v in list(_step_logprobs(token, record).items())[:top_logprobs]:
+            top_text = token_text(t)
+            top.append({"token": top_text, "logprob": _logprob(v), "bytes": _utf8(top_text)})
+        content.append({"token": text, "logprob": _logprob(record.logprob), "bytes": _utf8(text),
+                        "top_logprobs": top})
+    return {"content": content}
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
 class ResponseShaper:
     """Builds one request's OpenAI response or stream chunks; `chat` picks the chat.completion shapes."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int, include_usage: bool = False,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, logprobs: int | None = None,
+                 token_text: Callable[[int], str] | None = None):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
@@ -72,22 +131,39 @@ class ResponseShaper:
         self.continuous_usage = include_usage and continuous_usage
         self._usage: dict[str, int] | None = None
         self._role_sent = False
+        # None: the request asked for no logprobs (`"logprobs": null`); N: top N per token, each
+        # token's text `token_text(id)` (the tokenizer's decode of that one id, as vLLM's).
+        self.num_logprobs = logprobs
+        self.token_text = token_text or str
+        # Streaming: tokens whose chunk is not sent yet (no text yet), with their logprobs, and
+        # the length of the text streamed so far (completions' text_offset).
+        self._pending_ids: list[int] = []
+        self._pending_logprobs: list[TokenLogprobs] = []
+        self._text_len = 0
 
-    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """The non-streaming response body."""
+    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                 token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+        """The non-streaming response body; `logprobs` one per output token, when asked for."""
+        shaped = self._logprobs(token_ids, logprobs, 0)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shaped,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return body
 
     def chunks(self, text: str, finish_reason: str | None, prompt_tokens: int = 0, completion_tokens: int = 0,
-               new_tokens: int = 0) -> list[dict[str, Any]]:
+               new_tokens: int = 0, token_ids: Sequence[int] = (),
+               logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
         """Stream chunks for one delta (chat opens with a role-only chunk, as OpenAI does); with
-        continuous usage each carries the usage after this delta's `new_tokens`."""
+        continuous usage each carries the usage after this delta's `new_tokens`. The chunk with
+        this delta's text carries the logprobs of its tokens (and of earlier tokens that had no
+        text yet, hence no chunk)."""
+        if self.num_logprobs is not None:
+            self._pending_ids += token_ids
+            self._pending_logprobs += logprobs
         # Tokens without text yet: no chunk, unless the client counts tokens by continuous usage.
         counted_only = self.continuous_usage and new_tokens > 0 and not text and not finish_reason
         out = []
@@ -101,13 +177,29 @@ class ResponseShaper:
         if self.chat:
             if text and finish_reason:
                 # OpenAI sends the last content and the finish reason in separate chunks.
-                out.append(self._chunk({"content": text}, None))
+                out.append(self._chunk({"content": text}, None, self._take_logprobs()))
                 out.append(self._chunk({}, finish_reason))
             elif text or finish_reason or counted_only:
-                out.append(self._chunk({"content": text} if text or counted_only else {}, finish_reason))
+                out.append(self._chunk({"content": text} if text or counted_only else {}, finish_reason,
+                                       self._take_logprobs()))
         elif text or finish_reason or counted_only:
-            out.append(self._chunk(text, finish_reason))
+            out.append(self._chunk(text, finish_reason, self._take_logprobs()))
+        self._text_len += len(text)
         return out
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        """The pending tokens' logprobs for the chunk being sent (None when not asked for)."""
+        shaped = self._logprobs(self._pending_ids, self._pending_logprobs, self._text_len)
+        self._pending_ids, self._pending_logprobs = [], []
+        return shaped
+
+    def _logprobs(self, token_ids: Sequence[int], records: Sequence[TokenLogprobs],
+                  text_offset: int) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(token_ids, records, self.num_logprobs, self.token_text)
+        return completion_logprobs(token_ids, records, self.num_logprobs, self.token_text, text_offset)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: usage and no choices."""
@@ -115,11 +207,11 @@ class ResponseShaper:
         body["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return body
 
-    def _chunk(self, content: Any, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, content: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         body = self._envelope(self._chunk_object(), [choice])
         if self.include_usage:
             # OpenAI sends null usage on every chunk but the last; vLLM's continuous usage, the sum so far.

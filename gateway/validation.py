@@ -23,6 +23,7 @@ from typing import Any, Protocol, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitserve.core.diffusion import DiffusionParamError, diffusion_params
+from splitserve.core.sampling import MAX_LOGPROBS  # vLLM's default max_logprobs (20)
 from splitserve.errors import InvalidArgument, NotFound
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
 from splitserve.state_records import DIFFUSION  # the engine family of diffusion models (LLaDA)
@@ -114,6 +115,9 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    # None: no logprobs; N in [0, MAX_LOGPROBS]: each output token's logprob and the top N's
+    # (completions' `logprobs`, chat's `top_logprobs` with `logprobs: true`).
+    logprobs: int | None = None
     # Body fields neither OpenAI's, vLLM's nor ours: ignored, as vLLM does, and logged by the API.
     ignored_fields: tuple[str, ...] = ()
 
@@ -134,6 +138,8 @@ class GenerationRequest:
         for name, default in PENALTY_DEFAULTS.items():
             if getattr(self, name) != default:
                 setattr(params, name, getattr(self, name))
+        if self.logprobs is not None:
+            params.num_logprobs = self.logprobs
         return params
 
     def submit_request(self) -> coordinator_pb2.SubmitRequest:
@@ -360,20 +366,21 @@ def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, reques
     """Validate a /v1/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: CompletionBody = _parse(CompletionBody, body)
     if b.echo:
-        _unsupported("echo", "echo=true")
+        # Echo with logprobs needs the prompt's logprobs (vLLM's prompt_logprobs), which are not computed.
+        _unsupported("echo", "echo=true (with or without logprobs)")
     if b.suffix:
         _unsupported("suffix", "suffix")
     if b.best_of not in (None, 1):
         raise InvalidArgument(f"best_of must be 1 (got {b.best_of}): one candidate per request is supported",
                               param="best_of")
-    if b.logprobs is not None:
-        _unsupported("logprobs", "logprobs")
+    logprobs = _top_logprobs(b.logprobs, "logprobs")
     _refuse_not_implemented(b, NOT_IMPLEMENTED)
     prompt_ids = _completion_prompt(b.prompt, encoder, b.add_special_tokens)
     # Legacy completions default to limits.default_max_tokens (16), as vLLM's CompletionRequest
     # and OpenAI's legacy endpoint do: clients of this API send max_tokens when they want more.
     return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id,
-                   predicted_output_len_header, default_max_tokens=limits.default_max_tokens, prompt_param="prompt")
+                   predicted_output_len_header, default_max_tokens=limits.default_max_tokens, prompt_param="prompt",
+                   logprobs=logprobs)
 
 
 def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str,
@@ -382,10 +389,7 @@ def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: 
     b: ChatCompletionBody = _parse(ChatCompletionBody, body)
     if b.echo:
         _unsupported("echo", "echo=true (prepending the last message)")
-    if b.logprobs not in (None, False):
-        _unsupported("logprobs", "logprobs")
-    if b.top_logprobs:
-        _unsupported("top_logprobs", "top_logprobs")
+    logprobs = _chat_logprobs(b.logprobs, b.top_logprobs)
     if b.tools:
         _unsupported("tools", "tool calling")
     _refuse_not_implemented(b, {**NOT_IMPLEMENTED, **NOT_IMPLEMENTED_CHAT})
@@ -403,7 +407,7 @@ def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: 
     # tokens (a fixed canvas, not a cap), so it keeps the configured default.
     default = limits.default_max_tokens if limits.engine_family == DIFFUSION else None
     return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header,
-                   default_max_tokens=default, prompt_param="messages")
+                   default_max_tokens=default, prompt_param="messages", logprobs=logprobs)
 
 
 def _encode_chat(encoder: PromptEncoder, messages: list[dict[str, str]], add_generation_prompt: bool | None,
@@ -505,6 +509,9 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
             raise InvalidArgument("prompt is empty: token_ids.ids must be non-empty", param="prompt")
         prompt_ids = encoder.check_token_ids(msg.token_ids.ids, "prompt")
     s = msg.sampling
+    if s.HasField("num_logprobs"):
+        # GenerateResponse has no field for them yet (the HTTP API returns them).
+        _unsupported("num_logprobs", "sampling.num_logprobs over gRPC Generate (use the HTTP API)")
     max_tokens = s.max_tokens if s.HasField("max_tokens") else None
     seed = s.seed if s.HasField("seed") else None
     if seed is not None and seed >= SEED_LIMIT:
@@ -536,7 +543,7 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
 def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_tokens_param: str,
             encoder: PromptEncoder, limits: Limits, request_id: str,
             predicted_output_len_header: str | None = None, *, default_max_tokens: int | None,
-            prompt_param: str) -> GenerationRequest:
+            prompt_param: str, logprobs: int | None = None) -> GenerationRequest:
     """The checks both OpenAI endpoints share; `default_max_tokens` None: the rest of the context."""
     _check_model(b.model, limits)
     if b.n not in (None, 1):
@@ -573,6 +580,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b),
+        logprobs=logprobs,
         **_penalties(b.presence_penalty, b.frequency_penalty, b.repetition_penalty, b.min_p, b.min_tokens, max_tokens))
     return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
                            retention_ratio=b.retention_ratio, cfg_scale=b.cfg_scale)
@@ -597,6 +605,8 @@ def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> Gen
     for name, default in PENALTY_DEFAULTS.items():
         if getattr(req, name) != default:
             _unsupported(name, f"{name} on a diffusion model (it samples every position of a block at once)")
+    if req.logprobs is not None:
+        _unsupported("logprobs", "logprobs on a diffusion model (its tokens are unmasked, not sampled one by one)")
     if limits.mask_token_id is not None and limits.mask_token_id in req.prompt_token_ids:
         raise InvalidArgument(f"prompt holds the mask token (id {limits.mask_token_id}), which only the model "
                               "may place", param="prompt")
@@ -719,6 +729,29 @@ def _penalties(presence: float | None, frequency: float | None, repetition: floa
         raise InvalidArgument(f"min_tokens must be in [0, max_tokens] = [0, {max_tokens}], got "
                               f"{values['min_tokens']}", param="min_tokens")
     return values
+
+
+def _top_logprobs(value: Any, param: str) -> int | None:
+    """A number of top logprobs (completions' `logprobs`, chat's `top_logprobs`): an integer in
+    [0, MAX_LOGPROBS] (vLLM's max_logprobs), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidArgument(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=param)
+    return value
+
+
+def _chat_logprobs(logprobs: Any, top_logprobs: int | None) -> int | None:
+    """Chat's pair: `logprobs` (a boolean) asks for them, `top_logprobs` (0..20) how many
+    alternatives; vLLM's rule: top_logprobs above 0 needs logprobs true."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidArgument(f"logprobs must be a boolean on chat completions (top_logprobs says how many), "
+                              f"got {logprobs!r}", param="logprobs")
+    top = _top_logprobs(top_logprobs, "top_logprobs")
+    if top and not logprobs:
+        raise InvalidArgument("top_logprobs: when using top_logprobs, logprobs must be set to true",
+                              param="top_logprobs")
+    return (top or 0) if logprobs else None
 
 
 def _temperature(value: float | None) -> float | None:

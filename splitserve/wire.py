@@ -8,7 +8,7 @@ one from the core's typed errors to the services' (`service_error`).
 from __future__ import annotations
 
 from splitserve.core.errors import InvalidInput
-from splitserve.core.sampling import SamplingParams
+from splitserve.core.sampling import SamplingParams, TokenLogprobs
 from splitserve.errors import InvalidArgument
 from splitserve.proto import types_pb2
 from splitserve.state_records import WorkerLoad
@@ -65,6 +65,8 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
     for name in SAMPLING_FILTER_FIELDS:
         if message.HasField(name):
             setattr(params, name, getattr(message, name))
+    if message.HasField("num_logprobs"):
+        params.logprobs = message.num_logprobs
     return params
 
 
@@ -82,6 +84,8 @@ def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
         min_tokens=params.min_tokens)
     if params.seed is not None:
         message.seed = params.seed
+    if params.logprobs is not None:
+        message.num_logprobs = params.logprobs
     for name in ("steps", "block_length"):
         if getattr(params, name) is not None:
             setattr(message, name, getattr(params, name))
@@ -90,6 +94,16 @@ def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
         if value != getattr(defaults, name):
             setattr(message, name, value)
     return message
+
+
+def token_logprobs_to_proto(logprobs: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(logprob=logprobs.logprob, top_token_ids=[t for t, _ in logprobs.top],
+                                   top_logprobs=[v for _, v in logprobs.top])
+
+
+def token_logprobs_from_proto(message: types_pb2.TokenLogprobs) -> TokenLogprobs:
+    """The record of one token's logprobs (float32 on the wire, as the sampler computes them: exact)."""
+    return TokenLogprobs(message.logprob, tuple(zip(message.top_token_ids, message.top_logprobs)))
 
 
 def service_error(err: InvalidInput) -> InvalidArgument:

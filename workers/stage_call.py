@@ -203,13 +203,14 @@ def _refusal(err: ValueError) -> Exception:
 
 def merge_pending(event: TokenEvent, events: asyncio.Queue) -> TokenEvent:
     """One event for everything already queued: a stream that fell behind catches up in one message."""
-    token_ids, text = list(event.token_ids), event.text
+    token_ids, text, logprobs = list(event.token_ids), event.text, list(event.logprobs)
     while not event.finished and not events.empty():
         event = events.get_nowait()
         token_ids += event.token_ids
         text += event.text
+        logprobs += event.logprobs  # one per token where the request asked: they stay aligned
     return TokenEvent(event.key, token_ids, text, event.finish_reason, event.num_prompt_tokens,
-                      event.num_output_tokens)
+                      event.num_output_tokens, logprobs=logprobs)
 
 
 def record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, first_token_ns: int, end_ns: int,

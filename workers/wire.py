@@ -11,7 +11,7 @@ import time
 from splitserve.core import KvInBlocks, KvSink, StageKey, StageSlo, StageSpec, TokenEvent
 from splitserve.core.sequence import SessionHold
 from splitserve.proto import types_pb2
-from splitserve.wire import sampling_from_proto
+from splitserve.wire import sampling_from_proto, token_logprobs_to_proto
 
 DEFAULT_SESSION_PIN_TTL_S = 600.0  # a round that names no TTL (the coordinator always sends its session's)
 
@@ -55,4 +55,5 @@ def token_chunk(stage: types_pb2.Stage, event: TokenEvent, worker_id: str, first
         num_output_tokens=event.num_output_tokens, first_token_unix_ns=first_token_unix_ns,
         emitted_unix_ns=time.time_ns(), stage_index=stage.stage_index, worker_id=worker_id,
         kv_block_ids=kv_block_ids, kv_tokens=kv_tokens,
+        logprobs=[token_logprobs_to_proto(lp) for lp in event.logprobs],
     )

@@ -16,6 +16,7 @@ _MASK64 = (1 << 64) - 1
 # samplers use the same 1e-5 threshold).
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+MAX_LOGPROBS = 20  # top logprobs per token: vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -32,6 +33,15 @@ def request_seed(request_id: str) -> int:
     (by the coordinator) so that every worker a split, disaggregated or migrated request runs
     on samples the same tokens; derived from the request id, so a record tells it."""
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log probabilities under the model's raw distribution: its own and
+    the `top` most likely tokens' (id, logprob), most likely first (vLLM's sample logprobs)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -62,6 +72,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: divides a seen token's positive logit, multiplies a negative one
     min_p: float = 0.0  # in [0, 1]: keeps tokens whose probability is >= min_p x the top token's
     min_tokens: int = 0  # EOS and stop_token_ids are masked until the output holds this many tokens
+    # None: no logprobs; N in [0, MAX_LOGPROBS]: each output token's logprob and the top N's, of
+    # the raw distribution (before penalties, temperature and filters, as vLLM's raw_logprobs).
+    logprobs: int | None = None
 
     @property
     def penalised(self) -> bool:
@@ -102,6 +115,10 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidInput(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
                                f"{self.min_tokens!r}", param="min_tokens")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidInput(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top tokens per output token), "
+                               f"got {self.logprobs!r}", param="logprobs")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size}), got {bad}", param="stop_token_ids")

@@ -42,7 +42,7 @@ from splitserve.core.block_manager import BlockManager
 from splitserve.core.errors import InvalidInput, StageKeyTaken
 from splitserve.core.policy import (PRIORITY, BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget,
                                     priority_key, scheduling_policy_option)
-from splitserve.core.sampling import SamplingParams
+from splitserve.core.sampling import SamplingParams, TokenLogprobs
 from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.session_pins import SessionPins
 from splitserve.core.stage import KvInBlocks, StageSpec
@@ -122,6 +122,8 @@ class TokenEvent:
     num_output_tokens: int
     # Seconds the stage waited before it was first scheduled (its trace's queue span); None: unknown.
     queue_wait_s: float | None = None
+    # One per token of token_ids when the request asked for logprobs (SamplingParams.logprobs); else empty.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -325,9 +327,10 @@ class Scheduler:
         self.policy.next_batch(step, now)
         return SchedulerOutput.of(step.entries, step.preempted, step.held_until)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int],
-                           latency_s: float) -> list[TokenEvent]:
-        """Apply an executed step: KV computed, tokens appended, stages finished; their events."""
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int], latency_s: float,
+                           logprobs: Mapping[StageKey, TokenLogprobs] | None = None) -> list[TokenEvent]:
+        """Apply an executed step: KV computed, tokens appended, stages finished; their events.
+        `logprobs`: the sampled tokens' logprobs of the stages whose requests asked for them."""
         events: list[TokenEvent] = []
         sequences, bm = self.sequences, self.block_manager
         for e in out.entries:
@@ -338,7 +341,7 @@ class Scheduler:
             bm.commit_computed(seq)
             token = sampled.get(seq.key)
             if token is not None:
-                events.append(self._append_token(seq, token))
+                events.append(self._append_token(seq, token, logprobs.get(seq.key) if logprobs else None))
             elif seq.reached_stage_end:  # a prefill-only stage: KV done, nothing sampled
                 self.finish(seq, FinishReason.STAGE_END)
                 events.append(TokenEvent(seq.key, [], "", FinishReason.STAGE_END.value, seq.prompt_len,
@@ -409,7 +412,7 @@ class Scheduler:
         if spec.end is not None and spec.end < total and spec.end <= supplied:
             raise InvalidInput(f"end ({spec.end}) must be beyond the supplied KV ({supplied} tokens)", param="end")
 
-    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> TokenEvent:
         seq.token_ids.append(token)
         params = seq.params
         reason = None
@@ -429,7 +432,7 @@ class Scheduler:
         if reason is not None:
             self.finish(seq, reason)
         return TokenEvent(seq.key, [token], text, reason.value if reason else None, seq.prompt_len,
-                          seq.num_output_tokens, _queue_wait(seq))
+                          seq.num_output_tokens, _queue_wait(seq), [logprobs] if logprobs is not None else [])
 
     def _admit(self, seq: Sequence, wanted: int) -> int | None:
         """Move a waiting sequence to running with blocks for its next tokens (at most `wanted`);

@@ -110,6 +110,9 @@ class Engine:
         carried in memory (`KvPayload`) finds no free blocks now."""
         text = None
         params = spec.sampling
+        if params.logprobs is not None and not hasattr(self.runner, "step_logprobs"):
+            raise InvalidInput("logprobs: this engine computes no logits to take them from (the emulated backend)",
+                               param="logprobs")
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
             text = IncrementalDetokenizer(self.tokenizer, list(spec.prompt_ids), params.stop, params.min_tokens)
             if spec.output_ids:
@@ -194,7 +197,8 @@ class Engine:
         started = self.clock()  # the injected clock: an emulated pass on virtual time measures its model time
         on_layer_kv = self._layer_hook(out) if self.layer_watchers else None
         sampled = self.runner.execute(out) if on_layer_kv is None else self.runner.execute(out, on_layer_kv)
-        return self.scheduler.update_from_output(out, sampled, self.clock() - started)
+        return self.scheduler.update_from_output(out, sampled, self.clock() - started,
+                                                 getattr(self.runner, "step_logprobs", None))
 
     @property
     def last_step_tokens(self) -> int:

@@ -22,6 +22,7 @@ from workers.engine.cpu_linear import onednn_available, pack_linears
 from workers.engine.host_memory import zeros_on_huge_pages
 from workers.engine.loader import load_model
 from splitserve.core import ScheduledEntry, SchedulerOutput, Sequence, StageKey
+from splitserve.core.sampling import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class ModelRunner:
         self.shapes = ShapeGrid(config.shape_tokens, config.shape_batches) if config.captured_shapes else None
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_padded_steps = 0
+        # The latest step's sampled-token logprobs, of the stages whose requests asked for them
+        # (SamplingParams.logprobs); the engine hands them to the scheduler with the tokens.
+        self.step_logprobs: dict[StageKey, TokenLogprobs] = {}
         self.buckets: BucketRunner | None = None
         if self.shapes is not None:
             executor = config.captured_shapes_executor
@@ -232,6 +236,9 @@ class ModelRunner:
             token_ids=[s.token_ids for s in seqs], prompt_lens=[s.prompt_len for s in seqs],
             eos_token_ids=self.eos_token_ids,
         )
+        # Of the raw logits (vLLM's raw_logprobs), for the rows that asked only.
+        found = sampler.token_logprobs(logits, [s.params for s in seqs], tokens)
+        self.step_logprobs = {seqs[i].key: lp for i, lp in found.items()}
         return {s.key: t for s, t in zip(seqs, tokens)}
 
     def _bucket_forward(self, input_ids, positions, meta, logits_indices) -> torch.Tensor:

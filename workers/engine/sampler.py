@@ -26,10 +26,10 @@ from typing import Collection, Sequence
 import torch
 
 from splitserve.core import SamplingParams
-from splitserve.core.sampling import mix_seed
+from splitserve.core.sampling import TokenLogprobs, mix_seed
 from workers.tensor_hash import M32, hash32
 
-__all__ = ["apply_penalties", "argmax_rows", "counter_uniform", "min_p_mask", "mix_seed", "sample"]  # mix_seed: splitserve.core.sampling's, re-exported
+__all__ = ["apply_penalties", "argmax_rows", "counter_uniform", "min_p_mask", "mix_seed", "sample", "token_logprobs"]  # mix_seed: splitserve.core.sampling's, re-exported
 
 # Rows whose noise is made at once: bounds its temporaries (~5 int64 tables of NOISE_ROWS x
 # vocab: 48 MiB at a 152k vocabulary) whatever the batch, on the CPU and in GPU memory alike.
@@ -83,6 +83,35 @@ def sample(
             tokens[index] = _sample_rows(logits[index], [params[i] for i in drawn], keys.to(logits.device),
                                          filtering)
     return tokens.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   tokens: Sequence[int]) -> dict[int, TokenLogprobs]:
+    """The logprobs of the rows whose request asked for them (`params[i].logprobs` not None),
+    by row: the sampled `tokens[i]`'s and the `params[i].logprobs` most likely tokens', under the
+    model's raw distribution: log_softmax of `logits` [rows, vocab] as the model gave them, before
+    min_tokens, penalties, temperature, min_p, top-k and top-p (which `sample` applies to a copy).
+
+    vLLM v1's default `logprobs_mode="raw_logprobs"` does the same: `Sampler.forward`
+    (vllm/v1/sample/sampler.py) takes `compute_logprobs(logits)` (log_softmax in float32) before
+    any processing, and `gather_logprobs` gathers the top `max_num_logprobs` (torch.topk) and the
+    sampled token from it. One log_softmax and one topk over the rows that asked, vectorised; a
+    step where none asked computes nothing."""
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asked:
+        return {}
+    logprobs = torch.log_softmax(logits[_index(asked, logits.shape[0], logits.device)].to(torch.float32), dim=-1)
+    ids = torch.tensor([tokens[i] for i in asked], dtype=torch.int64, device=logits.device).unsqueeze(1)
+    sampled = logprobs.gather(1, ids).squeeze(1).tolist()
+    wanted = [params[i].logprobs for i in asked]
+    k = min(max(wanted), logprobs.shape[-1])
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)  # largest first
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    else:
+        top_values = top_ids = [[] for _ in asked]
+    return {i: TokenLogprobs(sampled[r], tuple(zip(top_ids[r][:n], top_values[r][:n])))
+            for r, (i, n) in enumerate(zip(asked, wanted))}
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
