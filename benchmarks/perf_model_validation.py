@@ -54,7 +54,7 @@ from splitserve.perf_presets import gpu_spec, model_spec  # noqa: E402
 console = Console(width=180)
 
 SETUPS = [("A100", "Qwen2.5-14B", 1), ("H100", "Llama-3-8B", 1), ("H100", "Qwen2.5-32B", 2),
-          ("H200", "Llama-3.1-70B", 4), ("L40S", "Llama-3-8B", 1)]
+          ("H200", "Llama-3.1-70B", 4), ("L40S", "Llama-3-8B", 1), ("H200", "Mixtral-8x7B", 2)]
 PREFILLS = (128, 512, 2048, 8192)
 DECODES = ((1, 512), (16, 2048), (64, 4096), (256, 1024))
 MIXED = ((256, 16), (512, 64), (2048, 32), (1024, 128))
@@ -80,7 +80,8 @@ def reference_engine(gpu: str, model: str, tp: int):
     logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(hf_config(model_spec(model))))
-        return EngineHandle.compile(d, SYSTEMS[gpu_spec(gpu).name], "vllm", tp_size=tp)
+        moe = {"moe_tp_size": tp} if model_spec(model).is_moe else {}  # experts tensor-parallel, as tabulated
+        return EngineHandle.compile(d, SYSTEMS[gpu_spec(gpu).name], "vllm", tp_size=tp, **moe)
 
 
 def part_a() -> list[dict[str, Any]]:

@@ -28,6 +28,13 @@ closed forms the tables do not (regimes, KV transfer).
 
 Models the database lacks (Qwen2.5) are compiled from the presets' own config fields
 (`splitserve.perf_presets.ModelSpec`), written as a Hugging Face config.json.
+
+Mixture-of-experts models (Mixtral-8x7B) compile as aiconfigurator's `MOE` family with the
+experts split tensor-parallel like the attention (`moe_tp_size = tp`, no expert parallelism,
+as vLLM serves Mixtral by default); their `linear` tables then hold the measured fused-MoE
+kernel (vLLM's Triton `fused_moe` for BF16) at each token count, routed with aiconfigurator's
+default skew (power law, alpha 1.2), so the experts a step touches are in the measurement.
+A shape the MoE table lacks is a `ValueError` with the database's own words.
 """
 
 from __future__ import annotations
@@ -93,12 +100,14 @@ class Coverage:
 
     version: str | None  # aiconfigurator-core's version; None when it is not installed
     systems: dict[str, tuple[str, ...]]  # system -> frameworks with GEMM and attention data
+    moe: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # system -> frameworks with MoE data
 
     def describe(self) -> str:
         if self.version is None:
             return "aiconfigurator-core is not installed (pip install aiconfigurator-core)"
         ours = {name: sys for name, sys in SYSTEMS.items()}
-        parts = [f"{name} ({sys}): {', '.join(self.systems.get(sys, ())) or 'no data'}" for name, sys in ours.items()]
+        parts = [f"{name} ({sys}): {', '.join(self.systems.get(sys, ())) or 'no data'}"
+                 + (f" (MoE: {', '.join(self.moe[sys])})" if self.moe.get(sys) else "") for name, sys in ours.items()]
         return f"aiconfigurator-core {self.version} covers " + "; ".join(parts)
 
 
@@ -110,17 +119,22 @@ def coverage() -> Coverage:
     except ImportError:
         return Coverage(None, {})
     data = Path(aiconfigurator_core.__file__).parent / "systems" / "data"
-    systems = {}
+    systems, moe = {}, {}
     for sys_dir in sorted(p for p in data.iterdir() if p.is_dir()):
         frameworks = tuple(f for f in FRAMEWORKS
                            if (sys_dir / "gemm" / f).is_dir() and (sys_dir / "attention" / f).is_dir())
         if frameworks:
             systems[sys_dir.name] = frameworks
-    return Coverage(version("aiconfigurator-core"), systems)
+            moe_frameworks = tuple(f for f in frameworks if (sys_dir / "moe" / f).is_dir())
+            if moe_frameworks:
+                moe[sys_dir.name] = moe_frameworks
+    return Coverage(version("aiconfigurator-core"), systems, moe)
 
 
 def _architecture(m: ModelSpec) -> tuple[str, str]:
     hf = m.hf_id.lower()
+    if m.is_moe:  # aiconfigurator's MOE family: routed experts, no shared expert (Mixtral's layout)
+        return "MixtralForCausalLM", "mixtral"
     if hf.startswith("qwen/qwen3"):
         return "Qwen3ForCausalLM", "qwen3"
     if hf.startswith("qwen/qwen2"):
@@ -131,12 +145,16 @@ def _architecture(m: ModelSpec) -> tuple[str, str]:
 def hf_config(m: ModelSpec) -> dict[str, Any]:
     """A Hugging Face config.json of the preset's shape (what aiconfigurator compiles)."""
     arch, kind = _architecture(m)
-    return {"architectures": [arch], "model_type": kind, "hidden_size": m.hidden,
-            "intermediate_size": m.intermediate, "num_attention_heads": m.heads,
-            "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "num_hidden_layers": m.layers,
-            "vocab_size": m.vocab, "max_position_embeddings": m.context_len,
-            "tie_word_embeddings": m.tied_embeddings, "torch_dtype": "bfloat16", "hidden_act": "silu",
-            "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+    config = {"architectures": [arch], "model_type": kind, "hidden_size": m.hidden,
+              "intermediate_size": m.intermediate, "num_attention_heads": m.heads,
+              "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "num_hidden_layers": m.layers,
+              "vocab_size": m.vocab, "max_position_embeddings": m.context_len,
+              "tie_word_embeddings": m.tied_embeddings, "torch_dtype": "bfloat16", "hidden_act": "silu",
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+    if m.is_moe:  # dense configs stay exactly as they were (their cache keys hash this dict)
+        config.update(num_local_experts=m.experts, num_experts_per_tok=m.experts_per_token,
+                      moe_intermediate_size=m.expert_intermediate)
+    return config
 
 
 def _check_covered(gpu_name: str, m: ModelSpec, framework: str) -> str:
@@ -152,6 +170,9 @@ def _check_covered(gpu_name: str, m: ModelSpec, framework: str) -> str:
     if m.kind != "ar":
         raise ValueError(f"{m.name} is a diffusion LM: aiconfigurator measures autoregressive serving only "
                          "(dLLM-Serve's steps use splitserve.diffusion_perf)")
+    if m.is_moe and framework not in cov.moe.get(system, ()):
+        raise ValueError(f"no measured {framework} MoE data for {gpu_name} ({m.name} is a mixture of experts): "
+                         f"{cov.describe()}")
     return system
 
 
@@ -224,18 +245,28 @@ def _measure(system: str, m: ModelSpec, tp: int, framework: str, version: str | 
     logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)  # its fallback-row notices
     from aiconfigurator_core.sdk.engine import EngineHandle
 
+    # An MoE model's experts are tensor-parallel like its attention (aiconfigurator requires
+    # tp = moe_tp x moe_ep; vLLM's default for Mixtral is expert TP, no expert parallelism).
+    parallel = {"moe_tp_size": tp} if m.is_moe else {}
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(hf_config(m)))
         try:
-            handle = EngineHandle.compile(model_dir, system, framework, tp_size=tp, backend_version=version)
+            handle = EngineHandle.compile(model_dir, system, framework, tp_size=tp, backend_version=version,
+                                          **parallel)
+            # The first evaluation is where a missing table shows (an MoE shape the database lacks).
+            context_ops, generation_ops = handle.run_static_per_op(batch_size=1, isl=16, osl=2)
         except Exception as exc:  # the database's own words: which version, which op lacks data
             raise ValueError(f"aiconfigurator cannot model {m.name} tp{tp} on {system}/{framework}"
                              f"{'/' + version if version else ''}: {exc}") from exc
-    context_ops, generation_ops = handle.run_static_per_op(batch_size=1, isl=16, osl=2)
     ctx_names, gen_names = [op[0] for op in context_ops], [op[0] for op in generation_ops]
+    # Dense and MoE op lists alike keep attention at index 3 (embedding, add-norm, qkv, attention,
+    # ...); an MoE list has router, dispatch and moe ops where a dense one has its MLP GEMMs, all
+    # of them linear in the tokens, and no context logits.
     if ctx_names[_ATTENTION] != "context_attention" or gen_names[_ATTENTION] != "generation_attention":
-        raise ValueError(f"aiconfigurator's op list for {m.name} is not the dense layout this backend reads: "
+        raise ValueError(f"aiconfigurator's op list for {m.name} is not the layout this backend reads: "
                          f"{ctx_names}")
+    if m.is_moe and not any(n.endswith("_moe") for n in gen_names):
+        raise ValueError(f"aiconfigurator's op list for {m.name} has no MoE op: {gen_names}")
     ctx_linear = [i for i, n in enumerate(ctx_names) if i != _ATTENTION and not n.endswith("logits_gemm")]
     gen_linear = [i for i, n in enumerate(gen_names) if i != _ATTENTION and not n.endswith("logits_gemm")]
     logits = gen_names.index(next(n for n in gen_names if n.endswith("logits_gemm")))
@@ -264,6 +295,8 @@ def _measure(system: str, m: ModelSpec, tp: int, framework: str, version: str | 
     source = {"backend": "aiconfigurator", "system": system, "framework": framework,
               "database_version": resolved, "aiconfigurator_core": dist_version("aiconfigurator-core"),
               "model": m.name, "tp": tp}
+    if m.is_moe:
+        source.update(moe_tp=tp, moe_ep=1, moe_distribution="power_law_1.2")
     tables, fixes = StepTables.from_raw(**raw, source=source)
     return dataclasses.replace(tables, source={**source, "monotone_fix": {k: round(v, 4) for k, v in fixes.items()}})
 

@@ -48,7 +48,14 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Transformer shape from the model's Hugging Face config.json."""
+    """Transformer shape from the model's Hugging Face config.json.
+
+    A mixture-of-experts model (`experts` > 0, e.g. Mixtral) replaces every layer's gated MLP
+    with `experts` gated MLPs of `expert_intermediate` each and a router; a token runs through
+    `experts_per_token` of them (top-k). Its FLOPs follow the experts a token uses
+    (`linear_params`, the active parameters), its memory all of them (`stored_linear_params`),
+    and the weights a step reads the experts its tokens touch (`linear_params_read`). Dense
+    models leave the three fields 0."""
 
     name: str
     hf_id: str
@@ -63,13 +70,79 @@ class ModelSpec:
     kind: str  # "ar" or "diffusion" (bidirectional, every position gets logits)
     source: str
     context_len: int  # longest prompt + output the model was trained for: an emulated worker's max_model_len
+    experts: int = 0  # routed experts per layer (config.json num_local_experts); 0 = dense
+    experts_per_token: int = 0  # top-k (num_experts_per_tok)
+    expert_intermediate: int = 0  # each expert's MLP width (Mixtral: its intermediate_size)
+
+    def __post_init__(self) -> None:
+        if self.experts < 0:
+            raise ValueError(f"ModelSpec.experts must be >= 0 (0 = dense), got {self.experts}")
+        if self.experts == 0:
+            if self.experts_per_token or self.expert_intermediate:
+                raise ValueError(f"{self.name}: a dense model (experts = 0) takes experts_per_token = 0 and "
+                                 f"expert_intermediate = 0, got {self.experts_per_token} and "
+                                 f"{self.expert_intermediate}")
+            return
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(f"{self.name}: ModelSpec.experts_per_token must be in [1, experts={self.experts}], "
+                             f"got {self.experts_per_token}")
+        if self.expert_intermediate <= 0:
+            raise ValueError(f"{self.name}: ModelSpec.expert_intermediate must be > 0 for an MoE model, "
+                             f"got {self.expert_intermediate}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and o projections of all layers."""
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        return self.layers * (q_o + k_v)
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's gated MLP in one layer (gate, up, down); 0 for a dense model."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def router_params(self) -> int:
+        return self.layers * self.hidden * self.experts
 
     @property
     def linear_params(self) -> int:
-        """Per-token matmul weights of all layers: q, k, v, o and the gated MLP."""
-        q_o = 2 * self.hidden * self.heads * self.head_dim
-        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        return self.layers * (q_o + k_v + 3 * self.hidden * self.intermediate)
+        """Per-token matmul weights of all layers: q, k, v, o and the gated MLP; for an MoE model
+        the router and the `experts_per_token` experts a token runs through (the active
+        parameters: 2 FLOPs each per token)."""
+        if not self.is_moe:
+            return self.attention_params + self.layers * 3 * self.hidden * self.intermediate
+        return self.attention_params + self.router_params + self.layers * self.experts_per_token * self.expert_params
+
+    @property
+    def stored_linear_params(self) -> int:
+        """Matmul weights held in memory: `linear_params`, with every expert for an MoE model."""
+        if not self.is_moe:
+            return self.linear_params
+        return self.attention_params + self.router_params + self.layers * self.experts * self.expert_params
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected distinct experts per layer that `tokens` tokens route to, each choosing
+        `experts_per_token` of the `experts` uniformly and independently:
+        E·(1 − (1 − k/E)^tokens) (Mixtral at one decode: 2; at 8: 7.2; at 16: 7.9 of 8).
+        Real routing is skewed, so this is the most a batch can touch on average."""
+        if not self.is_moe or tokens <= 0:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens)
+
+    def linear_params_read(self, tokens: float) -> float:
+        """Matmul weights a step of `tokens` tokens reads from memory: all of them for a dense
+        model; for an MoE model the attention, the router and the experts the tokens touch
+        (`experts_touched`)."""
+        if not self.is_moe:
+            return float(self.linear_params)
+        return (self.attention_params + self.router_params
+                + self.layers * self.experts_touched(tokens) * self.expert_params)
 
     @property
     def vocab_params(self) -> int:
@@ -77,7 +150,7 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return self.linear_params + self.vocab_params * (1 if self.tied_embeddings else 2)
+        return self.stored_linear_params + self.vocab_params * (1 if self.tied_embeddings else 2)
 
     @property
     def attn_flops_per_pair(self) -> int:
@@ -162,6 +235,13 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType({
                            _HF.format("Qwen/Qwen3-32B"), 32768),
     "Llama-3.1-70B": ModelSpec("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 128,
                                28672, 128256, False, "ar", _HF.format("meta-llama/Llama-3.1-70B"), 131072),
+    # Mixtral: 8 experts of 14,336 per layer (intermediate_size is each expert's), top-2; 46.7B
+    # parameters, 12.9B active per token (Mixtral of Experts, arXiv:2401.04088 §2).
+    "Mixtral-8x7B": ModelSpec("Mixtral-8x7B", "mistralai/Mixtral-8x7B-Instruct-v0.1", 32, 4096, 32, 8, 128,
+                              14336, 32000, False, "ar",
+                              _HF.format("mistralai/Mixtral-8x7B-Instruct-v0.1")
+                              + "; Mixtral of Experts (arXiv:2401.04088) Table 1", 32768,
+                              experts=8, experts_per_token=2, expert_intermediate=14336),
     "LLaDA-8B": ModelSpec("LLaDA-8B", "GSAI-ML/LLaDA-8B-Base", 32, 4096, 32, 32, 128, 12288,
                           126464, False, "diffusion", _HF.format("GSAI-ML/LLaDA-8B-Base")
                           + "; LLaDA paper (arXiv:2502.09992) Table 5: 8.02B params, MHA", 4096),
@@ -185,7 +265,8 @@ _GPU_ALIASES = {"a10080gb": "A100", "a100sxm": "A100", "a10080gbsxm": "A100", "a
                 "h100sxm": "H100", "h100sxm5": "H100", "h100sxm580gb": "H100", "h200sxm": "H200",
                 "4090": "RTX4090", "geforcertx4090": "RTX4090"}
 # Llama-3.1-8B and Llama-3.3-70B share their predecessors' shapes.
-_MODEL_ALIASES = {"llama3.18b": "Llama-3-8B", "llama3.370b": "Llama-3.1-70B", "llada8b": "LLaDA-8B"}
+_MODEL_ALIASES = {"llama3.18b": "Llama-3-8B", "llama3.370b": "Llama-3.1-70B", "llada8b": "LLaDA-8B",
+                  "mixtral8x7binstructv0.1": "Mixtral-8x7B", "mixtral8x7bv0.1": "Mixtral-8x7B"}
 
 
 def _lookup(name: str, table: Mapping, aliases: dict[str, str], what: str):
@@ -218,8 +299,13 @@ def link_spec(link: str | LinkSpec) -> LinkSpec:
 
 def _weight_bytes(m: ModelSpec, dtype: str) -> tuple[float, float]:
     """(bytes read per step, bytes resident) for the whole model. fp8 stores the linear
-    layers in 1 byte; embeddings and lm_head stay BF16."""
-    lin = m.linear_params * (1 if dtype == "fp8" else 2)
+    layers in 1 byte; embeddings and lm_head stay BF16. An MoE model's step reads every expert
+    here: the whole-step roofline's weight read is one constant per step, and a batch of 16
+    tokens already touches 7.9 of Mixtral's 8 experts (`ModelSpec.experts_touched`), so only
+    steps of a few tokens are overstated (one decode reads 2 experts, not 8; the kernel-class
+    roofline, `splitserve.perf_roofline`, counts the experts touched)."""
+    w = 1 if dtype == "fp8" else 2
+    lin = m.stored_linear_params * w
     return lin + 2 * m.vocab_params, lin + 2 * m.vocab_params * (1 if m.tied_embeddings else 2)
 
 

@@ -30,6 +30,17 @@ constants of `RooflineConstants` (all >= 0):
     decode_attention(B, C) = layers·da_lat + B·layers·kvh·seq_s
               + max(A·B·C / (F16·attn_eff), kv·B·C / (W·kv_bw))
 
+For a mixture-of-experts model (Mixtral) the GEMM term counts each expert apart: with P_d the
+weights every token runs through (attention, router), P_e one expert's MLP of all layers per GPU,
+k experts per token and e(T) = E·(1 − (1 − k/E)^T) the expected distinct experts T tokens touch,
+
+    GEMMs = max(2·(P_d·(T + t_half) + P_e·(k·T + e(T)·t_half)) / (F·gemm_eff),
+                ((P_d + e(T)·P_e)·w + T·io) / (W·weight_bw))
+
+(FLOPs of the top-k experts per token; the weights of the experts touched; one padded GEMM per
+expert touched); io and elem count the k experts' activations. For a dense model e = 0 and
+P_d = P, the formula above. The constants were fitted to dense models only.
+
 P = linear weights per GPU, w = weight bytes (2 for bf16, 1 for fp8 linear layers), io / elem =
 bytes per token of the GEMMs' activations / of the elementwise kernels, V = lm_head weights per
 GPU, A = attention FLOPs per (query, key) pair per GPU (4·layers·heads/tp·head_dim), kv = KV
@@ -167,13 +178,19 @@ class RooflineKernels:
         h, hd, layers = m.hidden, m.head_dim, m.layers
         qh = m.heads / tp
         self.kvh = max(m.kv_heads / tp, 1.0)
-        inter = m.intermediate / tp
+        # MLP width a token runs through, per GPU: an MoE token runs through experts_per_token
+        # experts (tensor-parallel experts: every GPU holds 1/tp of each).
+        inter = (m.experts_per_token * m.expert_intermediate if m.is_moe else m.intermediate) / tp
         self.layers = layers
         self.peak_lin = (g.fp8_tflops if dtype == "fp8" else g.bf16_tflops) * 1e12
         self.peak16 = g.bf16_tflops * 1e12
         self.hbm = g.mem_bw_gbs * GB
-        # per GPU: linear weights (elements), bytes per token of GEMM activations and elementwise kernels
+        # per GPU: linear weights (elements), bytes per token of GEMM activations and elementwise kernels.
+        # p_lin is what a token multiplies by (an MoE model's active parameters); p_dense the part
+        # every step reads whole, p_expert one expert of all layers (0 for a dense model).
         self.p_lin = layers * (2 * h * qh * hd + 2 * h * self.kvh * hd + 3 * h * inter)
+        self.p_expert = layers * m.expert_params / tp
+        self.p_dense = self.p_lin - m.experts_per_token * self.p_expert
         self.w_bytes = 1.0 if dtype == "fp8" else 2.0
         self.io = 2.0 * layers * ((h + (qh + 2 * self.kvh) * hd) + (qh * hd + h) + (h + 2 * inter) + (inter + h))
         self.elem = 2.0 * layers * (8 * h + 3 * inter)
@@ -187,10 +204,25 @@ class RooflineKernels:
         self.link = link * GB
 
     # ---- kernel classes ------------------------------------------------------------------
+    def experts_touched(self, tokens):
+        """Expected distinct experts per layer that `tokens` tokens route to (uniform routing:
+        E·(1 − (1 − k/E)^T), `ModelSpec.experts_touched`); 0 for a dense model."""
+        m, t = self.model, np.asarray(tokens, dtype=np.float64)
+        if not m.is_moe:
+            return np.zeros_like(t)
+        return m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** np.maximum(t, 0.0))
+
     def linear_s(self, tokens):
         c, t = self.c, np.asarray(tokens, dtype=np.float64)
-        gemm = np.maximum(2 * self.p_lin * (t + c.gemm_t_half) / (self.peak_lin * c.gemm_eff),
-                          (self.p_lin * self.w_bytes + t * self.io) / (self.hbm * c.weight_bw))
+        # Each GEMM computes t_half rows more than asked; an MoE layer runs one GEMM per expert
+        # touched, so its experts pad t_half rows each. Weights read: the dense part whole, the
+        # experts the step's tokens touch (Mixtral: 2 of 8 at one decode, 7.9 at 16 tokens).
+        touched = self.experts_touched(t)
+        padded = self.p_dense * (t + c.gemm_t_half) + self.p_expert * (self.model.experts_per_token * t
+                                                                       + touched * c.gemm_t_half)
+        read = self.p_dense + touched * self.p_expert
+        gemm = np.maximum(2 * padded / (self.peak_lin * c.gemm_eff),
+                          (read * self.w_bytes + t * self.io) / (self.hbm * c.weight_bw))
         floors = LINEAR_KERNELS_PER_LAYER * self.layers * c.kernel_latency_s
         out = floors + gemm + t * self.elem / (self.hbm * c.weight_bw)
         if self.tp > 1:

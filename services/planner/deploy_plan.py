@@ -75,6 +75,8 @@ from loadgen import arrivals
 from loadgen.sessions import PRESETS, ToolDelay, generate_sessions
 from services.global_scheduler.ampd import runs_locally
 from services.planner.simulator import Simulator
+from splitserve.core import known_batch_policies
+from splitserve.core.designs import DesignChoice, resolve_design
 from splitserve.perf_aiconfigurator import perf_model_for
 from splitserve.perf_model import PerfModel
 from splitserve.perf_presets import TP_DEGREES, fits_in_memory, max_kv_tokens
@@ -121,6 +123,8 @@ class PlanInputs:
     sim_sessions: int = 48  # sessions per load-curve point (the curve's resolution vs the plan's time)
     seed: int = 0
     top: int = 3
+    # The workers' local batching: "" = AMPD's own (prefill_reorder); another is an ablation.
+    batch_policy: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 2:
@@ -139,6 +143,14 @@ class PlanInputs:
             raise ValueError(f"top must be >= 1, got {self.top}")
         if self.sim_sessions < 8:
             raise ValueError(f"sim_sessions must be >= 8, got {self.sim_sessions}")
+        if self.batch_policy and self.batch_policy not in known_batch_policies():
+            raise ValueError(f"batch_policy must be one of {', '.join(known_batch_policies())} (or empty: AMPD's), "
+                             f"got {self.batch_policy!r}")
+
+    @property
+    def design(self) -> DesignChoice:
+        """What the simulated deployments run: AMPD's placement and its local batching (or the ablation)."""
+        return resolve_design("ampd", self.batch_policy)
 
     def feasible_tps(self) -> list[int]:
         """TP degrees the model fits at (weights and some KV), within the budget."""
@@ -160,6 +172,17 @@ def perf_options(inputs: PlanInputs) -> dict[str, Any]:
     """`inputs`' perf backend as the keyword arguments of `perf_model_for` / `Simulator.from_pools`."""
     return {"backend": inputs.perf_backend, "framework": inputs.perf_framework,
             "database_version": inputs.perf_database_version}
+
+
+def pool_simulator(inputs: PlanInputs, pools: Sequence[tuple[str, int, int]], **options: Any) -> Simulator:
+    """A simulated deployment of `pools` (role, TP, count) as the plan measures it: the whole
+    AMPD design (placement and local batching, `inputs.design`), the inputs' GPU, model, link,
+    perf backend and SLOs."""
+    design = inputs.design
+    return Simulator.from_pools(pools, inputs.gpu, inputs.model, link=inputs.link, placement_policy=design.placement,
+                                batch_policy=design.batch_policy, slo_ttft_ms=int(inputs.ttft_slo_ms),
+                                slo_itl_ms=int(inputs.itl_slo_ms),
+                                **{f"perf_{k}": v for k, v in perf_options(inputs).items()}, **options)
 
 
 def prefill_capacity(inputs: PlanInputs, tp: int) -> float:
@@ -243,10 +266,7 @@ def _simulate_point(job: tuple[PlanInputs, PointKey]) -> tuple[float, float]:
         remote_rate = rate * (1 - share)
         helpers = max(1, math.ceil(remote_rate / (0.75 * prefill_capacity(inputs, PREFILL_HELPER_TP))))
         pools = [("prefill", PREFILL_HELPER_TP, helpers), ("decode", tp, 1)]
-    sim = Simulator.from_pools(pools, inputs.gpu, inputs.model, link=inputs.link, placement_policy="ampd",
-                               **{f"perf_{k}": v for k, v in perf_options(inputs).items()},
-                               policy_params={"routing": "share", "local_share": share}, slo_ttft_ms=int(inputs.ttft_slo_ms),
-                               slo_itl_ms=int(inputs.itl_slo_ms))
+    sim = pool_simulator(inputs, pools, policy_params={"routing": "share", "local_share": share})
     count = inputs.sim_sessions
     if side == "decode":  # enough arrivals for the worker to fill up to its steady-state session count
         count = max(count, min(MAX_DECODE_SESSIONS, math.ceil(2 * rate * session_lifetime_s(inputs, tp))))
@@ -552,7 +572,7 @@ class PlanResult:
         def name(key: Any) -> str:
             return str(key) if not isinstance(key, tuple) else f"{key[0]}@local{key[1]:g}"
         return {
-            "inputs": asdict(self.inputs), "rate": self.rate,
+            "inputs": asdict(self.inputs), "design": self.inputs.design.describe(), "rate": self.rate,
             "candidates": [{**asdict(c), "gpus": c.gpus, "label": c.label} for c in self.candidates],
             "curves": {side: {name(key): {"rates": list(cv.rates), "p95_ms": [v * 1000 for v in cv.p95_s]}
                               for key, cv in per_key.items()} for side, per_key in self.curves.items()},
@@ -606,11 +626,8 @@ def plan(inputs: PlanInputs, processes: int = 2, log: Callable[[str], None] = la
 
 def _check_one(job: tuple[PlanInputs, float, Candidate, int]) -> dict[str, Any]:
     inputs, rate, cand, sessions = job
-    sim = Simulator.from_pools([("prefill", cand.prefill_tp, cand.prefill_count),
-                                ("decode", cand.decode_tp, cand.decode_count)], inputs.gpu, inputs.model,
-                               link=inputs.link, placement_policy="ampd", slo_ttft_ms=int(inputs.ttft_slo_ms),
-                               **{f"perf_{k}": v for k, v in perf_options(inputs).items()},
-                               slo_itl_ms=int(inputs.itl_slo_ms))
+    sim = pool_simulator(inputs, [("prefill", cand.prefill_tp, cand.prefill_count),
+                                  ("decode", cand.decode_tp, cand.decode_count)])
     items = generate_sessions(inputs.sessions, sessions, np.random.default_rng([inputs.seed, 99]),
                               tool_delay=ToolDelay("exponential", inputs.tool_delay_s))
     outcome = sim.run(items, arrivals.poisson(rate), seed=inputs.seed)

@@ -43,6 +43,9 @@ def plan_command(
     processes: int = _option(2, "--processes", help="Simulation processes."),
     seed: int = _option(0, "--seed"),
     out: Optional[Path] = _option(None, "--out", help="Write the plan (and checks) as JSON here."),
+    batch_policy: str = _option("", "--batch-policy", help="The simulated workers' local batch policy; '' = AMPD's "
+                                "(prefill_reorder, with the ampd placement: the whole design); another (fcfs, ...) "
+                                "plans an ablation."),
 ) -> None:
     """Plan prefill/decode instance counts and TP degrees for a GPU budget (AMPD §5: an ILP over
     simulated per-replica P95 latencies, solved with HiGHS)."""
@@ -59,7 +62,8 @@ def plan_command(
                             ttft_slo_ms=slo_ttft_ms, itl_slo_ms=slo_itl_ms, tp_degrees=degrees, link=link,
                             perf_backend=perf_backend, perf_framework=perf_framework,
                             perf_database_version=perf_database_version,
-                            sim_sessions=sim_sessions, seed=seed, top=top)
+                            sim_sessions=sim_sessions, seed=seed, top=top, batch_policy=batch_policy)
+        console.print(f"design: {inputs.design.describe()}")
         result = plan(inputs, processes=processes)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None

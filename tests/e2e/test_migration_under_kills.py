@@ -1,7 +1,8 @@
 """Migration that is proven (issue 18): workers killed under load, every stream still exact.
 
 32 concurrent streams (greedy, seeded and unseeded sampled; short and long prompts; arrivals
-spread over a second), and one long greedy stream that outlives them, run on a four-worker
+spread over a second), and one long greedy stream that outlives them (the near-end kill is
+taken on its own stream, at a token count, not at a polling instant), run on a four-worker
 cluster while worker processes are killed with SIGKILL at three moments: while prefill work is queued on the victim, mid-decode and near a
 stream's end. The cluster is supervised as `splitserve up` does (a dead worker is started
 again), so later kills can hit restarted workers too. Every stream must complete and equal
@@ -20,6 +21,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import grpc
 import httpx
@@ -51,6 +53,9 @@ class Stream:
     finish_reason: str = ""
     error: str = ""
     done: bool = False
+    # Called after each chunk the client receives (the near-end kill rides on the anchor's own
+    # stream: at a token count, not at a polling instant).
+    on_tokens: Callable[["Stream"], Awaitable[None]] | None = None
 
 
 def _workload(tag: str) -> list[Stream]:
@@ -89,6 +94,8 @@ async def _run_stream(client: AsyncClient, stream: Stream, start_after_s: float)
             stream.tokens += chunk.token_ids
             if chunk.finish_reason:
                 stream.finish_reason = chunk.finish_reason
+            elif stream.on_tokens is not None:
+                await stream.on_tokens(stream)
     except Exception as err:  # recorded and asserted on below, with every other stream's outcome
         stream.error = f"{type(err).__name__}: {err}"
     stream.done = True
@@ -135,40 +142,50 @@ class Kill:
     tokens_delivered: int
 
 
-async def _kill_schedule(cluster, streams: list[Stream], kills: list[Kill]) -> None:
-    """Three kills: prefill queued on the victim, mid-decode, near a stream's end."""
-    total = sum(s.max_tokens for s in streams)
+class Killer:
+    """SIGKILLs workers of the cluster at three moments and records each kill."""
 
-    def kill(moment: str, worker_id: str, load) -> None:
-        os.killpg(cluster.child(worker_id).process.pid, signal.SIGKILL)
-        kills.append(Kill(moment, worker_id, load.running + load.waiting, load.queued_prefill_tokens,
-                          sum(len(s.tokens) for s in streams)))
+    def __init__(self, cluster, streams: list[Stream], store: StateStore):
+        self.cluster, self.streams, self.store = cluster, streams, store
+        self.kills: list[Kill] = []
 
-    async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
+    def kill(self, moment: str, worker_id: str, load) -> None:
+        os.killpg(self.cluster.child(worker_id).process.pid, signal.SIGKILL)
+        self.kills.append(Kill(moment, worker_id, load.running + load.waiting, load.queued_prefill_tokens,
+                               sum(len(s.tokens) for s in self.streams)))
+
+    async def first_two(self) -> None:
+        """Prefill queued on the victim, then mid-decode: polled while the streams run."""
+        total = sum(s.max_tokens for s in self.streams)
         deadline = time.monotonic() + 60
-        while len(kills) < 3 and time.monotonic() < deadline and not all(s.done for s in streams):
-            delivered = sum(len(s.tokens) for s in streams)
-            loads = await _loads(cluster)
+        while len(self.kills) < 2 and time.monotonic() < deadline and not all(s.done for s in self.streams):
+            delivered = sum(len(s.tokens) for s in self.streams)
+            loads = await _loads(self.cluster)
             victim = None
-            if not kills:  # during prefill: the worker with the most prompt tokens still queued
+            if not self.kills:  # during prefill: the worker with the most prompt tokens still queued
                 busy = [(load.queued_prefill_tokens, wid) for wid, load in loads.items() if load.queued_prefill_tokens]
                 victim = max(busy)[1] if busy else None
                 moment = "prefill"
-            elif len(kills) == 1 and delivered >= 0.4 * total:
-                candidates = [s for s in streams if not s.done and 5 <= len(s.tokens) <= s.max_tokens - 20]
-                victim = await _live_serving_worker(store, candidates, loads)
+            elif delivered >= 0.4 * total:
+                candidates = [s for s in self.streams if not s.done and 5 <= len(s.tokens) <= s.max_tokens - 20]
+                victim = await _live_serving_worker(self.store, candidates, loads)
                 moment = "mid-decode"
-            elif len(kills) == 2:
-                # The last quarter (at least 12 tokens) of a stream, the one with the most left first:
-                # with the CPU kernels a stream can cross a 10-token window between two polls.
-                near = sorted((s for s in streams if not s.done
-                               and s.max_tokens - max(12, s.max_tokens // 4) <= len(s.tokens) < s.max_tokens - 2),
-                              key=lambda s: len(s.tokens) - s.max_tokens)
-                victim = await _live_serving_worker(store, near, loads)
-                moment = "near-end"
             if victim is not None and victim in loads and loads[victim].running + loads[victim].waiting > 0:
-                kill(moment, victim, loads[victim])
+                self.kill(moment, victim, loads[victim])
             await asyncio.sleep(0.01)  # polling progress, bounded by the deadline
+
+    async def near_end(self, stream: Stream) -> None:
+        """On the anchor's own stream, at the first chunk of its last quarter (once the first two
+        kills are done): the worker its request record says computes its next tokens, if that
+        worker answers. Not by the worker's reported load: it is a snapshot, and while the anchor
+        moves to another worker (after an earlier kill) the new one reports it a moment late."""
+        window = stream.max_tokens - max(12, stream.max_tokens // 4) <= len(stream.tokens) < stream.max_tokens - 2
+        if len(self.kills) != 2 or not window:
+            return
+        loads = await _loads(self.cluster)
+        victim = await _serving_worker(self.store, stream)
+        if victim in loads:
+            self.kill("near-end", victim, loads[victim])
 
 
 async def _supervise(cluster, stop: asyncio.Event) -> None:
@@ -180,18 +197,21 @@ async def _supervise(cluster, stop: asyncio.Event) -> None:
 
 
 async def _scenario(cluster, streams: list[Stream]) -> list[Kill]:
-    kills: list[Kill] = []
     stop = asyncio.Event()
     supervisor = asyncio.ensure_future(_supervise(cluster, stop))
     rng = random.Random(7)
     try:
         # No retry by the client (max_retries=0): the streams themselves must survive the kills.
-        async with AsyncClient(cluster.gateway_grpc, max_retries=0) as client:
+        async with AsyncClient(cluster.gateway_grpc, max_retries=0) as client, \
+                StateStore(cluster.redis_url, cluster.redis_prefix) as store:
+            killer = Killer(cluster, streams, store)
+            streams[-1].on_tokens = killer.near_end  # the anchor
             tasks = [asyncio.ensure_future(_run_stream(client, s, rng.uniform(0.0, 1.0))) for s in streams]
-            killer = asyncio.ensure_future(_kill_schedule(cluster, streams, kills))
+            first_two = asyncio.ensure_future(killer.first_two())
             await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S + 30)
-            killer.cancel()
-            await asyncio.gather(killer, return_exceptions=True)
+            first_two.cancel()
+            await asyncio.gather(first_two, return_exceptions=True)
+        kills = killer.kills
         # Every killed worker is back and serving before the KV check below.
         deadline = time.monotonic() + 90
         while len(await _loads(cluster)) < len(cluster.worker_addresses):
@@ -247,7 +267,8 @@ def test_every_stream_is_exact_while_workers_are_killed(policy, tiny_model_dirs,
         assert not wrong, f"streams differ from one engine's output (got, want lengths): {wrong}; kills: {kills}"
         assert all(s.finish_reason == "length" for s in streams)
         assert [k.moment for k in kills] == ["prefill", "mid-decode", "near-end"], kills
-        assert kills[0].queued_prefill_tokens > 0 and all(k.running > 0 for k in kills), kills
+        # The first two by the victim's load; the near-end one by the anchor's request record.
+        assert kills[0].queued_prefill_tokens > 0 and all(k.running > 0 for k in kills[:2]), kills
         coordinator = cluster.child("coordinator")
         assert _metric(coordinator.metrics_port, "splitserve_coordinator_migrations_total") >= 1
         # Not even a retriable error went back to a client (the SDK would have retried it).

@@ -6,6 +6,7 @@ template of the tiny Llama, a real gateway over HTTP, real workers generating.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import httpx
 import pytest
@@ -91,3 +92,29 @@ def test_fields_we_do_not_implement_are_refused_and_unknown_ones_served(http, fi
     assert reply.json()["error"]["param"] == field
     served = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "x_vendor_knob": value})
     assert served.status_code == 200, served.text
+
+
+def test_logprobs_come_back_with_every_token_through_the_cluster(http, tokenizer):
+    """Greedy: the chosen token is the most likely one, so its logprob heads the top list."""
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    content = reply.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply.json()["usage"]["completion_tokens"] == 8
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["logprob"] == pytest.approx(max(t["logprob"] for t in entry["top_logprobs"]), abs=1e-6)
+    # Streamed: each chunk carries its own tokens' logprobs, together the same as the whole answer.
+    streamed = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-5)
+    completion = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": 2}).json()
+    logprobs = completion["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4

@@ -425,6 +425,7 @@ def test_spec_tables_are_frozen_and_cited():
     with pytest.raises(dataclasses.FrozenInstanceError):
         GPU_SPECS["H100"].bf16_tflops = 1.0  # type: ignore[misc]
     assert set(GPU_SPECS) == {"A100", "H100", "H200", "H20", "L40S", "RTX4090"}
-    assert set(MODEL_SPECS) == {"Llama-3-8B", "Qwen2.5-14B", "Qwen2.5-32B", "Qwen3-32B", "Llama-3.1-70B", "LLaDA-8B"}
+    assert set(MODEL_SPECS) == {"Llama-3-8B", "Qwen2.5-14B", "Qwen2.5-32B", "Qwen3-32B", "Llama-3.1-70B", "LLaDA-8B",
+                                "Mixtral-8x7B"}
     assert all("datasheet" in g.source or "whitepaper" in g.source for g in GPU_SPECS.values())
     assert all("huggingface.co" in m.source for m in MODEL_SPECS.values())
