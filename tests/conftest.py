@@ -154,3 +154,26 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     running = start_cluster(spec)
     yield running
     running.stop()
+
+
+@pytest.fixture
+def prefix(request):
+    """A Redis key prefix of the test's own (named after its module); its keys are deleted after it.
+    (Integration tests' Redis at SPLITSERVE_TEST_REDIS_URL; a module may define its own.)"""
+    import asyncio
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    url = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    tag = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    value = f"ss:test-{tag}-{uuid.uuid4().hex[:8]}:"
+    yield value
+
+    async def cleanup():
+        client = aioredis.Redis.from_url(url)
+        keys = [k async for k in client.scan_iter(match=f"{value}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+    asyncio.run(cleanup())
