@@ -26,6 +26,7 @@ from splitserve.client import AsyncClient
 from splitserve.config import CoordinatorConfig, GatewayConfig, SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2_grpc
 from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from gateway_support import ByteTokenizer
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POLICY = "hint_recording_for_test"
@@ -57,19 +58,6 @@ class StandInWorker(worker_pb2_grpc.WorkerServicer):
     async def Execute(self, request, context):
         yield types_pb2.TokenChunk(request_id=request.request_id, token_ids=OUTPUT, finish_reason="stop",
                                    num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=len(OUTPUT))
-
-
-class ByteTokenizer:
-    chat_template = None
-
-    def __len__(self) -> int:
-        return 259
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([256] if add_special_tokens else []) + list(text.encode())
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 async def _until_the_scheduler_sees(address: str, worker_id: str, timeout_s: float = 5.0) -> None:

@@ -19,6 +19,7 @@ from splitserve.client import AsyncClient, InvalidRequestError
 from splitserve.config import CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import types_pb2, worker_pb2_grpc
 from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from gateway_support import ByteTokenizer
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 OUTPUT = [72, 105]
@@ -32,19 +33,6 @@ class RecordingWorker(worker_pb2_grpc.WorkerServicer):
         self.priorities[request.request_id] = request.priority
         yield types_pb2.TokenChunk(request_id=request.request_id, token_ids=OUTPUT, finish_reason="stop",
                                    num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=len(OUTPUT))
-
-
-class ByteTokenizer:
-    chat_template = None
-
-    def __len__(self) -> int:
-        return 259
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([256] if add_special_tokens else []) + list(text.encode())
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def _serve(prefix: str, scheduling_policy: str, send):

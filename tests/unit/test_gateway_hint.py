@@ -19,19 +19,7 @@ from gateway.tokenization import Tokenization
 from splitserve.client import GenerateOptions, build_generate_request
 from splitserve.config import GatewayConfig
 from splitserve.proto import gateway_pb2, types_pb2
-
-
-class ByteTokenizer:
-    chat_template = None
-
-    def __len__(self) -> int:
-        return 259
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([256] if add_special_tokens else []) + list(text.encode())
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+from gateway_support import ByteTokenizer
 
 
 class RecordingCoordinator:
