@@ -3,7 +3,7 @@
 The real `DiffusionEngine` (scheduler, admission, block events) over the emulated runner
 (`workers/diffusion/emulated.py`) on a **virtual clock** (a discrete-event run: no sleeping, a
 run takes the control plane's time only). Each step's time comes from `--perf-backends`
-(`splitserve/diffusion_perf.py`), each a separate evaluation, reported side by side:
+(`splitserve/core/diffusion_perf.py`), each a separate evaluation, reported side by side:
 
 * `datasheet` — the roofline of datasheet numbers (every result before issue 34);
 * `auto` — the measured kernel tables (NVIDIA aiconfigurator's per-op timings on the real GPU,
@@ -72,7 +72,7 @@ from pathlib import Path
 from common import REPO, percentile_round_rank
 
 from splitserve.core import SamplingParams, StageKey  # noqa: E402
-from splitserve.diffusion_perf import LOGIT_BYTES_PER_ELEMENT, diffusion_perf_model  # noqa: E402
+from splitserve.core.diffusion_perf import LOGIT_BYTES_PER_ELEMENT, diffusion_perf_model  # noqa: E402
 from workers.diffusion.emulated import (DiffusionEmulation, VirtualClock, build_emulated_diffusion_engine,  # noqa: E402
                                         dllm_serve_config, static_baseline_config)
 

@@ -62,8 +62,8 @@ from services.global_scheduler.dynaserve import DEFAULT_PERF_MODEL  # noqa: E402
 from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement,  # noqa: E402
                                               PlacementRequest, WorkerView, learns_from_completions, make_policy)
 from services.global_scheduler.timeline import MicroRequest, WorkerTimeline  # noqa: E402
-from splitserve.perf_store import resolve_perf_model  # noqa: E402
-from splitserve.state_records import WorkerInfo, WorkerLoad  # noqa: E402
+from splitserve.perf.store import resolve_perf_model  # noqa: E402
+from splitserve.core.records import WorkerInfo, WorkerLoad  # noqa: E402
 
 console = Console(width=160)
 AZURE_CONV = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"

@@ -1,8 +1,8 @@
 """DynaServe's evaluation (arXiv 2504.09285 §6) in the simulator: serving capacity, goodput, sensitivity.
 
 Systems, on A100 80GB, step times from `--perf-backend` (default: aiconfigurator's measured
-A100 vLLM kernel tables, `splitserve/perf_aiconfigurator.py`; before issue 34 the datasheet
-roofline of `splitserve/perf_presets.py`), KV over NVLink (the paper's GPUs share a server):
+A100 vLLM kernel tables, `splitserve/perf/aiconfigurator.py`; before issue 34 the datasheet
+roofline of `splitserve/perf/presets.py`), KV over NVLink (the paper's GPUs share a server):
 
 * **colocated**: DP=2, `round_robin` placement, local `fcfs` with chunked prefill; the chunk
   (`max_num_batched_tokens`) tuned per workload from {256, 512, 1024, 2048} as the paper
@@ -65,7 +65,7 @@ from loadgen.workloads import RequestShape  # noqa: E402
 from services.planner.sim_run import STALLED, SimRun, gc_paused  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
-from splitserve.perf_presets import ModelSpec, gpu_spec, model_spec  # noqa: E402
+from splitserve.perf.presets import ModelSpec, gpu_spec, model_spec  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"
 GPU = "A100"

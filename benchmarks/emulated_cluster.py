@@ -49,7 +49,7 @@ from rich.table import Table  # noqa: E402
 
 from splitserve.client import AsyncClient  # noqa: E402
 from splitserve.cli.launcher import Cluster, ClusterSpec, start_cluster  # noqa: E402
-from splitserve.perf_presets import preset  # noqa: E402
+from splitserve.perf.presets import preset  # noqa: E402
 from splitserve.redis_server import free_port  # noqa: E402
 
 console = Console(stderr=True, width=220)

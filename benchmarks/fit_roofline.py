@@ -3,13 +3,13 @@
 For every covered GPU (A100, H100, H200, L40S) and preset model (Llama-3-8B, Qwen2.5-14B,
 Qwen2.5-32B, Qwen3-32B, Llama-3.1-70B at the smallest TP that fits with room for 16K KV
 tokens; Llama-3-8B also at twice that TP, for the all-reduces), the measured backend
-(`splitserve.perf_aiconfigurator.tabulate`, vllm, each GPU's current database) times a grid
+(`splitserve.perf.aiconfigurator.tabulate`, vllm, each GPU's current database) times a grid
 of prefill steps (one chunk of L new tokens on H cached), decode steps (B sequences at mean
 context C) and mixed steps (a chunk plus a decode batch), every shape within the model's
 context length and the KV cache that fits beside the weights, and each kernel class on its
 own grid (in whole steps the GEMMs' and the prefill attention's per-token costs always come
 together; the classes tell them apart). `scipy.optimize.least_squares` then fits
-`splitserve.perf_roofline.RooflineConstants` to those times in relative error, each (case,
+`splitserve.perf.roofline.RooflineConstants` to those times in relative error, each (case,
 step kind) and each (case, kernel class) weighted equally:
 
 * one set per GPU generation (Ampere: A100; Hopper: H100, H200; Ada: L40S), and
@@ -24,7 +24,7 @@ for the fitted roofline (through the same `PerfModel` code path, its analytic ta
 for the old datasheet roofline beside it.
 
     .venv/bin/python benchmarks/fit_roofline.py --out bench-results/fit_roofline.json
-    .venv/bin/python benchmarks/fit_roofline.py --write   # also rewrite FITTED in splitserve/perf_roofline.py
+    .venv/bin/python benchmarks/fit_roofline.py --write   # also rewrite FITTED in splitserve/perf/roofline.py
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from common import REPO
 
 from scipy.optimize import least_squares  # noqa: E402
 
-from splitserve.perf_aiconfigurator import tabulate  # noqa: E402
-from splitserve.perf_presets import TP_DEGREES, gpu_spec, max_kv_tokens, model_spec, preset  # noqa: E402
-from splitserve.perf_roofline import (GENERATION, RooflineConstants, RooflineKernels,  # noqa: E402
+from splitserve.perf.aiconfigurator import tabulate  # noqa: E402
+from splitserve.perf.presets import TP_DEGREES, gpu_spec, max_kv_tokens, model_spec, preset  # noqa: E402
+from splitserve.perf.roofline import (GENERATION, RooflineConstants, RooflineKernels,  # noqa: E402
                                       roofline_model)
 
 GPUS = ("A100", "H100", "H200", "L40S")
@@ -210,7 +210,7 @@ def fit(cases: list[dict[str, Any]], start: RooflineConstants = START) -> tuple[
         if best is None or sol.cost < best.cost:
             best = sol
     # Rounded as checked in (four significant digits, sub-nanosecond costs 0): every error below
-    # is of the constants splitserve/perf_roofline.py holds.
+    # is of the constants splitserve/perf/roofline.py holds.
     return RooflineConstants.from_vector([float(_fmt(v)) for v in best.x]), float(best.cost)
 
 
@@ -269,14 +269,14 @@ def write_constants(text: str) -> None:
     new, n = re.subn(r"(# BEGIN FITTED\n).*?(\n# END FITTED)", lambda m: m.group(1) + text + m.group(2), src,
                      flags=re.S)
     if n != 1:
-        raise SystemExit("could not find the FITTED markers in splitserve/perf_roofline.py")
+        raise SystemExit("could not find the FITTED markers in splitserve/perf/roofline.py")
     path.write_text(new)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "bench-results" / "fit_roofline.json"))
-    ap.add_argument("--write", action="store_true", help="rewrite FITTED in splitserve/perf_roofline.py")
+    ap.add_argument("--write", action="store_true", help="rewrite FITTED in splitserve/perf/roofline.py")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -388,7 +388,7 @@ def main() -> None:
     text = format_constants(fitted, source)
     if args.write:
         write_constants(text)
-        print("\nwrote FITTED to splitserve/perf_roofline.py")
+        print("\nwrote FITTED to splitserve/perf/roofline.py")
     else:
         print("\n" + text)
 

@@ -11,7 +11,7 @@ for every measured point, estimates the same step with
     + context attention of L tokens on a prefix of H            (when L > 0)
     + generation attention of B sequences at context C          (when B > 0)
   (`EngineHandle.evaluate_context_ops` / `evaluate_generation_ops`, batch 1 for the context part);
-* the project's performance model, `splitserve.perf_presets.preset("H100", "Llama-3-8B")`,
+* the project's performance model, `splitserve.perf.presets.preset("H100", "Llama-3-8B")`,
   `step_time(prefills=[(H, L)], decode_batch=B, decode_ctx=C)`.
 
 It prints a table (ms, and each estimate over the measurement) and writes it as JSON and
@@ -172,7 +172,7 @@ def main() -> int:
             notes.append(f"aiconfigurator unavailable: {err!r}")
     perf_model = None
     try:
-        from splitserve.perf_presets import preset
+        from splitserve.perf.presets import preset
 
         perf_model = preset(args.preset_gpu, args.preset_model)
         notes.append(f"perf model: {perf_model.label}")

@@ -45,7 +45,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from splitserve.proto import worker_pb2_grpc  # noqa: E402
-from splitserve.state import StateStore, WorkerInfo  # noqa: E402
+from splitserve.state.store import StateStore, WorkerInfo  # noqa: E402
 from workers.engine.host_memory import zeros_on_huge_pages  # noqa: E402
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError  # noqa: E402
 from workers.kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcTransport  # noqa: E402

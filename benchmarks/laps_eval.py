@@ -1,6 +1,6 @@
 """LAPS' evaluation (arXiv 2601.11589 §4) in the simulator: prefill latency and SLO violations.
 
-Step times (`--perf-backend`, default auto): `splitserve.perf_aiconfigurator.perf_model_for`,
+Step times (`--perf-backend`, default auto): `splitserve.perf.aiconfigurator.perf_model_for`,
 i.e. NVIDIA aiconfigurator's per-kernel timings measured on real GPUs where the GPU x model
 is covered (H200 x Qwen2.5 is), a step being the sum of its kernel classes; `datasheet` is
 the whole-step roofline (max(compute, memory) per step at datasheet peaks) that timed every
@@ -94,7 +94,7 @@ from loadgen.sessions import parse_tool_delay  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec, requests_from_trace  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
-from splitserve.perf_model import PerfModel  # noqa: E402
+from splitserve.perf.model import PerfModel  # noqa: E402
 
 SLO_S = 0.4
 TRACES = {"mooncake-conv": "mooncake_conversation_trace.jsonl", "azure-conv": "AzureLLMInferenceTrace_conv.csv"}

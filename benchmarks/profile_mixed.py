@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from splitserve.perf_model import (DecodeCoeffs, PerfModel, PrefillCoeffs, ProfileSample,  # noqa: E402
+from splitserve.perf.model import (DecodeCoeffs, PerfModel, PrefillCoeffs, ProfileSample,  # noqa: E402
                                    TransferCoeffs, fit_perf_model)
 from workers.profiling import (ProfileGrid, decode_shapes, measure_decode, measure_mixed,  # noqa: E402
                                measure_prefill, mixed_shapes, prefill_shapes)

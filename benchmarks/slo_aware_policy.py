@@ -22,7 +22,7 @@ import common  # noqa: F401  (puts the repository on sys.path)
 
 from splitserve.core import (FcfsPolicy, LatencyTable, QueuedRequest, SloAwarePolicy, StageKey,  # noqa: E402
                              StepBudget, StepShape, step_time)
-from splitserve.perf_presets import preset  # noqa: E402
+from splitserve.perf.presets import preset  # noqa: E402
 
 MODEL = preset("A100", "Qwen2.5-14B")
 

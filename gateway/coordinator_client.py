@@ -27,7 +27,7 @@ from gateway.validation import GenerationRequest
 from splitserve.core.sampling import TokenLogprobs
 from splitserve.errors import DeadlineExceeded, Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
-from splitserve.state_records import DIFFUSION
+from splitserve.core.records import DIFFUSION
 from splitserve.wire import token_logprobs_from_proto
 from splitserve.telemetry import outgoing_metadata
 

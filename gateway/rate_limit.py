@@ -28,7 +28,7 @@ from prometheus_client import Counter
 
 from splitserve.errors import InvalidArgument, Overloaded
 from splitserve.keys import TenantLimits
-from splitserve.state import BucketTake, StateStore, StateUnavailableError
+from splitserve.state.store import BucketTake, StateStore, StateUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from gateway.tokenization import Tokenization
 from services.coordinator.server import open_coordinator
 from splitserve.config import CommonConfig, CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import gateway_pb2_grpc
-from splitserve.state import RedisRetryPolicy, StateStore
+from splitserve.state.store import RedisRetryPolicy, StateStore
 from splitserve.keys import load_keys_file
 from splitserve.service import ServiceRuntime, cancel_and_wait, open_channel, run
 from splitserve.tls import TlsConfigError, read_pem, server_credentials

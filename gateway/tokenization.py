@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from splitserve.errors import InvalidArgument
 from splitserve.model_kind import DIFFUSION_MODEL_TYPES
 from splitserve.detokenizer import IncrementalDetokenizer
-from splitserve.state_records import DIFFUSION
+from splitserve.core.records import DIFFUSION
 
 # Used when the tokenizer ships no chat_template. Each message becomes "<|role|>\ncontent\n"
 # and the prompt ends with "<|assistant|>\n"; the tokenizer adds its BOS (if it has one)

@@ -26,7 +26,7 @@ from splitserve.core.diffusion import DiffusionParamError, diffusion_params
 from splitserve.core.sampling import MAX_LOGPROBS  # vLLM's default max_logprobs (20)
 from splitserve.errors import InvalidArgument, NotFound
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
-from splitserve.state_records import DIFFUSION  # the engine family of diffusion models (LLaDA)
+from splitserve.core.records import DIFFUSION  # the engine family of diffusion models (LLaDA)
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's range)

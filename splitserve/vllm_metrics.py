@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 
 # vLLM labels every metric with the served model's name and its engine (data-parallel rank);
 # one splitserve worker (or coordinator) is one engine: "0".

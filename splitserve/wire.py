@@ -11,7 +11,7 @@ from splitserve.core.errors import InvalidInput
 from splitserve.core.sampling import SamplingParams, TokenLogprobs
 from splitserve.errors import InvalidArgument
 from splitserve.proto import types_pb2
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 
 
 def load_to_proto(load: WorkerLoad) -> types_pb2.WorkerLoad:

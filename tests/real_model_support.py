@@ -124,7 +124,7 @@ def splitserve_up(model_dir: Path, log_dir: Path, *options: str, ready_timeout_s
 
 def wait_for_workers(prefix: str, count: int, timeout_s: float = 60.0) -> None:
     """/health answers once one worker is up; wait until `count` workers published their load."""
-    from splitserve.state import StateStore
+    from splitserve.state.store import StateStore
 
     async def wait():
         deadline = time.monotonic() + timeout_s
@@ -150,7 +150,7 @@ def engine_reference(model_dir: Path, tokenizer, chats: list[list[dict]], sampli
 def finished_record(prefix: str, request_id: str, timeout_s: float = 10.0):
     """The request's record once it left "running"; the coordinator writes records in
     batches, so this polls (bounded by `timeout_s`; the last read is returned either way)."""
-    from splitserve.state import StateStore
+    from splitserve.state.store import StateStore
 
     async def read():
         deadline = time.monotonic() + timeout_s

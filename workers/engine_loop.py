@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from splitserve.core import KvInBlocks, StageKey, StageKeyTaken, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
-from splitserve.state_records import PrefillTask, WorkerLoad
+from splitserve.core.records import PrefillTask, WorkerLoad
 from workers.engine.engine import Engine
 
 log = logging.getLogger(__name__)

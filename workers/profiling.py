@@ -2,7 +2,7 @@
 
 `splitserve profile` asks a worker for prefill times over a grid of (l_hist, l_incr), decode
 times over a grid of (batch, ctx) and mixed-step times over a grid of (l_hist, l_incr, batch,
-ctx); the CLI fits `splitserve.perf_model` to them.
+ctx); the CLI fits `splitserve.perf.model` to them.
 
 Every measurement is one real forward pass of the worker's own runner (`runner.execute`:
 the CPU/CUDA model, or the emulated runner's paced sleep), run on the engine thread

@@ -21,8 +21,8 @@ from splitserve.service import ServiceRuntime, open_channel, run
 from splitserve.core import InvalidInput, KvCapacityError, takes_option
 from splitserve.core.designs import resolve_design
 from splitserve.core.policy import FCFS, scheduling_policy_option
-from splitserve.state_records import DIFFUSION, engine_family
-from splitserve.state import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
+from splitserve.core.records import DIFFUSION, engine_family
+from splitserve.state.store import (POOLS, ROLES, RedisRetryPolicy, StateStore, StateUnavailableError, WorkerInfo,
                               WorkerLoad)
 from splitserve.telemetry import incoming_context, request_id_var
 from splitserve.wire import load_to_proto, service_error

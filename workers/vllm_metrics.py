@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from splitserve import vllm_metrics as vllm
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 
 
 def served_model_name(model: str, model_preset: str = "", served: str = "") -> str:

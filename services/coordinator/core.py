@@ -28,7 +28,7 @@ from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
 from splitserve.core.sampling import request_seed
-from splitserve.state import DIFFUSION, RequestRecord, SessionRecord
+from splitserve.state.store import DIFFUSION, RequestRecord, SessionRecord
 from splitserve.telemetry import end_span, outgoing_metadata, percentile_buckets, record_interval, span_context, start_span
 
 log = logging.getLogger(__name__)

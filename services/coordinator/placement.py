@@ -30,8 +30,8 @@ from services.global_scheduler.server import (
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.errors import Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from splitserve.state_records import engine_family as engine_family_of
-from splitserve.state import StateStore
+from splitserve.core.records import engine_family as engine_family_of
+from splitserve.state.store import StateStore
 from splitserve.telemetry import outgoing_metadata
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import logging
 
 from prometheus_client import Counter
 
-from splitserve.state import RequestRecord, StateStore
+from splitserve.state.store import RequestRecord, StateStore
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from splitserve.config import CoordinatorConfig, load_config
 from splitserve.errors import SplitserveError, abort
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, open_channel, run
-from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
+from splitserve.state.store import RedisRetryPolicy, StateStore, StateUnavailableError
 from splitserve.telemetry import incoming_context, request_id_var
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Sessions as the coordinator owns them: state in Redis, so any replica serves any round.
 
 AMPD §3 (`Binding`): a session is bound to the worker that keeps its history's KV. Here
-that binding is `session:{id}` in Redis (owned by `splitserve.state`): the worker holding
+that binding is `session:{id}` in Redis (owned by `splitserve.state.store`): the worker holding
 the history, its length, last use and the round in flight. Each round:
 
 1. `begin_round` marks the round in flight atomically; a second round sent while one
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from splitserve.errors import Conflict, InvalidArgument, NotFound, Overloaded
-from splitserve.state import StateStore
-from splitserve.state_records import SessionRecord
+from splitserve.state.store import StateStore
+from splitserve.core.records import SessionRecord
 
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 

@@ -10,7 +10,7 @@ from splitserve.config import CommonConfig
 from splitserve.errors import Unavailable
 from splitserve.proto import worker_pb2_grpc
 from splitserve.service import insecure_channel
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 log = logging.getLogger(__name__)
 

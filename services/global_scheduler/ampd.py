@@ -50,7 +50,7 @@ from services.global_scheduler.baselines import colocated_candidates
 from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Placement, PlacementRequest,
                                               WorkerView, worker_rank)
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 DEFAULT_PERF_MODEL = "H100/llama-3-8b"
 ROUTINGS = ("adaptive", "remote", "local", "share")
@@ -80,7 +80,7 @@ class AmpdPolicy:
                  beta: float | str = 0.85, ttft_slo_ms: float | str = 0.0, itl_slo_ms: float | str = 0.0,
                  routing: str = "adaptive", seed: int | str = 0, local_share: float | str = 0.0):
         if perf_model is None or isinstance(perf_model, str):
-            from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
+            from splitserve.perf.store import resolve_perf_model  # names: presets, JSON files, redis:ID
             perf_model = resolve_perf_model(perf_model or DEFAULT_PERF_MODEL)
         self.perf_model = perf_model
         self.alpha = _fraction(alpha, "alpha")

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable, Mapping
 
 from services.global_scheduler.policy import ClusterView, WorkerSignals, WorkerView
-from splitserve.state_records import WorkerInfo, WorkerLoad
+from splitserve.core.records import WorkerInfo, WorkerLoad
 
 
 def build_cluster_view(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 
 def compute_seconds(perf_model: PerfModel, prefill: int, history: int, decode: int) -> float:

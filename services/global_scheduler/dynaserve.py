@@ -69,7 +69,7 @@ from services.global_scheduler.policy import (ClusterView, CompletionReport, Pla
                                               StagePlacement, WorkerView, worker_rank)
 from services.global_scheduler.timeline import MicroRequest, Prediction, WorkerTimeline
 from splitserve.core.policies.options import flag_option
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 DEFAULT_PERF_MODEL = "H100/llama-3-8b"
 LOST_REPORT_GRACE_S = 60.0  # a last stage's KV footprint outlives its predicted end by this at least
@@ -109,7 +109,7 @@ class DynaServePolicy:
                  output_len_quantile: float | str = 0.75, min_output_split_tokens: int | str = 128,
                  whole_bias: float | str = 1.0, always_split: bool | str = False, prompt_cuts: bool | str = False):
         if perf_model is None or isinstance(perf_model, str):
-            from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
+            from splitserve.perf.store import resolve_perf_model  # names: presets, JSON files, redis:ID
 
             perf_model = resolve_perf_model(perf_model or DEFAULT_PERF_MODEL)
         self.perf_model = perf_model

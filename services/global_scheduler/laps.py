@@ -64,7 +64,7 @@ class LapsPlacementPolicy:
                  follow_workers: bool | str = True,
                  prefill_token_scale: float | str = 2048.0, request_scale: float | str = 16.0):
         if isinstance(perf_model, str) and perf_model.strip() and not perf_model.lstrip().startswith("{"):
-            from splitserve.perf_store import resolve_perf_model  # names: presets, JSON files, redis:ID
+            from splitserve.perf.store import resolve_perf_model  # names: presets, JSON files, redis:ID
 
             perf_model = resolve_perf_model(perf_model)
         self.perf_model = perf_model_option(perf_model)

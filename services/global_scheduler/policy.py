@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from splitserve.errors import Unavailable
 # POOLS and ROLES are re-exported: policies and the simulator take them from here.
-from splitserve.state_records import (DIFFUSION, POOLS, ROLES, PrefillTask, WorkerLoad,  # noqa: F401
+from splitserve.core.records import (DIFFUSION, POOLS, ROLES, PrefillTask, WorkerLoad,  # noqa: F401
                                       engine_family)
 
 

@@ -23,7 +23,7 @@ from services.global_scheduler.pool_controller import LONG, SHORT, PoolControlle
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.service import cancel_and_wait
-from splitserve.state import StateStore, StateUnavailableError
+from splitserve.state.store import StateStore, StateUnavailableError
 
 log = logging.getLogger(__name__)
 

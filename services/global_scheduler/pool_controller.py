@@ -48,8 +48,8 @@ import math
 from dataclasses import dataclass, field
 
 from services.global_scheduler.policy import ClusterView, WorkerView
-from splitserve.perf_model import PerfModel
-from splitserve.state_records import nearest_rank
+from splitserve.perf.model import PerfModel
+from splitserve.core.records import nearest_rank
 
 __all__ = ["InstancePressure", "PoolController", "PoolControllerConfig", "PoolDecision", "PoolMove", "percentile"]
 

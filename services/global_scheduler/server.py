@@ -39,8 +39,8 @@ from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, channel_factory, run
 from splitserve.telemetry import end_span, incoming_context, start_span
 from splitserve.wire import load_to_proto
-from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
-from splitserve.state_records import DIFFUSION
+from splitserve.state.store import RedisRetryPolicy, StateStore, StateUnavailableError
+from splitserve.core.records import DIFFUSION
 
 log = logging.getLogger(__name__)
 

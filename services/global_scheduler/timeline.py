@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from splitserve.perf_model import PerfModel
+    from splitserve.perf.model import PerfModel
 
 
 @dataclass(frozen=True, slots=True)

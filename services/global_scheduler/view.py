@@ -18,7 +18,7 @@ from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Pl
                                              place_diffusion)
 from splitserve.service import cancel_and_wait
 from splitserve.errors import Unavailable
-from splitserve.state import DIFFUSION, StateStore, WorkerActivity, WorkerInfo, WorkerLoad
+from splitserve.state.store import DIFFUSION, StateStore, WorkerActivity, WorkerInfo, WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from services.global_scheduler.policy import ROLES
 from splitserve.core.designs import resolve_design
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["NetworkLatency", "SimulatorConfig", "worker_id"]
 

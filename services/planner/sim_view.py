@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from services.global_scheduler.policy import ClusterView, WorkerSignals, WorkerView
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from services.planner.sim_worker import SimWorker, published
-from splitserve.state_records import WorkerInfo
+from splitserve.core.records import WorkerInfo
 
 __all__ = ["SimClusterView", "ENGINE_KIND"]
 

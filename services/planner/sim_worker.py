@@ -32,8 +32,8 @@ from splitserve.core import (BlockManager, DecodeRun, FinishReason, KvCapacityEr
                              Scheduler, SchedulerConfig, SchedulerOutput, Sequence, StageKey, StageSlo, StageSpec,
                              build_batch_policy, step_time, whole_block_chunk)
 from splitserve.core.sequence import SessionHold
-from splitserve.perf_model import PerfModel
-from splitserve.state_records import WorkerLoad
+from splitserve.perf.model import PerfModel
+from splitserve.core.records import WorkerLoad
 
 __all__ = ["FAKE_TOKEN_ID", "StageRun", "SimWorker"]
 

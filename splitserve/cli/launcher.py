@@ -220,7 +220,7 @@ def emulated_gateway_args(backend: str, model_preset: str) -> dict[str, object]:
     not the small tokenizer model's max_position_embeddings."""
     if backend != "emulated":
         return {}
-    from splitserve.perf_presets import model_spec
+    from splitserve.perf.presets import model_spec
 
     return {"max_model_len": model_spec(model_preset).context_len}
 

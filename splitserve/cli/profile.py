@@ -18,7 +18,7 @@
    worker's own preset by default), and the result goes to a JSON file and to Redis under
    `perf:{worker_id}` (`StateStore.put_perf`), both in `PerfModel.to_dict` form plus a
    "profile" section with the raw samples, so either loads with `PerfModel.from_dict`
-   (`splitserve.perf_store.load_perf_model` reads either back).
+   (`splitserve.perf.store.load_perf_model` reads either back).
 
 The pure parts (`parse_ints`, `samples_from_response`, `build_document`, `base_model_for`)
 take plain data; `run_profile` does the I/O.
@@ -39,11 +39,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from splitserve.perf_model import (DecodeCoeffs, PerfModel, PrefillCoeffs, ProfileSample, TransferCoeffs,
+from splitserve.perf.model import (DecodeCoeffs, PerfModel, PrefillCoeffs, ProfileSample, TransferCoeffs,
                                    fit_perf_model)
 # Reads back what `run_profile` stores. It lives in the runtime module perf_store, where the
 # simulator imports it without this command's gRPC code, and stays importable from here.
-from splitserve.perf_store import load_perf_model
+from splitserve.perf.store import load_perf_model
 
 __all__ = ["ProfileOptions", "base_model_for", "build_document", "load_perf_model", "parse_ints", "profile_command",
            "run_profile", "samples_from_response"]
@@ -113,7 +113,7 @@ def samples_from_response(response: Any) -> list[ProfileSample]:
 def base_model_for(base: str, device: str) -> PerfModel | None:
     """The model unmeasured kinds come from: `base` (GPU/MODEL[/TP] or a JSON path), else the preset an
     emulated worker's device names ("emulated:H100x1/Llama-3-8B"), else None."""
-    from splitserve.perf_presets import preset
+    from splitserve.perf.presets import preset
 
     spec = base
     if not spec and device.startswith("emulated:"):
@@ -264,7 +264,7 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if opts.store_redis:
-        from splitserve.state import RedisRetryPolicy, StateStore
+        from splitserve.state.store import RedisRetryPolicy, StateStore
 
         async def store() -> None:
             async with StateStore(opts.redis_url, opts.redis_prefix,

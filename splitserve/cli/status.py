@@ -17,7 +17,7 @@ def status(
     """Workers, roles, load and windowed TTFT/ITL, read from Redis."""
     import asyncio
 
-    from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError
+    from splitserve.state.store import RedisRetryPolicy, StateStore, StateUnavailableError
 
     async def read():
         async with StateStore(redis_url, redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:

@@ -288,7 +288,7 @@ def _supervise(cluster, stop: dict, resync_s: float = 10.0) -> None:
 
 
 async def _record_restarts(cluster, counts: dict[str, int]) -> None:
-    from splitserve.state import RedisRetryPolicy, StateStore
+    from splitserve.state.store import RedisRetryPolicy, StateStore
 
     async with StateStore(cluster.redis_url, cluster.redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
         for name, restarts in counts.items():

@@ -25,7 +25,7 @@ import dataclasses
 from splitserve.core.policy import ExecutedBatch
 from splitserve.core.scheduler import Scheduler, SchedulerOutput
 from splitserve.core.step_cost import StepShape
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 
 
 class DecodeRun:

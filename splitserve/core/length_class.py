@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["DEFAULT_BOUNDARY_TOKENS", "LengthBoundary"]
 

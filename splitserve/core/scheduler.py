@@ -47,7 +47,7 @@ from splitserve.core.sequence import FinishReason, OutputText, Sequence, Sequenc
 from splitserve.core.session_pins import SessionPins
 from splitserve.core.stage import KvInBlocks, StageSpec
 from splitserve.core.step_cost import StepShape
-from splitserve.state_records import PrefillTask, WorkerLoad
+from splitserve.core.records import PrefillTask, WorkerLoad
 
 
 class KvCapacityError(RuntimeError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from splitserve.perf_model import PerfModel
+    from splitserve.perf.model import PerfModel
 
 
 @dataclass(frozen=True, slots=True)

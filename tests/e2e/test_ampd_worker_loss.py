@@ -24,7 +24,7 @@ import pytest
 from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 TURNS = [[(i * 53 + 7 * r) % 300 + 1 for i in range(14)] for r in range(4)]

@@ -36,7 +36,7 @@ from services.global_scheduler.policy import known_policies
 from splitserve.client import Client
 from splitserve.errors import PARAM_KEY
 from splitserve.proto import coordinator_pb2, gateway_pb2, scheduler_pb2, types_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.state_records import POOLS, ROLES
+from splitserve.core.records import POOLS, ROLES
 
 GOOD_PROMPTS = ["The quick brown fox", "fuzz, but kindly", "x"]
 BODY_LIMIT = 1 << 20  # the cluster fixture's gateway max_request_body_bytes

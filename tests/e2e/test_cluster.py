@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.client import AsyncClient, Client
 from splitserve.proto import worker_pb2, worker_pb2_grpc
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 PROMPTS = ["Hello, splitserve!", "The quick brown fox", "x"]

@@ -34,7 +34,7 @@ from splitserve.client import Client, SplitserveClientError
 from splitserve.cli.launcher import ClusterSpec, start_cluster, wait_port_healthy
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
 from splitserve.redis_server import free_port, redis_reachable
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 WORKERS = 2
 MAX_TOKENS = 40
@@ -471,7 +471,7 @@ def test_a_killed_gateway_replica_is_survived_by_the_sdk_on_both_addresses(split
 
 def test_request_records_written_while_redis_is_down_reach_it_when_it_is_back(tmp_path):
     from services.coordinator.records import RequestRecordWriter
-    from splitserve.state import RedisRetryPolicy, RequestRecord
+    from splitserve.state.store import RedisRetryPolicy, RequestRecord
 
     server = RestartableRedis(tmp_path / "redis", persist=False)
     server.start()

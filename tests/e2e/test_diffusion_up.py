@@ -20,7 +20,7 @@ import pytest
 from real_model_support import finished_record, splitserve_up, wait_for_workers
 
 from splitserve.client import Client, InvalidRequestError
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.diffusion import tiny_task
 from workers.diffusion.tiny_task import TINY_MODEL_DIR
 

@@ -21,7 +21,7 @@ import pytest
 
 from services.global_scheduler.dynaserve import DynaServePolicy
 from services.global_scheduler.policy import ClusterView, PlacementRequest, WorkerView
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 from real_model_support import (FRANCE, PHOTOSYNTHESIS, engine_reference, finished_record,  # noqa: F401 (fixtures)
                                 real_model, real_tokenizer, send_chat_cases, splitserve_up, wait_for_workers)
 

@@ -20,7 +20,7 @@ from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 PROMPT = [(i * 53 + 7) % 250 + 1 for i in range(23)]

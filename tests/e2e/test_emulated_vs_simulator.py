@@ -29,7 +29,7 @@ from loadgen.cli import bench_app
 from services.planner.cli import simulate_app
 from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 from splitserve.redis_server import free_port
 
 GPU, MODEL, TP = "A100", "llama-3.1-70b", 4

@@ -26,7 +26,7 @@ from real_model_support import (FRANCE, PHOTOSYNTHESIS, chat_prompt_ids, real_mo
 
 from splitserve.client import Client
 from splitserve.proto import worker_pb2, worker_pb2_grpc
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 MAX_TOKENS = 24
 BOUNDARY = 64  # L_m for this test: the short chats below are under it, the long ones over it

@@ -32,7 +32,7 @@ from splitserve.core.sampling import request_seed
 from splitserve.cli.launcher import ClusterSpec, RestartPolicy, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 STREAMS = 32

@@ -31,7 +31,7 @@ from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from splitserve.keys import hash_key
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from splitserve.tls import ClientTls
 from tests.tls_support import make_test_certs
 from workers.engine import LLM, SamplingParams

@@ -15,7 +15,7 @@ from real_model_support import (FRANCE, chat_prompt_ids, real_model, real_tokeni
                                 splitserve_up, wait_for_workers)
 
 from splitserve.client import Client, ConflictError, NotFoundError
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 MAX_TOKENS = 24
 FOLLOW_UPS = ["And what is its population?", "Name one famous museum there."]

@@ -17,7 +17,7 @@ from splitserve.client import Client, SplitserveClientError
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 P, MAX_TOKENS = 29, 14

@@ -14,7 +14,7 @@ from services.coordinator.records import RequestRecordWriter
 from services.global_scheduler.policy import register_policy
 from splitserve.errors import InvalidArgument, Unavailable
 from splitserve.proto import scheduler_pb2, types_pb2
-from splitserve.state import RedisRetryPolicy, RequestRecord, StateStore, WorkerInfo, WorkerLoad
+from splitserve.state.store import RedisRetryPolicy, RequestRecord, StateStore, WorkerInfo, WorkerLoad
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

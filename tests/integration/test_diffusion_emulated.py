@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.core import SamplingParams, StageKey
-from splitserve.diffusion_perf import DiffusionPerfModel
+from splitserve.core.diffusion_perf import DiffusionPerfModel
 from workers.diffusion.emulated import (LLADA_EOS_TOKEN_IDS, LLADA_MASK_TOKEN_ID, ORDINARY_TOKEN_LIMIT,
                                         DiffusionEmulation, VirtualClock, build_emulated_diffusion_engine,
                                         dllm_serve_config, static_baseline_config)

@@ -31,7 +31,7 @@ import redis
 import torch
 
 from splitserve.proto import worker_pb2_grpc
-from splitserve.state import StateStore, WorkerInfo
+from splitserve.state.store import StateStore, WorkerInfo
 from workers.kv_transfer.base import BlockTransfer, KvMemory, KvTransferError
 from workers.kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcTransport
 from workers.kv_transfer.nixl_transport import NixlTransport

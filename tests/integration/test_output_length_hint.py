@@ -25,7 +25,7 @@ from services.global_scheduler.server import start_scheduler
 from splitserve.client import AsyncClient
 from splitserve.config import CoordinatorConfig, GatewayConfig, SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2_grpc
-from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from splitserve.state.store import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 from gateway_support import ByteTokenizer
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -18,7 +18,7 @@ from services.global_scheduler.pool_control import PoolControlLoop
 from services.global_scheduler.pool_controller import PoolController, PoolControllerConfig
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.redis_server import free_port
-from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from splitserve.state.store import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 
 
 

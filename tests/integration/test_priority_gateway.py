@@ -18,7 +18,7 @@ from gateway.tokenization import Tokenization
 from splitserve.client import AsyncClient, InvalidRequestError
 from splitserve.config import CoordinatorConfig, GatewayConfig, load_config
 from splitserve.proto import types_pb2, worker_pb2_grpc
-from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from splitserve.state.store import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 from gateway_support import ByteTokenizer
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

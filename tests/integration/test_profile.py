@@ -23,12 +23,12 @@ import grpc
 import pytest
 
 from splitserve.cli.launcher import wait_port_healthy
-from splitserve.perf_model import PerfModel, ProfileSample
-from splitserve.perf_presets import preset
+from splitserve.perf.model import PerfModel, ProfileSample
+from splitserve.perf.presets import preset
 from splitserve.cli.profile import load_perf_model
 from splitserve.proto import types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 REDIS = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

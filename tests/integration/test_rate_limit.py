@@ -25,7 +25,7 @@ from gateway.tokenization import Tokenization
 from splitserve.config import GatewayConfig
 from splitserve.errors import Overloaded
 from splitserve.keys import plain_key_owner
-from splitserve.state import RedisRetryPolicy, StateStore
+from splitserve.state.store import RedisRetryPolicy, StateStore
 from tests.unit.test_gateway_hint import ByteTokenizer, RecordingCoordinator
 
 KEYS = ["key-alpha", "key-beta"]

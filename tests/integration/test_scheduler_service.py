@@ -29,7 +29,7 @@ from services.global_scheduler.server import SchedulerHandle, serve, start_sched
 from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from splitserve.state import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
+from splitserve.state.store import RedisRetryPolicy, StateStore, WorkerInfo, WorkerLoad
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LONG_TTL_S = 30.0  # outlives every test; expiry is triggered explicitly where tested
@@ -318,7 +318,7 @@ def test_view_source_reads_windowed_latencies_and_prefill_queues_for_ampd(prefix
     # (§3); the view carries them once a policy that asks for them places a request.
     from services.global_scheduler.ampd import AmpdPolicy
     from services.global_scheduler.policy import PlacementRequest
-    from splitserve.state import PrefillTask
+    from splitserve.state.store import PrefillTask
 
     async def scenario() -> None:
         async with StateStore(REDIS_URL, prefix, latency_window_s=10.0) as store:

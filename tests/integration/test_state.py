@@ -1,4 +1,4 @@
-"""splitserve.state against a real Redis (SPLITSERVE_TEST_REDIS_URL, default local).
+"""splitserve.state.store against a real Redis (SPLITSERVE_TEST_REDIS_URL, default local).
 
 Every test gets its own key prefix and deletes its keys afterwards. An unreachable
 Redis fails the tests with a message saying so; they never skip. pytest-asyncio is not
@@ -20,7 +20,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from redis_support import REDIS_URL, delete_prefixed
-from splitserve.state import (
+from splitserve.state.store import (
     LatencyWindow,
     PrefillTask,
     RedisRetryPolicy,
@@ -388,7 +388,7 @@ def test_unreachable_redis_raises_state_unavailable_quickly(
             await store.close()
 
     # A bound socket that never listens: connections to its port are refused.
-    with socket.socket() as unused, caplog.at_level(logging.WARNING, logger="splitserve.state"):
+    with socket.socket() as unused, caplog.at_level(logging.WARNING, logger="splitserve.state.store"):
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
         started = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 
 from redis_support import REDIS_URL, delete_prefixed
 from services.global_scheduler.view import ClusterViewSource
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from services.global_scheduler.policy import (ClusterView, NoWorkerAvailable, Pl
 from services.planner.sim_run import SimRun
 from services.planner.sim_worker import WindowedMean
 from services.planner.simulator import NetworkLatency, Simulator
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from splitserve.state_records import PrefillTask, WorkerLoad
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.core.records import PrefillTask, WorkerLoad
 
 NOW = 1_700_000_000.0
 # 1 ms + 10 us per prefill token; KV moves at 1 us per token after 100 us.

@@ -28,7 +28,7 @@ from services.planner import sim_worker
 from services.planner.simulator import Simulator
 from splitserve.core import BlockManager, SamplingParams, Sequence, StageKey
 from splitserve.core.block_manager import Block, hash_block
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 _ROOT_HASH = 0x5EED
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.global_scheduler.compute_clock import ComputeClock, compute_seconds
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 EPOCH = 1.79e9  # an epoch-sized scheduler clock: the sums must not lose its digits
 

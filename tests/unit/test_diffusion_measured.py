@@ -1,4 +1,4 @@
-"""The measured diffusion step times (splitserve/diffusion_perf.py, `MeasuredDiffusionPerfModel`):
+"""The measured diffusion step times (splitserve/core/diffusion_perf.py, `MeasuredDiffusionPerfModel`):
 denoising steps timed kernel by kernel from aiconfigurator's tables of an autoregressive twin of
 LLaDA-8B, behind the same interface as the datasheet roofline."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("aiconfigurator_core")
 
 from splitserve.core.diffusion import (DiffusionBatch, DiffusionParams, DiffusionSequence,  # noqa: E402
                                        DiffusionWork, Phase)
-from splitserve.diffusion_perf import (ONE_QUERY_TILE, DiffusionPerfModel, MeasuredDiffusionPerfModel,  # noqa: E402
+from splitserve.core.diffusion_perf import (ONE_QUERY_TILE, DiffusionPerfModel, MeasuredDiffusionPerfModel,  # noqa: E402
                                        diffusion_perf_model)
 
 PARAMS = DiffusionParams(gen_length=256, block_length=32, steps=256)  # dLLM-Serve Table 3
@@ -52,7 +52,7 @@ def test_backends_say_what_timed_the_steps(caplog):
     measured = diffusion_perf_model("L40S", backend="auto")
     assert measured.backend == "aiconfigurator" and measured.tables.source["system"] == "l40s"
     assert "measured kernel tables" in measured.describe() and "autoregressive twin" in measured.describe()
-    with caplog.at_level(logging.WARNING, logger="splitserve.diffusion_perf"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.core.diffusion_perf"):
         fallback = diffusion_perf_model("RTX4090", backend="auto")
     assert fallback.backend == "datasheet" and "RTX-4090" in fallback.note
     assert "WARNING" in fallback.describe() and "not measured" in fallback.describe()

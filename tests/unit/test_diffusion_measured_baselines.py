@@ -1,4 +1,4 @@
-"""Table 4's baselines as decoding methods of the diffusion cost model (splitserve/diffusion_perf.py):
+"""Table 4's baselines as decoding methods of the diffusion cost model (splitserve/core/diffusion_perf.py):
 what Sparse-dLLM's and dLLM-Cache's steps compute, and their memory (no measured data needed)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from splitserve.core.diffusion import (DiffusionBatch, DiffusionParams, DiffusionSequence, DiffusionWork, Phase,
                                        retained_tokens)
-from splitserve.diffusion_perf import DiffusionPerfModel, DllmCacheIntervals
+from splitserve.core.diffusion_perf import DiffusionPerfModel, DllmCacheIntervals
 
 PROMPT, GEN, BLOCK = 400, 256, 32
 LENGTH = PROMPT + GEN

@@ -1,4 +1,4 @@
-"""The diffusion performance and memory model (splitserve/diffusion_perf.py): pure arithmetic."""
+"""The diffusion performance and memory model (splitserve/core/diffusion_perf.py): pure arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.core.diffusion import DiffusionBatch, DiffusionParams, DiffusionSequence, DiffusionWork, Phase
-from splitserve.diffusion_perf import LOGIT_BYTES_PER_ELEMENT, DiffusionPerfModel
+from splitserve.core.diffusion_perf import LOGIT_BYTES_PER_ELEMENT, DiffusionPerfModel
 
 PARAMS = DiffusionParams(gen_length=256, block_length=32, steps=256)  # dLLM-Serve Table 3
 

@@ -17,8 +17,8 @@ from splitserve.client import build_generate_request
 from splitserve.core.diffusion import DEFAULT_BLOCK_LENGTH, DiffusionParamError, diffusion_params
 from splitserve.errors import InvalidArgument
 from splitserve.proto import gateway_pb2, types_pb2
-from splitserve.state import WorkerLoad
-from splitserve.state_records import DIFFUSION, engine_family
+from splitserve.state.store import WorkerLoad
+from splitserve.core.records import DIFFUSION, engine_family
 from splitserve.wire import sampling_from_proto
 
 from tests.unit.test_gateway_validation import ByteTokenizer

@@ -12,7 +12,7 @@ from loadgen.metrics import RequestResult
 from services.planner.sim_run import SimRun
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import Simulator
-from splitserve.perf_presets import gpu_spec, model_spec
+from splitserve.perf.presets import gpu_spec, model_spec
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "dynaserve_eval.py"
 _spec = importlib.util.spec_from_file_location("dynaserve_eval", _PATH)

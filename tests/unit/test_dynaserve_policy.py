@@ -12,8 +12,8 @@ from services.global_scheduler.policy import (ClusterView, CompletionReport, Pla
                                               make_policy, orient_kv_transfers)
 from services.global_scheduler.compute_clock import ComputeClock
 from services.global_scheduler.timeline import MicroRequest, WorkerTimeline
-from splitserve.perf_presets import preset
-from splitserve.state_records import WorkerLoad
+from splitserve.perf.presets import preset
+from splitserve.core.records import WorkerLoad
 
 PERF = preset("A100", "qwen2.5-14b")
 NOW = 1000.0

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from splitserve.core import SamplingParams, StageKey, StageSpec
-from splitserve.perf_presets import MODEL_SPECS
+from splitserve.perf.presets import MODEL_SPECS
 from workers.engine.config import EngineConfig
 from workers.engine.emulated import Emulation, build_emulated_engine, emulated_spec
 

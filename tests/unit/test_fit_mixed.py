@@ -14,9 +14,9 @@ import json
 import numpy as np
 import pytest
 
-from splitserve.perf_model import (DecodeCoeffs, FitError, FitReport, PerfModel, PrefillCoeffs, ProfileSample,
+from splitserve.perf.model import (DecodeCoeffs, FitError, FitReport, PerfModel, PrefillCoeffs, ProfileSample,
                                    TransferCoeffs, fit_perf_model)
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 # A CPU-like engine: kernels run one after another, every step is compute-bound (one line),
 # and a mixed step shares its fixed cost (the larger intercept) and its GEMM rows.
@@ -151,7 +151,7 @@ def test_mixed_samples_are_validated_and_reported():
 
 # ---- documents --------------------------------------------------------------------------------
 
-OLD_DOCUMENT = """{"format": "splitserve.perf_model", "version": 1, "label": "profile:w1 (cpu)",
+OLD_DOCUMENT = """{"format": "splitserve.perf.model", "version": 1, "label": "profile:w1 (cpu)",
  "diffusion": false, "kv_bytes_per_token": 512,
  "prefill": {"c0": 5.0e-4, "c_tok": 2.8e-5, "c_attn": 1.1e-9, "m0": 6.1e-3, "m_tok": 4.9e-8, "m_hist": 4.9e-8},
  "decode": {"c0": 5.0e-4, "c_seq": 3.5e-5, "c_ctx": 1.1e-9, "m0": 6.1e-3, "m_seq": 5.0e-6, "m_ctx": 4.9e-8},

@@ -20,8 +20,8 @@ from services.planner import sim_run
 from services.planner.sim_run import STALLED
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import Simulator
-from splitserve.perf_presets import preset
-from splitserve.state_records import WorkerLoad
+from splitserve.perf.presets import preset
+from splitserve.core.records import WorkerLoad
 
 PERF = preset("A100", "qwen2.5-14b")
 

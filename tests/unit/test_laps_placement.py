@@ -16,8 +16,8 @@ from services.global_scheduler.pool_controller import PoolController, PoolContro
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import Simulator, pd_roles
 from splitserve.core.length_class import DEFAULT_BOUNDARY_TOKENS, LengthBoundary
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from splitserve.state_records import WorkerLoad
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.core.records import WorkerLoad
 
 NOW = 1_700_000_000.0
 # A roofline: compute 1e-5 s per token, memory (weights) 2 ms a step: L_m(0) = 200 tokens.

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from splitserve.core import build_batch_policy, known_batch_policies, step_time
 from splitserve.core.policies import LapsPolicy
 from splitserve.core.shapes import ShapeGrid
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 MODEL = preset("H100", "Llama-3-8B")
 L_M = MODEL.prefill_boundary(0)

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from splitserve.core import LatencyTable, StepShape
 from splitserve.core.policies.latency_table import CONTEXT_GRID, DECODE_GRID, PREFILL_GRID
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import preset
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import preset
 
 A100_14B = preset("A100", "Qwen2.5-14B")
 H100_8B = preset("H100", "Llama-3-8B")

@@ -517,7 +517,7 @@ def exported_vllm_metrics() -> frozenset[str]:
     from prometheus_client import CollectorRegistry
 
     from services.coordinator import vllm_metrics as coordinator_metrics
-    from splitserve.state_records import WorkerLoad
+    from splitserve.core.records import WorkerLoad
     from workers.vllm_metrics import VllmWorkerCollector
 
     collector = VllmWorkerCollector()

@@ -1,4 +1,4 @@
-"""splitserve.perf_aiconfigurator: NVIDIA aiconfigurator's measured per-op database, tabulated,
+"""splitserve.perf.aiconfigurator: NVIDIA aiconfigurator's measured per-op database, tabulated,
 checked against aiconfigurator's own estimator of whole prefill, decode and mixed steps."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ pytest.importorskip("aiconfigurator_core")
 
 from aiconfigurator_core.sdk.engine import EngineHandle  # noqa: E402
 
-from splitserve.perf_aiconfigurator import (_cache_key, _read_cache, coverage, hf_config, perf_model_for,  # noqa: E402
+from splitserve.perf.aiconfigurator import (_cache_key, _read_cache, coverage, hf_config, perf_model_for,  # noqa: E402
                                             tabulate)
-from splitserve.perf_presets import model_spec  # noqa: E402
-from splitserve.perf_store import resolve_perf_model  # noqa: E402
+from splitserve.perf.presets import model_spec  # noqa: E402
+from splitserve.perf.store import resolve_perf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_an_uncovered_combination_is_an_error_naming_what_is_covered_or_the_roof
         perf_model_for("H100", "Llama-3-8B", backend="aiconfigurator", framework="tgi")
     with pytest.raises(ValueError, match="backend must be one of"):
         perf_model_for("H100", "Llama-3-8B", backend="measured")
-    with caplog.at_level(logging.WARNING, logger="splitserve.perf_aiconfigurator"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):
         fallback = perf_model_for("H20", "Qwen3-32B", backend="auto", tp=2)
     assert fallback.backend == "roofline" and "roofline" in caplog.text and "H20" in caplog.text
 

@@ -1,4 +1,4 @@
-"""splitserve.perf_model: formulas, monotonicity, fitting, serialisation, roofline presets."""
+"""splitserve.perf.model: formulas, monotonicity, fitting, serialisation, roofline presets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve import perf_presets
-from splitserve.perf_model import (
+from splitserve.perf import presets as perf_presets
+from splitserve.perf.model import (
     DecodeCoeffs,
     PerfModel,
     PrefillCoeffs,
@@ -20,7 +20,7 @@ from splitserve.perf_model import (
     TransferCoeffs,
     fit_perf_model,
 )
-from splitserve.perf_presets import GPU_SPECS, MODEL_SPECS, fits_in_memory, max_kv_tokens, preset
+from splitserve.perf.presets import GPU_SPECS, MODEL_SPECS, fits_in_memory, max_kv_tokens, preset
 
 # A hand-made model with round numbers, both regimes reachable (roughly CPU-like).
 TOY = PerfModel(

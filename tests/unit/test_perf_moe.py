@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from splitserve.perf_presets import fits_in_memory, model_spec, preset
-from splitserve.perf_roofline import RooflineKernels, constants_for
+from splitserve.perf.presets import fits_in_memory, model_spec, preset
+from splitserve.perf.roofline import RooflineKernels, constants_for
 
 MIXTRAL = "Mixtral-8x7B"
 
@@ -108,7 +108,7 @@ def cache(tmp_path_factory):
 def _reference(tmp_path_factory, system: str, tp: int):
     from aiconfigurator_core.sdk.engine import EngineHandle
 
-    from splitserve.perf_aiconfigurator import hf_config
+    from splitserve.perf.aiconfigurator import hf_config
 
     d = tmp_path_factory.mktemp(f"mixtral-{system}-{tp}")
     (d / "config.json").write_text(json.dumps(hf_config(model_spec(MIXTRAL))))
@@ -118,14 +118,14 @@ def _reference(tmp_path_factory, system: str, tp: int):
 
 @pytest.fixture(scope="module", params=[("H200", "h200_sxm", 2), ("H100", "h100_sxm", 4)], ids=["h200-tp2", "h100-tp4"])
 def measured(request, cache, tmp_path_factory):
-    from splitserve.perf_aiconfigurator import tabulate
+    from splitserve.perf.aiconfigurator import tabulate
 
     gpu, system, tp = request.param
     return tabulate(gpu, MIXTRAL, tp, cache_dir=cache), _reference(tmp_path_factory, system, tp)
 
 
 def test_mixtrals_config_for_aiconfigurator_is_its_moe_family_and_dense_configs_are_unchanged():
-    from splitserve.perf_aiconfigurator import hf_config
+    from splitserve.perf.aiconfigurator import hf_config
 
     config = hf_config(model_spec(MIXTRAL))
     assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
@@ -173,7 +173,7 @@ def test_measured_steps_are_within_20_percent_of_aiconfigurators_estimator(measu
 
 
 def test_an_moe_shape_the_database_lacks_is_an_error_naming_it(cache):
-    from splitserve.perf_aiconfigurator import tabulate
+    from splitserve.perf.aiconfigurator import tabulate
 
     odd = dataclasses.replace(model_spec(MIXTRAL), name="Mixtral-16x", experts=16, expert_intermediate=11000)
     with pytest.raises(ValueError, match="cannot model Mixtral-16x tp2 on h200_sxm/vllm.*MoE data missing"):
@@ -181,12 +181,12 @@ def test_an_moe_shape_the_database_lacks_is_an_error_naming_it(cache):
 
 
 def test_mixtral_where_nothing_was_measured_is_an_error_or_the_roofline_with_a_warning(caplog):
-    from splitserve.perf_aiconfigurator import coverage, perf_model_for
+    from splitserve.perf.aiconfigurator import coverage, perf_model_for
 
     assert "vllm" in coverage().moe["h200_sxm"] and "MoE: " in coverage().describe()
     with pytest.raises(ValueError, match="no measured vllm data for H20-96GB"):
         perf_model_for("H20", MIXTRAL, 2, backend="aiconfigurator")
-    with caplog.at_level(logging.WARNING, logger="splitserve.perf_aiconfigurator"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):
         fallback = perf_model_for("H20", MIXTRAL, 2, backend="auto")
     assert fallback.backend == "roofline" and fallback.label.startswith("roofline:H20-96GB/Mixtral-8x7B/tp2")
     assert np.isfinite(fallback.decode_time(8, 1024))

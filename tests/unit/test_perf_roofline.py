@@ -1,4 +1,4 @@
-"""splitserve.perf_roofline: the kernel-class roofline (a step is the sum of its kernel classes,
+"""splitserve.perf.roofline: the kernel-class roofline (a step is the sum of its kernel classes,
 each max(compute, memory)), its analytic tables, its fitted constants against aiconfigurator's
 measured database, and the backends of `perf_model_for`."""
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.perf_aiconfigurator import BACKENDS, _warn_fallback, perf_model_for
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import preset
-from splitserve.perf_roofline import FITTED, RooflineKernels, constants_for, generation, roofline_model, roofline_tables
-from splitserve.perf_store import resolve_perf_model
+from splitserve.perf.aiconfigurator import BACKENDS, _warn_fallback, perf_model_for
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import preset
+from splitserve.perf.roofline import FITTED, RooflineKernels, constants_for, generation, roofline_model, roofline_tables
+from splitserve.perf.store import resolve_perf_model
 
 HAS_AICONFIGURATOR = importlib.util.find_spec("aiconfigurator_core") is not None
 
@@ -160,12 +160,12 @@ def test_a_diffusion_lm_keeps_the_datasheet_preset():
 
 
 def test_the_fallback_for_an_uncovered_gpu_is_the_kernel_class_roofline_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="splitserve.perf_aiconfigurator"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):
         m = perf_model_for("H20", "Qwen3-32B", tp=2, backend="auto")
     assert m.backend == "roofline" and m is roofline_model("H20", "Qwen3-32B", 2)
     assert m.tables.source["constants"] == "hopper"
     assert "kernel-class roofline" in caplog.text and "H20" in caplog.text
-    with caplog.at_level(logging.WARNING, logger="splitserve.perf_aiconfigurator"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):
         fp8 = perf_model_for("H100", "Llama-3-8B", dtype="fp8", backend="auto")
     assert fp8.backend == "roofline" and fp8.tables.source["dtype"] == "fp8" and "bf16 only" in caplog.text
 
@@ -192,7 +192,7 @@ ANCHORS = [
 def tabulate():
     """`perf_aiconfigurator.tabulate`, its in-memory cache left as this test found it (the cache
     is keyed without `cache_dir`: a model kept from here would keep another test's tables off disk)."""
-    from splitserve import perf_aiconfigurator
+    from splitserve.perf import aiconfigurator as perf_aiconfigurator
 
     saved = dict(perf_aiconfigurator._MEMORY)
     yield perf_aiconfigurator.tabulate

@@ -1,4 +1,4 @@
-"""splitserve.perf_tables: measured kernel-class tables, interpolated, as a PerfModel's step times."""
+"""splitserve.perf.tables: measured kernel-class tables, interpolated, as a PerfModel's step times."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import preset
-from splitserve.perf_tables import StepTables, monotone_grid
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import preset
+from splitserve.perf.tables import StepTables, monotone_grid
 
 TOKENS = (1.0, 16.0, 256.0, 4096.0)
 HIST = (0.0, 64.0, 1024.0, 8192.0)

@@ -25,7 +25,7 @@ from services.global_scheduler.policy import (
 )
 from services.global_scheduler.cluster_view import InflightCounters, build_cluster_view
 from splitserve.errors import Unavailable
-from splitserve.state import WorkerInfo, WorkerLoad
+from splitserve.state.store import WorkerInfo, WorkerLoad
 
 NOW = 1_700_000_000.0
 

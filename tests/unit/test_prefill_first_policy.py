@@ -16,8 +16,8 @@ from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import NetworkLatency, Simulator
 from splitserve.core import FcfsPolicy, PolicyContractError, QueuedRequest, StageKey, StepBudget
 from splitserve.core.policies import PrefillFirstPolicy, build_batch_policy, known_batch_policies, make_batch_policy
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from splitserve.perf_presets import preset
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.perf.presets import preset
 
 
 def req(rid, num_tokens, computed=0, prompt_len=None) -> QueuedRequest:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from splitserve.core import FcfsPolicy, StageKey, build_batch_policy, known_batch_policies, step_time
 from splitserve.core.policies import PrefillReorderPolicy
 from splitserve.core.policies.prefill_reorder import best_ordering
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 MODEL = preset("A100", "Qwen2.5-14B")
 

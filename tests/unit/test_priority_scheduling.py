@@ -201,7 +201,7 @@ def test_a_preempted_request_comes_back_in_priority_order():
     (1, 0, ["short", "long"]),  # the better priority is first anyway
 ])
 def test_prefill_reordering_overtakes_only_within_a_priority(long_priority, short_priority, first_step):
-    from splitserve.perf_presets import preset
+    from splitserve.perf.presets import preset
 
     policy = priority("prefill_reorder", perf_model=preset("A100", "Qwen2.5-14B"))
     sched, clock = make(policy, num_blocks=20_000, block_size=16, budget=2048)

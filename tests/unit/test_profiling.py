@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.perf_model import ProfileSample, fit_perf_model
+from splitserve.perf.model import ProfileSample, fit_perf_model
 from splitserve.cli.profile import base_model_for, parse_ints
 from workers.engine.config import EngineConfig
 from workers.engine.emulated import Emulation, StepPacer, build_emulated_engine
@@ -98,7 +98,7 @@ def test_base_model_from_an_emulated_device_or_a_preset():
 
 
 def test_mixed_grid_over_the_wire_and_back_to_samples():
-    from splitserve.perf_presets import preset
+    from splitserve.perf.presets import preset
     from splitserve.cli.profile import _predict, samples_from_response
     from splitserve.proto import worker_pb2
 

@@ -14,7 +14,7 @@ from loadgen.metrics import Slo, summarize
 from services.global_scheduler.policy import known_policies
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import Simulator, pd_roles
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 PERF = preset("H100", "llama-3-8b")
 

@@ -21,7 +21,7 @@ from services.planner.cli import simulate_app
 from services.planner.sim_run import SimRun
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import NetworkLatency, Simulator, pd_roles
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
 from splitserve.core import BlockManager, FcfsPolicy, Scheduler, StageKey, build_batch_policy
 
 # Round numbers, compute-bound everywhere (memory lines are 0): easy to check by hand.

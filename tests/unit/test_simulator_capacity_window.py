@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from services.planner.cli import simulate_app
 from services.planner.simulator import preset_kv_blocks
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 WORKERS, MAX_NUM_SEQS, PROMPT, OUTPUT = 2, 256, 219, 1467
 CLUSTER = ["--workers", str(WORKERS), "--gpu", "A100", "--model-preset", "qwen2.5-14b", "--policy", "round_robin",

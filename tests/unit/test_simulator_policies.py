@@ -8,7 +8,7 @@ import pytest
 from services.planner.simulator import NetworkLatency, Simulator
 from services.planner.sim_workload import SimRequestSpec
 from splitserve.core import FcfsPolicy, StepBuilder, register_batch_policy, unregister_batch_policy
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
 
 TOY = PerfModel(PrefillCoeffs(c0=1e-3, c_tok=1e-5), DecodeCoeffs(c0=2e-3, c_seq=1e-4, c_ctx=1e-7),
                 TransferCoeffs(latency=1e-4, per_token=1e-6), label="toy")

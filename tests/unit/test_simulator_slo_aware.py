@@ -19,8 +19,8 @@ from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import NetworkLatency, Simulator
 from loadgen.sessions import Round, Session
 from splitserve.core import SloAwarePolicy
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
-from splitserve.perf_presets import preset
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.perf.presets import preset
 
 A100_14B = preset("A100", "Qwen2.5-14B")
 SLO = Slo(ttft_s=10.0, itl_s=0.1)

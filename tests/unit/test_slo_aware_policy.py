@@ -16,8 +16,8 @@ import pytest
 from splitserve.core import (BlockManager, DecodeRun, FcfsPolicy, KvInBlocks, SamplingParams, Scheduler, SchedulerConfig,
                              SloAwarePolicy, StageKey, StageSlo, StageSpec, build_batch_policy, known_batch_policies,
                              make_batch_policy, step_time, takes_option)
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import preset
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import preset
 
 MODEL = preset("A100", "Qwen2.5-14B")
 SLO = StageSlo(itl_s=0.1)
@@ -373,7 +373,7 @@ def test_registry_options_from_strings_and_the_drivers_perf_model():
                          ({"min_prefill_tokens": "2.5"}, "min_prefill_tokens must be an integer"),
                          ({"learning_rate": 0}, "learning_rate"),
                          ({"perf_model": "{"}, "perf_model: not a perf model's JSON text"),
-                         ({"perf_model": {"format": "x"}}, "perf_model: not a splitserve.perf_model"),
+                         ({"perf_model": {"format": "x"}}, "perf_model: not a splitserve.perf.model"),
                          ({"perf_model": 3}, "perf_model must be a PerfModel"),
                          ({"window": 3}, "unexpected keyword")]:
         with pytest.raises(ValueError, match="bad options for batch policy 'slo_aware': .*" + message):

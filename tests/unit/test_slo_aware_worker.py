@@ -9,7 +9,7 @@ import pytest
 
 from splitserve.config import WorkerConfig, load_config
 from splitserve.core import SamplingParams, SloAwarePolicy, StageSlo, StageSpec
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 from workers.engine.config import EngineConfig
 from workers.engine.emulated import EmulatedEngine, Emulation, StepPacer
 from workers.server import engine_config_from

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.global_scheduler.timeline import MicroRequest, WorkerTimeline
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import preset
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import preset
 
 PERF = preset("A100", "qwen2.5-14b")
 BUDGET = 2048

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services.global_scheduler.timeline import MicroRequest, WorkerTimeline
-from splitserve.perf_presets import preset
+from splitserve.perf.presets import preset
 
 
 def _timeline_with_passes_cut(fraction: float = 0.5) -> WorkerTimeline:

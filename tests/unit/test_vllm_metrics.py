@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import vllm_metrics as vllm
-from splitserve.state_records import WorkerLoad
+from splitserve.core.records import WorkerLoad
 from workers.vllm_metrics import VllmWorkerCollector, engine_prefix_counts, served_model_name
 
 

@@ -2,7 +2,7 @@
 
 `EmulatedDiffusionRunner` implements the runner interface `DiffusionEngine` drives (`start`,
 `execute`, `tokens`, `release`; the real one is `workers/diffusion/runner.py`): `execute`
-computes the step's time with `splitserve.diffusion_perf.DiffusionPerfModel` — Refresh and
+computes the step's time with `splitserve.core.diffusion_perf.DiffusionPerfModel` — Refresh and
 Reuse entries, logit rows, padding — and advances an injected `VirtualClock` by it, so a whole
 serving run takes as long as the Python control plane needs, not the emulated GPU's time.
 Tokens are unmasked on `DiffusionParams`' schedule (`transfer_token_schedule`: the step's
@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from splitserve.core.diffusion import DiffusionBatch, DiffusionSequence, retained_tokens
 from splitserve.core.sampling import mix_seed
-from splitserve.diffusion_perf import (DEFAULT_MEMORY_UTILIZATION, LOGIT_BYTES_PER_ELEMENT, METHODS,
+from splitserve.core.diffusion_perf import (DEFAULT_MEMORY_UTILIZATION, LOGIT_BYTES_PER_ELEMENT, METHODS,
                                       DiffusionPerfModel, DllmCacheIntervals, MemoryPlan, StepCost,
                                       diffusion_perf_model)
 from workers.diffusion.engine import DiffusionEngine

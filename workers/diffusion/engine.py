@@ -31,7 +31,7 @@ from splitserve.core.diffusion import (DiffusionParamError, DiffusionParams, Dif
                                        DiffusionSchedulerConfig, DiffusionSequence, profile_batch)
 from splitserve.core.diffusion import diffusion_params as core_diffusion_params
 from splitserve.model_kind import is_diffusion_model  # noqa: F401 (re-exported: LLM and the worker ask here)
-from splitserve.state_records import PrefillTask, WorkerLoad
+from splitserve.core.records import PrefillTask, WorkerLoad
 from workers.diffusion.runner import DiffusionRunner
 from workers.engine.config import EngineConfig, parse_dtype
 from workers.engine.model_runner import _CPU_DEFAULT_KV_BYTES_CAP, _resolve_device

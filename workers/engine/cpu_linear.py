@@ -28,8 +28,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in SUPPORTED_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this CPU's oneDNN runs linears in `dtype`: bfloat16 needs AVX-512 (bw/vl/dq) or
+    AVX-NE-CONVERT, which an AVX2-only CPU lacks (there the model keeps `F.linear`)."""
+    if not (device.type == "cpu" and dtype in SUPPORTED_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    return True
 
 
 class OneDnnLinear(nn.Module):

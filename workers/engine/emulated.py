@@ -39,9 +39,9 @@ from typing import Callable
 
 from prometheus_client import Counter, Histogram
 
-from splitserve.perf_model import PerfModel
-from splitserve.perf_aiconfigurator import perf_model_for
-from splitserve.perf_presets import gpu_spec, max_kv_tokens, model_spec
+from splitserve.perf.model import PerfModel
+from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.presets import gpu_spec, max_kv_tokens, model_spec
 from splitserve.core import SamplingParams, SchedulerOutput, StageKey, StageSpec, TokenEvent, step_time
 from splitserve.core.sampling import mix_seed
 from workers.engine.config import EngineConfig
@@ -79,11 +79,11 @@ class Emulation:
     gpu: str = "H100"
     model_preset: str = "llama-3-8b"
     tp: int = 1
-    link: str = "rdma-400g"  # KV-transfer link of the preset (splitserve.perf_presets.LINK_SPECS)
+    link: str = "rdma-400g"  # KV-transfer link of the preset (splitserve.perf.presets.LINK_SPECS)
     # A fitted model's JSON (`splitserve profile --out`) for the step and transfer times
     # instead of the preset's; KV memory and model shape stay the preset's.
     perf_model_path: str = ""
-    # Without a fitted model: what times the steps (splitserve.perf_aiconfigurator.perf_model_for).
+    # Without a fitted model: what times the steps (splitserve.perf.aiconfigurator.perf_model_for).
     perf_backend: str = "auto"
     perf_framework: str = "vllm"
     perf_database_version: str = ""

@@ -21,7 +21,7 @@ from splitserve.core.session_pins import SessionPinStats
 from splitserve.core import (BlockManager, InvalidInput, KvCapacityError, KvInBlocks, KvPayload, Scheduler,
                              SchedulerConfig, SchedulerOutput, StageKey, StageSpec, TokenEvent, build_batch_policy)
 from splitserve.detokenizer import IncrementalDetokenizer
-from splitserve.state_records import PrefillTask, WorkerLoad
+from splitserve.core.records import PrefillTask, WorkerLoad
 from workers.engine.config import EngineConfig, load_model_spec
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Engine:
         fitted one of `config.perf_model`, else none (the policy learns from scratch)."""
         if not self.config.perf_model:
             return None
-        from splitserve.perf_store import load_perf_model
+        from splitserve.perf.store import load_perf_model
 
         return load_perf_model(self.config.perf_model)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitserve.perf_model import PerfModel
-from splitserve.state import StateStore
+from splitserve.perf.model import PerfModel
+from splitserve.state.store import StateStore
 from workers.kv_transfer.base import EMPTY_DIGEST, BlockTransfer, ChunkCallback, KvTransferError
 from workers.kv_transfer.grpc_transport import GrpcTransport
 

@@ -20,7 +20,7 @@ import grpc
 import xxhash
 
 from splitserve.proto import worker_pb2, worker_pb2_grpc
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.kv_transfer.base import (
     BlockTransfer,
     ChunkCallback,

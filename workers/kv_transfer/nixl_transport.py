@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitserve.state import StateStore
+from splitserve.state.store import StateStore
 from workers.kv_transfer.base import (
     BlockTransfer,
     ChunkCallback,

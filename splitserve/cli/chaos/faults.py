@@ -156,7 +156,7 @@ class Faults:
         record.requests_in_flight = progress.in_flight if progress is not None else 0
 
     async def _running_on(self, worker_id: str) -> int | None:
-        from splitserve.state import RedisRetryPolicy, StateStore
+        from splitserve.state.store import RedisRetryPolicy, StateStore
 
         try:
             async with StateStore(self.options.redis_url, self.options.redis_prefix,
@@ -187,7 +187,7 @@ class Faults:
     def _registered(self, worker_id: str) -> bool:
         """The worker published its load again (what the scheduler's view reads); runs in a thread."""
         async def read() -> bool:
-            from splitserve.state import RedisRetryPolicy, StateStore
+            from splitserve.state.store import RedisRetryPolicy, StateStore
 
             try:
                 async with StateStore(self.options.redis_url, self.options.redis_prefix,

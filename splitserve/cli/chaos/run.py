@@ -53,7 +53,7 @@ from splitserve.cli.chaos.traffic import ChaosCase, ChaosTarget, RequestOutcome,
 
 
 async def _restarts(options: ChaosOptions) -> dict[str, int] | None:
-    from splitserve.state import RedisRetryPolicy, StateStore
+    from splitserve.state.store import RedisRetryPolicy, StateStore
 
     try:
         async with StateStore(options.redis_url, options.redis_prefix,

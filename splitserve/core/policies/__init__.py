@@ -27,7 +27,7 @@ from splitserve.core.policies.slo_aware import SloAwarePolicy
 from splitserve.core.policy import FCFS, BatchPolicy, scheduling_policy_option
 
 if TYPE_CHECKING:
-    from splitserve.perf_model import PerfModel
+    from splitserve.perf.model import PerfModel
 
 _POLICIES: dict[str, type] = {"fcfs": FcfsPolicy, "slo_aware": SloAwarePolicy,
                                "prefill_reorder": PrefillReorderPolicy, "laps": LapsPolicy,

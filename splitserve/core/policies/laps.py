@@ -62,7 +62,7 @@ from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
 from splitserve.core.shapes import ShapeGrid
 from splitserve.core.length_class import LengthBoundary
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["LapsPolicy"]
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from splitserve.core.step_cost import StepShape
-    from splitserve.perf_model import PerfModel
+    from splitserve.perf.model import PerfModel
 
 __all__ = ["CONTEXT_GRID", "DECODE_GRID", "LatencyTable", "PREFILL_GRID"]
 

@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["number_option", "perf_model_option"]
 

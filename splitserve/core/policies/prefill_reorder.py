@@ -47,7 +47,7 @@ from typing import Sequence
 from splitserve.core.policies.options import number_option, perf_model_option
 from splitserve.core.policy import FCFS, PRIORITY, ExecutedBatch, QueuedRequest, StepBuilder
 from splitserve.core.sequence import StageKey
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["PrefillReorderPolicy", "best_ordering"]
 

@@ -69,7 +69,7 @@ from __future__ import annotations
 from splitserve.core.policies.latency_table import LatencyTable
 from splitserve.core.policies.options import number_option, perf_model_option
 from splitserve.core.policy import ExecutedBatch, QueuedRequest, StepBuilder
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["SloAwarePolicy"]
 

@@ -4,7 +4,7 @@
 L40S, B200, ... with vLLM, SGLang and TensorRT-LLM (GEMMs, context attention, generation
 attention, all-reduce), and a compiled estimator over them. One of its calls costs a few
 microseconds to ~0.1 ms, far too slow per simulated step, so a model is tabulated once at
-start (`tabulate`): each kernel class of `splitserve.perf_tables` on a grid, about 3,500
+start (`tabulate`): each kernel class of `splitserve.perf.tables` on a grid, about 3,500
 op evaluations, ~0.5 s plus loading the database. Tables are cached in memory and on disk
 (`$SPLITSERVE_PERF_CACHE`, else `~/.cache/splitserve/perf`), keyed by everything that
 changes them; a cached file is a plain `PerfModel` JSON and loads without aiconfigurator.
@@ -14,10 +14,10 @@ planner gets its model:
 
 * `aiconfigurator`: the measured tables; an uncovered GPU x model x framework is a
   `ValueError` naming what is covered;
-* `roofline`: the kernel-class roofline (`splitserve.perf_roofline`: the same sum of kernel
+* `roofline`: the kernel-class roofline (`splitserve.perf.roofline`: the same sum of kernel
   classes, each max(compute, memory), with constants fitted to the measured database per GPU
   generation) — for GPUs and models the database lacks (H20, RTX 4090);
-* `datasheet`: the whole-step roofline at datasheet peaks (`splitserve.perf_presets.preset`)
+* `datasheet`: the whole-step roofline at datasheet peaks (`splitserve.perf.presets.preset`)
   that timed every result before issue 34, kept to compare with them;
 * `auto` (the default): the measured tables where covered, else the kernel-class roofline
   with a warning saying why (never a silent guess).
@@ -27,7 +27,7 @@ them. The coefficients of a measured model are the datasheet preset's: they serv
 closed forms the tables do not (regimes, KV transfer).
 
 Models the database lacks (Qwen2.5) are compiled from the presets' own config fields
-(`splitserve.perf_presets.ModelSpec`), written as a Hugging Face config.json.
+(`splitserve.perf.presets.ModelSpec`), written as a Hugging Face config.json.
 
 Mixture-of-experts models (Mixtral-8x7B) compile as aiconfigurator's `MOE` family with the
 experts split tensor-parallel like the attention (`moe_tp_size = tp`, no expert parallelism,
@@ -50,20 +50,20 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import ModelSpec, gpu_spec, model_spec, preset
-from splitserve.perf_tables import StepTables
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import ModelSpec, gpu_spec, model_spec, preset
+from splitserve.perf.tables import StepTables
 
 __all__ = ["BACKENDS", "FRAMEWORKS", "SYSTEMS", "Coverage", "coverage", "perf_model_for", "tabulate"]
 
 log = logging.getLogger(__name__)
 
-# roofline: the kernel-class roofline fitted to the measured database (splitserve.perf_roofline);
-# datasheet: the whole-step roofline at datasheet peaks (splitserve.perf_presets.preset), which
+# roofline: the kernel-class roofline fitted to the measured database (splitserve.perf.roofline);
+# datasheet: the whole-step roofline at datasheet peaks (splitserve.perf.presets.preset), which
 # timed every result before issue 34 and stays reachable to reproduce them.
 BACKENDS = ("auto", "aiconfigurator", "roofline", "datasheet")
 FRAMEWORKS = ("vllm", "sglang", "trtllm")
-# Our GPU presets (splitserve.perf_presets.GPU_SPECS) -> aiconfigurator's system names.
+# Our GPU presets (splitserve.perf.presets.GPU_SPECS) -> aiconfigurator's system names.
 SYSTEMS = {"A100-SXM4-80GB": "a100_sxm", "H100-SXM5-80GB": "h100_sxm", "H200-SXM-141GB": "h200_sxm",
            "L40S-48GB": "l40s"}
 SCHEMA = 3  # bump when the grids or the composition change: old cache files are ignored
@@ -169,7 +169,7 @@ def _check_covered(gpu_name: str, m: ModelSpec, framework: str) -> str:
         raise ValueError(f"no measured {framework} data for {gpu_name}: {cov.describe()}")
     if m.kind != "ar":
         raise ValueError(f"{m.name} is a diffusion LM: aiconfigurator measures autoregressive serving only "
-                         "(dLLM-Serve's steps use splitserve.diffusion_perf)")
+                         "(dLLM-Serve's steps use splitserve.core.diffusion_perf)")
     if m.is_moe and framework not in cov.moe.get(system, ()):
         raise ValueError(f"no measured {framework} MoE data for {gpu_name} ({m.name} is a mixture of experts): "
                          f"{cov.describe()}")
@@ -321,20 +321,20 @@ def perf_model_for(gpu: str, model: str, tp: int = 1, *, backend: str = "auto", 
     """The step-time model every simulator, emulated worker and planner uses:
 
     * `aiconfigurator`: the measured tables (ValueError where not covered);
-    * `roofline`: the kernel-class roofline (`splitserve.perf_roofline.roofline_model`: a step is
+    * `roofline`: the kernel-class roofline (`splitserve.perf.roofline.roofline_model`: a step is
       the sum of its kernel classes, with constants fitted to the measured database per GPU
       generation);
-    * `datasheet`: the whole-step datasheet roofline (`splitserve.perf_presets.preset`);
+    * `datasheet`: the whole-step datasheet roofline (`splitserve.perf.presets.preset`);
     * `auto`: measured where covered, else the kernel-class roofline with a warning.
 
     A diffusion LM (LLaDA) is timed by the datasheet preset under `roofline` and `auto` (its
-    denoising steps use `PerfModel.diffusion_step_time` and `splitserve.diffusion_perf`)."""
+    denoising steps use `PerfModel.diffusion_step_time` and `splitserve.core.diffusion_perf`)."""
     if backend not in BACKENDS:
         raise ValueError(f"perf backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     datasheet = preset(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)
     if backend == "datasheet":
         return datasheet
-    from splitserve.perf_roofline import roofline_model
+    from splitserve.perf.roofline import roofline_model
 
     def roofline() -> PerfModel:
         return roofline_model(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)

@@ -1,7 +1,7 @@
-"""Lua scripts run atomically inside Redis by `splitserve.state` (source only, no I/O).
+"""Lua scripts run atomically inside Redis by `splitserve.state.store` (source only, no I/O).
 
 Every key a script touches arrives in KEYS (never built inside Lua), so the key layout
-stays in `splitserve/state.py`. Numbers written back to Redis are formatted with %.17g
+stays in `splitserve/state/store.py`. Numbers written back to Redis are formatted with %.17g
 because Lua's default number-to-string conversion keeps only 14 significant digits,
 which would round unix timestamps to ~0.1 ms.
 """

@@ -4,7 +4,7 @@ Pure arithmetic on plain numbers (no torch, no clock, no I/O but JSON helpers). 
 `PerfModel` serves the DynaServe predictor, AMPD's cost estimates (Eq. 1-2), LAPS'
 short/long boundary, the emulated worker, the simulator and the planner. Coefficients
 come from a fit of measured profiles (`fit_perf_model`) or from a roofline preset
-(`splitserve.perf_presets.preset`, which imports this module, never the other way round).
+(`splitserve.perf.presets.preset`, which imports this module, never the other way round).
 docs/perf_model.md has the derivations.
 
 Piecewise alpha-beta form. A step runs prefill chunks {(H_i, L_i)} (L_i new tokens on
@@ -19,8 +19,8 @@ regime changes where the two lines cross (`prefill_boundary`, `decode_breakpoint
 All coefficients are >= 0, so every time is non-decreasing in every argument.
 KV transfer: `latency + per_token * tokens` (0 for no tokens).
 
-A model may also carry measured kernel tables (`tables`, `splitserve.perf_tables`; made by
-`splitserve.perf_aiconfigurator` from GPU measurements). Then every step time comes from
+A model may also carry measured kernel tables (`tables`, `splitserve.perf.tables`; made by
+`splitserve.perf.aiconfigurator` from GPU measurements). Then every step time comes from
 the tables (a sum over kernel classes, not the max above) and the coefficients serve the
 closed forms that need one (the regimes, `LengthBoundary`'s rescaling) and KV transfer.
 """
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from splitserve.perf_tables import StepTables
+from splitserve.perf.tables import StepTables
 
 if TYPE_CHECKING:  # numpy and scipy are imported only by the fitting code
     import numpy as np
@@ -43,7 +43,7 @@ __all__ = [
     "TransferCoeffs", "fit_perf_model",
 ]
 
-FORMAT = "splitserve.perf_model"
+FORMAT = "splitserve.perf.model"
 VERSION = 1
 SAMPLE_KINDS = ("prefill", "decode", "transfer", "mixed")
 
@@ -153,7 +153,7 @@ class PerfModel:
     @property
     def backend(self) -> str:
         """What times this model's steps: `aiconfigurator` (measured GPU tables), `roofline`
-        (kernel-class tables fitted to them, `splitserve.perf_roofline`), `fit` (fitted to
+        (kernel-class tables fitted to them, `splitserve.perf.roofline`), `fit` (fitted to
         profiles of a real engine) or `datasheet` (the whole-step roofline at datasheet peaks)."""
         if self.tables is not None:
             return str(self.tables.source.get("backend", "tables"))

@@ -1,6 +1,6 @@
 """Plain records exchanged with the Redis state store, and their hash encodings.
 
-`splitserve.state` re-exports everything public here; import from there.
+`splitserve.state.store` re-exports everything public here; import from there.
 """
 
 from __future__ import annotations

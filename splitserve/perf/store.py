@@ -1,8 +1,8 @@
 """Reading a fitted performance model: from a JSON file, or from Redis where `splitserve profile` stored it.
 
 `splitserve simulate --perf-model` reads through here. A JSON file, the usual case, needs
-nothing but :mod:`splitserve.perf_model`; only the Redis reader imports
-:mod:`splitserve.state` (and with it redis), inside the function, so the simulator runs
+nothing but :mod:`splitserve.perf.model`; only the Redis reader imports
+:mod:`splitserve.state.store` (and with it redis), inside the function, so the simulator runs
 where redis is not installed.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import os
 from typing import Any
 
-from splitserve.perf_model import PerfModel
+from splitserve.perf.model import PerfModel
 
 __all__ = ["REDIS_SOURCE_PREFIX", "load_perf_model", "read_stored_perf_model", "resolve_perf_model"]
 
@@ -39,7 +39,7 @@ def load_perf_model(source: str, redis_url: str | None = None, redis_prefix: str
 def read_stored_perf_model(worker_id: str, redis_url: str, redis_prefix: str) -> PerfModel:
     """The model `splitserve profile` stored in Redis for `worker_id`; ValueError when there is
     none or Redis does not answer (the message names the URL)."""
-    from splitserve.state import RedisRetryPolicy, StateStore, StateUnavailableError  # redis: only here
+    from splitserve.state.store import RedisRetryPolicy, StateStore, StateUnavailableError  # redis: only here
 
     async def read() -> dict[str, Any] | None:
         async with StateStore(redis_url, redis_prefix, retry_policy=RedisRetryPolicy(attempts=2)) as store:
@@ -59,10 +59,10 @@ def resolve_perf_model(spec: str) -> PerfModel:
     `redis:WORKER_ID` (what `splitserve profile` stored), or a preset `[BACKEND:]GPU/MODEL[/TP]`
     (e.g. `A100/qwen2.5-14b/2`, `datasheet:A100/qwen2.5-14b`): BACKEND is `auto` (the default:
     measured GPU data where covered, else the kernel-class roofline), `aiconfigurator`,
-    `roofline` or `datasheet` (`splitserve.perf_aiconfigurator.perf_model_for`). ValueError names what was expected."""
+    `roofline` or `datasheet` (`splitserve.perf.aiconfigurator.perf_model_for`). ValueError names what was expected."""
     if spec.startswith(REDIS_SOURCE_PREFIX) or spec.endswith(".json") or os.path.isfile(spec):
         return load_perf_model(spec)
-    from splitserve.perf_aiconfigurator import BACKENDS, perf_model_for
+    from splitserve.perf.aiconfigurator import BACKENDS, perf_model_for
 
     backend, colon, rest = spec.partition(":")
     if not colon:

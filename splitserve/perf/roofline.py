@@ -1,11 +1,11 @@
 """The kernel-class roofline: analytic step tables for GPUs and models without measured data.
 
-The datasheet roofline (`splitserve.perf_presets.preset`, backend `datasheet`) times a
+The datasheet roofline (`splitserve.perf.presets.preset`, backend `datasheet`) times a
 whole step as max(compute, memory) of two affine lines at 50 % of the peak FLOPs, so a
 decode batch's attention hides under a prefill chunk's GEMMs, and a GEMM of 64 rows runs at
 the efficiency of one of 8,192. This module keeps the roofline where no
 measurements exist (H20, RTX 4090, models the database lacks) but builds it the way the
-measured backend is built (`splitserve.perf_tables`): a step is the **sum** of kernel
+measured backend is built (`splitserve.perf.tables`): a step is the **sum** of kernel
 classes, each its own max(compute, memory), tabulated on the measured backend's grids:
 
     seconds = overhead
@@ -51,7 +51,7 @@ from 0 to `gemm_eff` with half of it at T = t_half. The attention's `k_half` is 
 per query row (loading Q, the softmax rescales, writing O: work worth k_half keys).
 
 The constants are fitted (`benchmarks/fit_roofline.py`) by least squares in relative error to
-NVIDIA aiconfigurator's measured database (`splitserve.perf_aiconfigurator`) over prefill,
+NVIDIA aiconfigurator's measured database (`splitserve.perf.aiconfigurator`) over prefill,
 decode and mixed steps, and each kernel class on its own, of the preset models on A100, H100,
 H200 and L40S, one set per GPU
 generation (`FITTED`; Ampere, Hopper, Ada) and one over all four (`FITTED["all"]`), which
@@ -72,11 +72,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from splitserve.perf_aiconfigurator import (BATCH_GRID, CHUNK_GRID, LOGITS_GRID, TOKEN_GRID, _context_grid,
+from splitserve.perf.aiconfigurator import (BATCH_GRID, CHUNK_GRID, LOGITS_GRID, TOKEN_GRID, _context_grid,
                                             _history_grid)
-from splitserve.perf_model import PerfModel
-from splitserve.perf_presets import GB, GpuSpec, ModelSpec, gpu_spec, model_spec, preset
-from splitserve.perf_tables import StepTables
+from splitserve.perf.model import PerfModel
+from splitserve.perf.presets import GB, GpuSpec, ModelSpec, gpu_spec, model_spec, preset
+from splitserve.perf.tables import StepTables
 
 __all__ = ["FITTED", "GENERATION", "RooflineConstants", "RooflineKernels", "constants_for", "generation",
            "roofline_model", "roofline_tables"]
@@ -263,7 +263,7 @@ class RooflineKernels:
 
     # ---- tables --------------------------------------------------------------------------
     def tables(self, source: Mapping[str, Any] | None = None) -> StepTables:
-        """The kernel classes on the measured backend's grids (`splitserve.perf_aiconfigurator`)."""
+        """The kernel classes on the measured backend's grids (`splitserve.perf.aiconfigurator`)."""
         ctx, hist = _context_grid(self.model.context_len), _history_grid(self.model.context_len)
         linear = tuple(float(v) for v in self.linear_s(np.array(TOKEN_GRID)))
         pa = self.prefill_attention_s(np.array(CHUNK_GRID, dtype=np.float64)[:, None], np.array(hist)[None, :])
@@ -302,7 +302,7 @@ def roofline_model(gpu: str | GpuSpec, model: str | ModelSpec, tp: int = 1, *, d
                    constants: RooflineConstants | None = None) -> PerfModel:
     """The kernel-class roofline `PerfModel`: the datasheet preset (its coefficients serve the
     closed forms and KV transfer, and its memory check) with analytic step tables. A diffusion
-    LM keeps the datasheet preset: its denoising steps are timed by `splitserve.diffusion_perf`
+    LM keeps the datasheet preset: its denoising steps are timed by `splitserve.core.diffusion_perf`
     and `PerfModel.diffusion_step_time`, which read the coefficients, not tables."""
     g, m = gpu_spec(gpu), model_spec(model)
     base = preset(g, m, tp, dtype=dtype, link=link, check_memory=check_memory)

@@ -1,9 +1,9 @@
 """Live cluster state in Redis. The only module that knows Redis key strings.
 
-Plain dataclasses go in and out (no protobuf; they live in `splitserve.state_records`
+Plain dataclasses go in and out (no protobuf; they live in `splitserve.core.records`
 and are re-exported here). Every key lives under a configurable prefix (default
 ``ss:``); `_Keys` builds them all. Read-modify-write operations run as Lua scripts
-(`splitserve.state_scripts`) or MULTI transactions, so concurrent writers never see or
+(`splitserve.state.scripts`) or MULTI transactions, so concurrent writers never see or
 leave half-written state.
 """
 
@@ -17,8 +17,8 @@ import uuid
 from dataclasses import asdict
 from typing import Any, NamedTuple, Sequence
 
-from splitserve import state_scripts
-from splitserve.state_connection import (
+from splitserve.state import scripts as state_scripts
+from splitserve.state.connection import (
     RedisRetryPolicy,
     StateUnavailableError,
     make_client,
@@ -26,7 +26,7 @@ from splitserve.state_connection import (
     unavailable_on_connection_error,
     wait_until_reachable,
 )
-from splitserve.state_records import (
+from splitserve.core.records import (
     DIFFUSION,
     POOLS,
     ROLES,

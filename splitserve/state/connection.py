@@ -1,6 +1,6 @@
 """Reaching Redis: retrying clients, a bounded wait-until-reachable, one error type.
 
-Used by `splitserve.state`; callers catch `StateUnavailableError` (re-exported there).
+Used by `splitserve.state.store`; callers catch `StateUnavailableError` (re-exported there).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-logger = logging.getLogger("splitserve.state")
+logger = logging.getLogger("splitserve.state.store")
 
 
 class StateUnavailableError(RuntimeError):

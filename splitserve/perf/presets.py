@@ -1,7 +1,7 @@
 """Analytical roofline presets for named GPU x model pairs, and memory-fit checks.
 
 `preset(gpu, model, tp)` turns datasheet numbers (GPU_SPECS) and model shapes
-(MODEL_SPECS) into the coefficients of a `splitserve.perf_model.PerfModel`:
+(MODEL_SPECS) into the coefficients of a `splitserve.perf.model.PerfModel`:
 
     time = max(FLOPs / (tp * peak * mfu), bytes / (tp * bw * bw_eff)) + overheads
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from splitserve.perf_model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
+from splitserve.perf.model import DecodeCoeffs, PerfModel, PrefillCoeffs, TransferCoeffs
 
 __all__ = [
     "DEFAULT_EFFICIENCY", "Efficiency", "GPU_SPECS", "GpuSpec", "LINK_SPECS", "LinkSpec",
@@ -303,7 +303,7 @@ def _weight_bytes(m: ModelSpec, dtype: str) -> tuple[float, float]:
     here: the whole-step roofline's weight read is one constant per step, and a batch of 16
     tokens already touches 7.9 of Mixtral's 8 experts (`ModelSpec.experts_touched`), so only
     steps of a few tokens are overstated (one decode reads 2 experts, not 8; the kernel-class
-    roofline, `splitserve.perf_roofline`, counts the experts touched)."""
+    roofline, `splitserve.perf.roofline`, counts the experts touched)."""
     w = 1 if dtype == "fp8" else 2
     lin = m.stored_linear_params * w
     return lin + 2 * m.vocab_params, lin + 2 * m.vocab_params * (1 if m.tied_embeddings else 2)

@@ -64,7 +64,7 @@ attention onto causal tables). `diffusion_perf_model(gpu, model, backend=...)` p
 where the GPU is not covered (RTX 4090). The memory model is the same for both.
 
 Pure arithmetic: no torch, no clock; `diffusion_perf_model` reads (and writes) the measured
-tables' cache through `splitserve.perf_aiconfigurator`.
+tables' cache through `splitserve.perf.aiconfigurator`.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from splitserve.core.diffusion import DiffusionBatch, DiffusionWork, Phase, retained_tokens
-from splitserve.perf_presets import (DEFAULT_EFFICIENCY, GB, Efficiency, GpuSpec, ModelSpec, gpu_spec,
+from splitserve.perf.presets import (DEFAULT_EFFICIENCY, GB, Efficiency, GpuSpec, ModelSpec, gpu_spec,
                                      model_spec)
 
 if TYPE_CHECKING:
-    from splitserve.perf_tables import StepTables
+    from splitserve.perf.tables import StepTables
 
 __all__ = ["ACTIVATION_DTYPE_BYTES", "DEFAULT_MEMORY_UTILIZATION", "DIFFUSION_PERF_BACKENDS", "DiffusionPerfModel",
            "DllmCacheIntervals", "EntryShape", "LOGIT_BYTES_PER_ELEMENT", "METHODS", "MeasuredDiffusionPerfModel",
@@ -512,7 +512,7 @@ class DiffusionPerfModel:
 class MeasuredDiffusionPerfModel(DiffusionPerfModel):
     """Step times from measured kernel tables (`backend` "aiconfigurator"); memory as the roofline's.
 
-    `tables` are `splitserve.perf_aiconfigurator.tabulate`'s for an autoregressive twin of the
+    `tables` are `splitserve.perf.aiconfigurator.tabulate`'s for an autoregressive twin of the
     diffusion model's shape (`dataclasses.replace(spec, kind="ar")`: aiconfigurator times kernels
     by shape and refuses diffusion models only because it models AR serving): per-kernel times
     NVIDIA measured on the GPU with vLLM's kernels. A step is, kernel by kernel (the kernels of
@@ -700,7 +700,7 @@ def diffusion_perf_model(gpu: str | GpuSpec, model: str | ModelSpec = "LLaDA-8B"
 def _measured_tables(gpu_name: str, model: ModelSpec, framework: str,
                      database_version: str | None) -> tuple[StepTables, str]:
     """aiconfigurator's tables for the autoregressive twin of `model` (same shape, kind "ar")."""
-    from splitserve.perf_aiconfigurator import SYSTEMS, tabulate
+    from splitserve.perf.aiconfigurator import SYSTEMS, tabulate
 
     gpu_key = next((name for name in SYSTEMS if name == gpu_name), None)
     if gpu_key is None:
@@ -713,7 +713,7 @@ def _measured_tables(gpu_name: str, model: ModelSpec, framework: str,
 
 def _preset_name(gpu_name: str) -> str:
     """The `perf_presets.GPU_SPECS` key of a datasheet GPU name."""
-    from splitserve.perf_presets import GPU_SPECS
+    from splitserve.perf.presets import GPU_SPECS
 
     return next(key for key, spec in GPU_SPECS.items() if spec.name == gpu_name)
 

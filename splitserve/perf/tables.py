@@ -21,7 +21,7 @@ axis (a running maximum: the measured data dip by a few percent where the kernel
 switches tiles), so a step never gets cheaper with more work; the sizes of those dips are
 what `StepTables.from_raw` reports as `monotone_fix`.
 
-Where the tables come from (`source`) is recorded with them: `splitserve.perf_aiconfigurator`
+Where the tables come from (`source`) is recorded with them: `splitserve.perf.aiconfigurator`
 tabulates NVIDIA aiconfigurator's database of per-op timings measured on real GPUs.
 Pure arithmetic: no torch, no I/O (numpy only for the vectorised forms).
 """
