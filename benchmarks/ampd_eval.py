@@ -8,7 +8,7 @@ arrive as a Poisson process at 20-80% of the budget's prefill capacity (`prefill
 under the GPU and timing chosen; Figure 4 uses 0.8-2.4/s on real H20s, see there why
 absolute rates do not carry over); tool calls between rounds take an exponential 1 s.
 
-Step times (`--perf-backend`, `splitserve.perf.aiconfigurator.perf_model_for`): `aiconfigurator`
+Step times (`--perf-backend`, `splitserve.perf.backends.perf_model_for`): `aiconfigurator`
 (NVIDIA's per-kernel timings measured with vLLM on A100/H100/H200/L40S; not on H20), `roofline`
 (kernel classes fitted to those measurements), `datasheet` (the whole-step datasheet roofline
 that timed every result before issue 34), `auto` (measured where covered, else the fitted
@@ -73,7 +73,7 @@ from loadgen.metrics import RequestResult, Slo, meets_slo  # noqa: E402
 from loadgen.sessions import ToolDelay, generate_sessions  # noqa: E402
 from services.planner.simulator import Simulator  # noqa: E402
 from splitserve.core.policies import known_batch_policies  # noqa: E402
-from splitserve.perf.aiconfigurator import BACKENDS, perf_model_for  # noqa: E402
+from splitserve.perf.backends import BACKENDS, perf_model_for  # noqa: E402
 from splitserve.perf.presets import fits_in_memory  # noqa: E402
 
 
@@ -468,7 +468,7 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL, choices=sorted(WORKLOADS_BY_MODEL),
                         help="the model (its Figure 4 row: SLOs per workload)")
     parser.add_argument("--perf-backend", default="auto", choices=BACKENDS,
-                        help="what times the steps (splitserve.perf.aiconfigurator.perf_model_for): aiconfigurator "
+                        help="what times the steps (splitserve.perf.backends.perf_model_for): aiconfigurator "
                              "(measured), roofline (kernel-class, fitted), datasheet (the whole-step datasheet "
                              "roofline that timed every result before issue 34), auto (measured where covered)")
     parser.add_argument("--workloads", default=",".join(w.preset for w in WORKLOADS))

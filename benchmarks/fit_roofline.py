@@ -264,7 +264,7 @@ def _fmt(v: float) -> str:
 
 
 def write_constants(text: str) -> None:
-    path = REPO / "splitserve" / "perf_roofline.py"
+    path = REPO / "splitserve" / "perf" / "roofline.py"
     src = path.read_text()
     new, n = re.subn(r"(# BEGIN FITTED\n).*?(\n# END FITTED)", lambda m: m.group(1) + text + m.group(2), src,
                      flags=re.S)

@@ -1,6 +1,6 @@
 """LAPS' evaluation (arXiv 2601.11589 §4) in the simulator: prefill latency and SLO violations.
 
-Step times (`--perf-backend`, default auto): `splitserve.perf.aiconfigurator.perf_model_for`,
+Step times (`--perf-backend`, default auto): `splitserve.perf.backends.perf_model_for`,
 i.e. NVIDIA aiconfigurator's per-kernel timings measured on real GPUs where the GPU x model
 is covered (H200 x Qwen2.5 is), a step being the sum of its kernel classes; `datasheet` is
 the whole-step roofline (max(compute, memory) per step at datasheet peaks) that timed every

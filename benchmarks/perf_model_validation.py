@@ -1,6 +1,6 @@
 """How far each step-time backend lands from GPU measurements (issue 34, item 4).
 
-Part A, steps: every backend of `splitserve.perf.aiconfigurator.perf_model_for` (the tabulated
+Part A, steps: every backend of `splitserve.perf.backends.perf_model_for` (the tabulated
 measured data, the roofline(s)) against aiconfigurator's own compiled estimator of whole
 steps (`EngineHandle.mixed_step_latency` / `decode_step_latency`, NVIDIA's composition of
 the same per-op measurements) on a grid of prefill, decode and mixed steps, for several GPU
@@ -48,7 +48,8 @@ from loadgen.metrics import Slo, summarize  # noqa: E402
 from loadgen.runner import arrival_offsets  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec  # noqa: E402
 from services.planner.simulator import Simulator  # noqa: E402
-from splitserve.perf.aiconfigurator import BACKENDS, SYSTEMS, hf_config, perf_model_for  # noqa: E402
+from splitserve.perf.aiconfigurator import SYSTEMS, hf_config  # noqa: E402
+from splitserve.perf.backends import BACKENDS, perf_model_for  # noqa: E402
 from splitserve.perf.presets import gpu_spec, model_spec  # noqa: E402
 
 console = Console(width=180)

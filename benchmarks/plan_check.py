@@ -50,7 +50,7 @@ from benchmarks.ampd_eval import LINK, WORKLOADS, WORKLOADS_BY_MODEL, Timing, pr
 from loadgen import arrivals  # noqa: E402
 from loadgen.sessions import PRESETS, ToolDelay, generate_sessions  # noqa: E402
 from services.planner.deploy_plan import PlanInputs, check_plan, perf_options, plan, step_model  # noqa: E402
-from splitserve.perf.aiconfigurator import BACKENDS  # noqa: E402
+from splitserve.perf.backends import BACKENDS  # noqa: E402
 
 EMULATED_LINK = "rdma-400g"  # the emulated workers' KV link (workers.engine.emulated.Emulation.link)
 
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="H20")
     parser.add_argument("--model", default="Qwen3-32B", choices=sorted(WORKLOADS_BY_MODEL))
     parser.add_argument("--perf-backend", default="auto", choices=BACKENDS,
-                        help="what times the steps (splitserve.perf.aiconfigurator.perf_model_for)")
+                        help="what times the steps (splitserve.perf.backends.perf_model_for)")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--check-requests", type=int, default=600,
                         help="session rounds per whole-cluster check (sessions = this / the preset's mean rounds)")

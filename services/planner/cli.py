@@ -25,8 +25,7 @@ from services.planner.sim_config import NetworkLatency
 from services.planner.sim_workload import SimWorkload, build_sim_workload
 from services.planner.simulator import SimulationOutcome, Simulator, pd_roles, preset_kv_blocks
 from splitserve.core.designs import DesignChoice, resolve_design
-from splitserve.perf.aiconfigurator import (PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP,
-                                            perf_model_for)
+from splitserve.perf.backends import PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP, perf_model_for
 from splitserve.perf.store import load_perf_model
 
 __all__ = ["simulate_app", "ClusterOptions", "build_simulator", "run_simulation"]

@@ -77,7 +77,7 @@ from services.global_scheduler.ampd import runs_locally
 from services.planner.simulator import Simulator
 from splitserve.core import known_batch_policies
 from splitserve.core.designs import DesignChoice, resolve_design
-from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.backends import perf_model_for
 from splitserve.perf.model import PerfModel
 from splitserve.perf.presets import TP_DEGREES, fits_in_memory, max_kv_tokens
 
@@ -115,7 +115,7 @@ class PlanInputs:
     itl_slo_ms: float = 40.0
     tp_degrees: tuple[int, ...] = TP_DEGREES
     link: str = "rdma-400g"
-    # What times the simulated steps (splitserve.perf.aiconfigurator.perf_model_for).
+    # What times the simulated steps (splitserve.perf.backends.perf_model_for).
     perf_backend: str = "auto"
     perf_framework: str = "vllm"
     perf_database_version: str | None = None

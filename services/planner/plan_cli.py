@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from splitserve.perf.aiconfigurator import PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP
+from splitserve.perf.backends import PERF_BACKEND_HELP, PERF_DATABASE_VERSION_HELP, PERF_FRAMEWORK_HELP
 
 __all__ = ["plan_command"]
 

@@ -38,7 +38,7 @@ from services.planner.sim_run import SimRun, SimStats, gc_paused
 from services.planner.sim_workload import SimItem
 from splitserve.core import build_batch_policy
 from splitserve.perf.model import PerfModel
-from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.backends import perf_model_for
 from splitserve.perf.presets import max_kv_tokens
 
 __all__ = ["Simulator", "SimulationOutcome", "NetworkLatency", "SimStats", "pd_roles", "preset_kv_blocks"]
@@ -114,7 +114,7 @@ class Simulator:
                     perf_backend: str = "auto", perf_framework: str = "vllm",
                     perf_database_version: str | None = None, **options: Any) -> Simulator:
         """Workers of `tp` x `gpu` serving `model`: step times from `perf_backend`
-        (`splitserve.perf.aiconfigurator.perf_model_for`: measured GPU data where covered, else
+        (`splitserve.perf.backends.perf_model_for`: measured GPU data where covered, else
         the roofline), the preset's KV memory."""
         perf_model = perf_model_for(gpu, model, tp, backend=perf_backend, framework=perf_framework,
                                     database_version=perf_database_version, dtype=dtype, link=link)

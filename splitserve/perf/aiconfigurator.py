@@ -9,20 +9,8 @@ op evaluations, ~0.5 s plus loading the database. Tables are cached in memory an
 (`$SPLITSERVE_PERF_CACHE`, else `~/.cache/splitserve/perf`), keyed by everything that
 changes them; a cached file is a plain `PerfModel` JSON and loads without aiconfigurator.
 
-`perf_model_for(gpu, model, tp, backend=...)` is how every simulator, emulated worker and
-planner gets its model:
-
-* `aiconfigurator`: the measured tables; an uncovered GPU x model x framework is a
-  `ValueError` naming what is covered;
-* `roofline`: the kernel-class roofline (`splitserve.perf.roofline`: the same sum of kernel
-  classes, each max(compute, memory), with constants fitted to the measured database per GPU
-  generation) — for GPUs and models the database lacks (H20, RTX 4090);
-* `datasheet`: the whole-step roofline at datasheet peaks (`splitserve.perf.presets.preset`)
-  that timed every result before issue 34, kept to compare with them;
-* `auto` (the default): the measured tables where covered, else the kernel-class roofline
-  with a warning saying why (never a silent guess).
-
-Either way the model's `backend` and `label` say which timed it, and every report prints
+Which backend times a run (measured, fitted roofline, datasheet, or `auto`) is chosen by
+`splitserve.perf.backends.perf_model_for`. Either way the model's `backend` and `label` say which timed it, and every report prints
 them. The coefficients of a measured model are the datasheet preset's: they serve only the
 closed forms the tables do not (regimes, KV transfer).
 
@@ -52,46 +40,20 @@ from typing import Any
 
 from splitserve.perf.model import PerfModel
 from splitserve.perf.presets import ModelSpec, gpu_spec, model_spec, preset
-from splitserve.perf.tables import StepTables
+from splitserve.perf.tables import (BATCH_GRID, CHUNK_GRID, LOGITS_GRID, TOKEN_GRID, StepTables, context_grid,
+                                    history_grid)
 
-__all__ = ["BACKENDS", "FRAMEWORKS", "SYSTEMS", "Coverage", "coverage", "perf_model_for", "tabulate"]
+__all__ = ["FRAMEWORKS", "SYSTEMS", "Coverage", "coverage", "tabulate"]
 
 log = logging.getLogger(__name__)
 
-# roofline: the kernel-class roofline fitted to the measured database (splitserve.perf.roofline);
-# datasheet: the whole-step roofline at datasheet peaks (splitserve.perf.presets.preset), which
-# timed every result before issue 34 and stays reachable to reproduce them.
-BACKENDS = ("auto", "aiconfigurator", "roofline", "datasheet")
 FRAMEWORKS = ("vllm", "sglang", "trtllm")
 # Our GPU presets (splitserve.perf.presets.GPU_SPECS) -> aiconfigurator's system names.
 SYSTEMS = {"A100-SXM4-80GB": "a100_sxm", "H100-SXM5-80GB": "h100_sxm", "H200-SXM-141GB": "h200_sxm",
            "L40S-48GB": "l40s"}
 SCHEMA = 3  # bump when the grids or the composition change: old cache files are ignored
 
-# The grids (see perf_tables). GEMM times are staircases (a step wherever the token count
-# crosses a tile boundary: Qwen2.5-14B on an A100 costs 24 ms at 128 tokens, 35 ms at 160),
-# so the token axes are dense: every 16 tokens to 512, 64 to 2,048, 256 to 8,192. Context
-# axes follow powers of two and their midpoints up to the model's context length.
-def _steps(*spans: tuple[int, int, int]) -> tuple[int, ...]:
-    return tuple(sorted({x for lo, hi, step in spans for x in range(lo, hi + 1, step)}))
-
-
-_POW = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
-        4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072]
-TOKEN_GRID = _steps((1, 16, 1), (16, 512, 16), (512, 2048, 64), (2048, 8192, 256), (8192, 32768, 1024),
-                    (32768, 65536, 4096))
-CHUNK_GRID = _steps((1, 16, 1), (16, 128, 16), (128, 1024, 64), (1024, 4096, 256), (4096, 32768, 2048))
-BATCH_GRID = _steps((1, 64, 1), (64, 256, 8), (256, 2048, 64))
-LOGITS_GRID = BATCH_GRID
 _ATTENTION = 3  # index of context_attention / generation_attention in aiconfigurator's dense op lists
-
-
-def _context_grid(max_len: int) -> tuple[int, ...]:
-    return tuple(x for x in _POW if x < max_len) + (max_len,)
-
-
-def _history_grid(max_len: int) -> tuple[int, ...]:
-    return (0,) + _context_grid(max_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,19 +237,19 @@ def _measure(system: str, m: ModelSpec, tp: int, framework: str, version: str | 
         return sum(v[1] for v in values) / 1e3
 
     max_len = m.context_len
-    context_grid, history_grid = _context_grid(max_len), _history_grid(max_len)
+    contexts, histories = context_grid(max_len), history_grid(max_len)
     raw = dict(
         tokens=TOKEN_GRID,
         context_linear=[ms(handle.evaluate_context_ops(ctx_linear, batch_size=1, s=t, x=t)) for t in TOKEN_GRID],
         generation_linear=[ms(handle.evaluate_generation_ops(gen_linear, batch_size=t, s=1)) for t in TOKEN_GRID],
         logits_rows=LOGITS_GRID,
         logits=[ms(handle.evaluate_generation_ops([logits], batch_size=r, s=1)) for r in LOGITS_GRID],
-        chunk_tokens=CHUNK_GRID, chunk_history=history_grid,
+        chunk_tokens=CHUNK_GRID, chunk_history=histories,
         prefill_attention=[[ms(handle.evaluate_context_ops([_ATTENTION], batch_size=1, s=n, prefix=h))
-                            for h in history_grid] for n in CHUNK_GRID],
-        decode_batch=BATCH_GRID, decode_context=context_grid,
+                            for h in histories] for n in CHUNK_GRID],
+        decode_batch=BATCH_GRID, decode_context=contexts,
         decode_attention=[[ms(handle.evaluate_generation_ops([_ATTENTION], batch_size=b, s=c))
-                           for c in context_grid] for b in BATCH_GRID],
+                           for c in contexts] for b in BATCH_GRID],
     )
     from importlib.metadata import version as dist_version
 
@@ -313,64 +275,3 @@ def _current_version(system: str, framework: str) -> str:
         return str(slot["current"])
     except Exception:  # the label only: never fail a model over it
         return "current"
-
-
-def perf_model_for(gpu: str, model: str, tp: int = 1, *, backend: str = "auto", framework: str = "vllm",
-                   database_version: str | None = None, dtype: str = "bf16", link: str = "rdma-400g",
-                   check_memory: bool = True) -> PerfModel:
-    """The step-time model every simulator, emulated worker and planner uses:
-
-    * `aiconfigurator`: the measured tables (ValueError where not covered);
-    * `roofline`: the kernel-class roofline (`splitserve.perf.roofline.roofline_model`: a step is
-      the sum of its kernel classes, with constants fitted to the measured database per GPU
-      generation);
-    * `datasheet`: the whole-step datasheet roofline (`splitserve.perf.presets.preset`);
-    * `auto`: measured where covered, else the kernel-class roofline with a warning.
-
-    A diffusion LM (LLaDA) is timed by the datasheet preset under `roofline` and `auto` (its
-    denoising steps use `PerfModel.diffusion_step_time` and `splitserve.core.diffusion_perf`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"perf backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    datasheet = preset(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)
-    if backend == "datasheet":
-        return datasheet
-    from splitserve.perf.roofline import roofline_model
-
-    def roofline() -> PerfModel:
-        return roofline_model(gpu, model, tp, dtype=dtype, link=link, check_memory=check_memory)
-
-    if backend == "roofline":
-        return roofline()
-    if dtype != "bf16":
-        reason = f"the measured backend tabulates bf16 only, not {dtype}"
-        if backend == "aiconfigurator":
-            raise ValueError(reason)
-        fallback = roofline()
-        _warn_fallback(gpu, model, reason, fallback.label)
-        return fallback
-    try:
-        return tabulate(gpu, model, tp, framework=framework, database_version=database_version, link=link)
-    except ValueError as exc:
-        if backend == "aiconfigurator":
-            raise
-        fallback = roofline()
-        _warn_fallback(gpu, model, str(exc), fallback.label)
-        return fallback
-
-
-# The three options every command that times GPU steps takes (simulate, plan, emulated workers'
-# `WorkerConfig`), as (default, flags..., help=, envvar=) for typer.Option.
-PERF_BACKEND_HELP = ("Step times: aiconfigurator (NVIDIA's per-op timings measured on real GPUs, tabulated) | "
-                     "roofline (a sum of kernel classes, each max(compute, memory), with constants fitted to the "
-                     "measured database per GPU generation) | datasheet (the whole-step roofline at datasheet peaks "
-                     "that timed results before issue 34) | auto (measured where the GPU x model x framework is "
-                     "covered, else the roofline with a warning).")
-PERF_FRAMEWORK_HELP = "The serving framework whose measured kernels time the steps: vllm | sglang | trtllm."
-PERF_DATABASE_VERSION_HELP = ("aiconfigurator database version of --perf-framework (default: the one it serves "
-                              "as current for the GPU).")
-
-
-@lru_cache(maxsize=64)
-def _warn_fallback(gpu: str, model: str, reason: str, label: str = "") -> None:
-    what = ("the datasheet roofline" if label.startswith("preset:") else "the kernel-class roofline")
-    log.warning("perf backend auto: %s times %s on %s (%s): %s", what, model, gpu, reason, label)

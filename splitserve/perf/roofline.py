@@ -72,11 +72,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from splitserve.perf.aiconfigurator import (BATCH_GRID, CHUNK_GRID, LOGITS_GRID, TOKEN_GRID, _context_grid,
-                                            _history_grid)
 from splitserve.perf.model import PerfModel
 from splitserve.perf.presets import GB, GpuSpec, ModelSpec, gpu_spec, model_spec, preset
-from splitserve.perf.tables import StepTables
+from splitserve.perf.tables import (BATCH_GRID, CHUNK_GRID, LOGITS_GRID, TOKEN_GRID, StepTables, context_grid,
+                                    history_grid)
 
 __all__ = ["FITTED", "GENERATION", "RooflineConstants", "RooflineKernels", "constants_for", "generation",
            "roofline_model", "roofline_tables"]
@@ -264,7 +263,7 @@ class RooflineKernels:
     # ---- tables --------------------------------------------------------------------------
     def tables(self, source: Mapping[str, Any] | None = None) -> StepTables:
         """The kernel classes on the measured backend's grids (`splitserve.perf.aiconfigurator`)."""
-        ctx, hist = _context_grid(self.model.context_len), _history_grid(self.model.context_len)
+        ctx, hist = context_grid(self.model.context_len), history_grid(self.model.context_len)
         linear = tuple(float(v) for v in self.linear_s(np.array(TOKEN_GRID)))
         pa = self.prefill_attention_s(np.array(CHUNK_GRID, dtype=np.float64)[:, None], np.array(hist)[None, :])
         da = self.decode_attention_s(np.array(BATCH_GRID, dtype=np.float64)[:, None], np.array(ctx)[None, :])

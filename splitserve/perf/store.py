@@ -59,10 +59,10 @@ def resolve_perf_model(spec: str) -> PerfModel:
     `redis:WORKER_ID` (what `splitserve profile` stored), or a preset `[BACKEND:]GPU/MODEL[/TP]`
     (e.g. `A100/qwen2.5-14b/2`, `datasheet:A100/qwen2.5-14b`): BACKEND is `auto` (the default:
     measured GPU data where covered, else the kernel-class roofline), `aiconfigurator`,
-    `roofline` or `datasheet` (`splitserve.perf.aiconfigurator.perf_model_for`). ValueError names what was expected."""
+    `roofline` or `datasheet` (`splitserve.perf.backends.perf_model_for`). ValueError names what was expected."""
     if spec.startswith(REDIS_SOURCE_PREFIX) or spec.endswith(".json") or os.path.isfile(spec):
         return load_perf_model(spec)
-    from splitserve.perf.aiconfigurator import BACKENDS, perf_model_for
+    from splitserve.perf.backends import BACKENDS, perf_model_for
 
     backend, colon, rest = spec.partition(":")
     if not colon:

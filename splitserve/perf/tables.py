@@ -35,9 +35,36 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["TABLES_FORMAT", "StepTables", "monotone_grid"]
+__all__ = ["BATCH_GRID", "CHUNK_GRID", "LOGITS_GRID", "TABLES_FORMAT", "TOKEN_GRID", "StepTables", "context_grid",
+           "history_grid", "monotone_grid"]
 
 TABLES_FORMAT = 1
+
+
+# The grids every tabulating backend fills (splitserve.perf.aiconfigurator from measurements,
+# splitserve.perf.roofline from its fitted kernel classes). GEMM times are staircases (a step wherever the token count
+# crosses a tile boundary: Qwen2.5-14B on an A100 costs 24 ms at 128 tokens, 35 ms at 160),
+# so the token axes are dense: every 16 tokens to 512, 64 to 2,048, 256 to 8,192. Context
+# axes follow powers of two and their midpoints up to the model's context length.
+def _steps(*spans: tuple[int, int, int]) -> tuple[int, ...]:
+    return tuple(sorted({x for lo, hi, step in spans for x in range(lo, hi + 1, step)}))
+
+
+_POW = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+        4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304, 131072]
+TOKEN_GRID = _steps((1, 16, 1), (16, 512, 16), (512, 2048, 64), (2048, 8192, 256), (8192, 32768, 1024),
+                    (32768, 65536, 4096))
+CHUNK_GRID = _steps((1, 16, 1), (16, 128, 16), (128, 1024, 64), (1024, 4096, 256), (4096, 32768, 2048))
+BATCH_GRID = _steps((1, 64, 1), (64, 256, 8), (256, 2048, 64))
+LOGITS_GRID = BATCH_GRID
+
+
+def context_grid(max_len: int) -> tuple[int, ...]:
+    return tuple(x for x in _POW if x < max_len) + (max_len,)
+
+
+def history_grid(max_len: int) -> tuple[int, ...]:
+    return (0,) + context_grid(max_len)
 
 _AXES = ("tokens", "logits_rows", "chunk_tokens", "chunk_history", "decode_batch", "decode_context")
 _CURVES = ("context_linear", "generation_linear", "logits")

@@ -22,7 +22,7 @@ import pytest
 
 from splitserve.client import AsyncClient, Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster, wait_port_healthy
-from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.backends import perf_model_for
 from splitserve.perf.presets import max_kv_tokens
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port

@@ -50,7 +50,7 @@ def test_rates_are_sized_on_the_backend_that_times_the_runs():
     """The session rates (a share of prefill capacity) come from the same step-time backend as
     the simulations (on the H200, the measured tables prefill ~10% faster than the datasheet
     roofline; against the paper's H20 on the datasheet, ~6x)."""
-    from splitserve.perf.aiconfigurator import perf_model_for
+    from splitserve.perf.backends import perf_model_for
 
     workload = ae.WORKLOADS[0]
     measured = ae.Timing("H200", "Qwen3-32B", "aiconfigurator", ae.LINK)

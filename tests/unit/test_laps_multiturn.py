@@ -17,7 +17,7 @@ from loadgen.sessions import Round, Session, ToolDelay
 from loadgen.traces import TraceRequest
 from services.planner.sim_workload import SimRequestSpec
 from services.planner.simulator import Simulator, pd_roles
-from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.backends import perf_model_for
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -13,8 +13,8 @@ pytest.importorskip("aiconfigurator_core")
 
 from aiconfigurator_core.sdk.engine import EngineHandle  # noqa: E402
 
-from splitserve.perf.aiconfigurator import (_cache_key, _read_cache, coverage, hf_config, perf_model_for,  # noqa: E402
-                                            tabulate)
+from splitserve.perf.aiconfigurator import _cache_key, _read_cache, coverage, hf_config, tabulate  # noqa: E402
+from splitserve.perf.backends import perf_model_for  # noqa: E402
 from splitserve.perf.presets import model_spec  # noqa: E402
 from splitserve.perf.store import resolve_perf_model  # noqa: E402
 

@@ -181,7 +181,8 @@ def test_an_moe_shape_the_database_lacks_is_an_error_naming_it(cache):
 
 
 def test_mixtral_where_nothing_was_measured_is_an_error_or_the_roofline_with_a_warning(caplog):
-    from splitserve.perf.aiconfigurator import coverage, perf_model_for
+    from splitserve.perf.aiconfigurator import coverage
+    from splitserve.perf.backends import perf_model_for
 
     assert "vllm" in coverage().moe["h200_sxm"] and "MoE: " in coverage().describe()
     with pytest.raises(ValueError, match="no measured vllm data for H20-96GB"):

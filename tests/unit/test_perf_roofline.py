@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.perf.aiconfigurator import BACKENDS, _warn_fallback, perf_model_for
+from splitserve.perf.backends import BACKENDS, _warn_fallback, perf_model_for
 from splitserve.perf.model import PerfModel
 from splitserve.perf.presets import preset
 from splitserve.perf.roofline import FITTED, RooflineKernels, constants_for, generation, roofline_model, roofline_tables

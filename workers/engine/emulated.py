@@ -40,7 +40,7 @@ from typing import Callable
 from prometheus_client import Counter, Histogram
 
 from splitserve.perf.model import PerfModel
-from splitserve.perf.aiconfigurator import perf_model_for
+from splitserve.perf.backends import perf_model_for
 from splitserve.perf.presets import gpu_spec, max_kv_tokens, model_spec
 from splitserve.core import SamplingParams, SchedulerOutput, StageKey, StageSpec, TokenEvent, step_time
 from splitserve.core.sampling import mix_seed
@@ -83,7 +83,7 @@ class Emulation:
     # A fitted model's JSON (`splitserve profile --out`) for the step and transfer times
     # instead of the preset's; KV memory and model shape stay the preset's.
     perf_model_path: str = ""
-    # Without a fitted model: what times the steps (splitserve.perf.aiconfigurator.perf_model_for).
+    # Without a fitted model: what times the steps (splitserve.perf.backends.perf_model_for).
     perf_backend: str = "auto"
     perf_framework: str = "vllm"
     perf_database_version: str = ""
