@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from services.coordinator.placement import Placer
 from services.coordinator.records import RequestRecordWriter
 from services.coordinator.sessions import SessionService
+from services.coordinator.stage_wire import KvLink, LentHistory, SessionHoldSpec, migration_plan, stage_message
 from services.coordinator.vllm_metrics import RequestMetrics as VllmRequestMetrics
 from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
@@ -181,10 +182,7 @@ class Coordinator:
                 # none of the family is left for a moment, placing again is what may fail.
                 plan = await self._place(request, request_id, deadline, session, failed_workers, trace)
                 if emitted:  # migrating: one stage, everything recomputed from tokens
-                    last = plan.stages[-1]
-                    del plan.stages[:]
-                    plan.stages.append(types_pb2.Stage(request_id=request_id, worker_id=last.worker_id, start=0,
-                                                       end=last.end, emit=True))
+                    plan = migration_plan(plan, request_id)
                 plan_holder.append(plan)
                 self.records.put(RequestRecord(request_id, "running", stages=_stage_dicts(plan),
                                                emitted_token_ids=list(emitted), decision=dict(plan.decision)))
@@ -248,11 +246,12 @@ class Coordinator:
             raise Unavailable("the scheduler returned an empty plan")
         return plan
 
-    async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, following: types_pb2.Stage,
-                       deadline: float, calling: _Calling, start: int = 0) -> None:
-        """Reserve KV on the next stage's worker; stage pushes there, `following` reads it.
+    async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, index: int, following: types_pb2.Stage,
+                       deadline: float, calling: _Calling, start: int = 0) -> KvLink | None:
+        """Reserve KV on the next stage's worker for what stage `index` computes; None when that
+        worker has no room now (the next stage then recomputes the range from tokens).
         `start` > 0: that worker holds [0, start) already, so only the rest travels."""
-        transfer_id = f"{request_id}:{stage.stage_index}"
+        transfer_id = f"{request_id}:{index}"
         calling.worker_id = following.worker_id
         stub = await self.workers.stub(following.worker_id)
         try:
@@ -261,25 +260,24 @@ class Coordinator:
                 timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
-        if not reply.ok:  # no room there now: the next stage recomputes this range instead
+        if not reply.ok:
             log.info("no KV reservation on %s (%s); the next stage recomputes", following.worker_id, reply.error)
-            return
-        stage.kv_sink.CopyFrom(types_pb2.KvSink(worker_id=following.worker_id, transfer_id=transfer_id,
-                                                chunk_tokens=self.config.kv_chunk_tokens, block_ids=reply.block_ids,
-                                                start=start))
-        following.kv_sources.append(types_pb2.KvSource(worker_id=stage.worker_id, start=start, end=stage.end,
-                                                       transfer_id=transfer_id))
+            return None
+        return KvLink(transfer_id=transfer_id, from_worker=stage.worker_id, to_worker=following.worker_id,
+                      start=start, end=stage.end, block_ids=tuple(reply.block_ids),
+                      chunk_tokens=self.config.kv_chunk_tokens)
 
     async def _lend_history(self, request_id: str, session: SessionRecord, first: types_pb2.Stage,
-                            last: types_pb2.Stage, prompt_len: int, deadline: float, calling: _Calling) -> int:
+                            last: types_pb2.Stage, prompt_len: int, deadline: float,
+                            calling: _Calling) -> LentHistory | None:
         """A session round whose prefill runs away from the decode worker holding the history
         (AMPD §3, a remote incremental prefill): that worker lends the pinned history, the first
         stage pulls it lazily instead of recomputing it, and only the KV computed after it comes
-        back. Tokens of history lent (whole blocks; 0: none, everything is computed and pushed)."""
+        back. None: nothing lent (whole blocks only), everything is computed and pushed."""
         history = min(session.history_len, prompt_len - 1, first.end - 1)
         if (history <= 0 or not session.decode_worker or last.worker_id != session.decode_worker
                 or first.worker_id == last.worker_id or not first.push_kv):
-            return 0
+            return None
         calling.worker_id = last.worker_id
         stub = await self.workers.stub(last.worker_id)
         try:
@@ -289,41 +287,41 @@ class Coordinator:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         if lease.num_tokens == 0:  # the pin is gone (evicted, expired): the round recomputes it
-            return 0
-        first.kv_sources.append(types_pb2.KvSource(
-            worker_id=last.worker_id, start=0, end=lease.num_tokens, lazy=True,
-            transfer_id=f"{request_id}:history", block_ids=lease.block_ids))
-        return lease.num_tokens
+            return None
+        return LentHistory(worker_id=last.worker_id, transfer_id=f"{request_id}:history",
+                           num_tokens=lease.num_tokens, block_ids=tuple(lease.block_ids))
 
     async def _execute(self, request, request_id: str, plan: types_pb2.Plan, deadline: float, emitted: list[int],
                        session: SessionRecord | None, calling: _Calling, trace: Context | None = None):
-        stages = list(plan.stages)
+        planned = list(plan.stages)  # what the scheduler decided; each call gets its own Stage
+        hold = None
         if session is not None:  # the last stage's worker keeps the round's KV for the next round
-            last = stages[-1]
-            last.session.CopyFrom(types_pb2.SessionHold(
-                session_id=session.session_id, ttl_s=max(1, round(session.ttl_s)),
-                history_len=session.history_len if last.worker_id == session.decode_worker else 0))
-        history_lent = 0
-        if session is not None and len(stages) == 2:
-            history_lent = await self._lend_history(request_id, session, stages[0], stages[1],
-                                                    len(request.prompt_token_ids), deadline, calling)
-        for index, stage in enumerate(stages):
-            stage.stage_index = index
-            stage.prompt_token_ids[:] = request.prompt_token_ids
-            stage.generated_token_ids[:] = emitted
-            stage.sampling.CopyFrom(request.sampling)
-            stage.slo.CopyFrom(request.slo)  # local policies schedule by the request's slack
-            stage.priority = request.priority
+            hold = SessionHoldSpec(session_id=session.session_id, ttl_s=max(1, round(session.ttl_s)),
+                                   history_len=session.history_len if planned[-1].worker_id == session.decode_worker
+                                   else 0)
+        history = None
+        if session is not None and len(planned) == 2:
+            history = await self._lend_history(request_id, session, planned[0], planned[1],
+                                               len(request.prompt_token_ids), deadline, calling)
+        receives: KvLink | None = None  # what the previous stage pushes to this one
+        for index, planned_stage in enumerate(planned):
             span = start_span("coordinator.stage", trace, kind=SpanKind.CLIENT, attributes={
-                "splitserve.stage_index": index, "splitserve.worker_id": stage.worker_id,
-                "splitserve.start": stage.start, "splitserve.end": stage.end, "splitserve.push_kv": stage.push_kv})
+                "splitserve.stage_index": index, "splitserve.worker_id": planned_stage.worker_id,
+                "splitserve.start": planned_stage.start, "splitserve.end": planned_stage.end,
+                "splitserve.push_kv": planned_stage.push_kv})
             error: BaseException | None = None
             try:
-                if index + 1 < len(stages) and stage.push_kv:  # else the next stage recomputes this range
+                pushes = None
+                if index + 1 < len(planned) and planned_stage.push_kv:  # else the next stage recomputes this range
                     wired = time.time_ns()
-                    await self._wire_kv(request_id, stage, stages[index + 1], deadline, calling, history_lent)
+                    pushes = await self._wire_kv(request_id, planned_stage, index, planned[index + 1], deadline,
+                                                 calling, history.num_tokens if history else 0)
                     record_interval("coordinator.kv_reserve", span, wired, time.time_ns(),
-                                    {"splitserve.worker_id": stages[index + 1].worker_id})
+                                    {"splitserve.worker_id": planned[index + 1].worker_id})
+                stage = stage_message(planned_stage, index, request, emitted, pushes=pushes, receives=receives,
+                                      history=history if index == 0 else None,
+                                      hold=hold if index + 1 == len(planned) else None)
+                receives = pushes
                 calling.worker_id = stage.worker_id
                 stub = await self.workers.stub(stage.worker_id)
                 call = stub.Execute(stage, timeout=_remaining(deadline),
@@ -336,15 +334,17 @@ class Coordinator:
                 async for chunk in call:
                     emitted.extend(chunk.token_ids)
                     if chunk.finish_reason == "stage_end":
+                        # The first stage's last token(s), or the prompt logprobs it scored: still
+                        # part of the output.
                         if chunk.token_ids:  # the first stage's last token(s): still part of the output
                             chunk.finish_reason = ""
                             yield chunk
                         break  # the next stage continues the stream
-                    if chunk.finish_reason and index + 1 < len(stages):
+                    if chunk.finish_reason and index + 1 < len(planned):
                         # Finished early (EOS/stop/length): later stages never run. Free the next
                         # worker's KV reservation from a task started before the last chunk goes
                         # out, because a consumer may close the stream as soon as it has that chunk.
-                        self._spawn(self._cancel_on(stages[index + 1].worker_id, request_id))
+                        self._spawn(self._cancel_on(planned[index + 1].worker_id, request_id))
                     yield chunk
                     if chunk.finish_reason:
                         return
