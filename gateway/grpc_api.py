@@ -10,7 +10,8 @@ from typing import AsyncIterator
 import grpc
 
 from gateway.core import GatewayCore
-from gateway.validation import MAX_ID_CHARS, generate_request
+from gateway.validation import generate_request
+from splitserve.request_rules import check_request_id
 from splitserve.errors import InvalidArgument, NotFound, SplitserveError, abort
 from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
 from splitserve.telemetry import incoming_context, request_id_var
@@ -33,11 +34,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             caller = await self.core.authorize(_authorization(context))
-            rid = request.request_id
-            if len(rid) > MAX_ID_CHARS or not (rid.isascii() and rid.isprintable()):
-                # It travels on as gRPC metadata (x-request-id), which only takes printable ASCII.
-                raise InvalidArgument(f"request_id must be at most {MAX_ID_CHARS} printable ASCII characters",
-                                      param="request_id")
+            check_request_id(request.request_id)
             request_id = request.request_id or uuid.uuid4().hex
             request_id_var.set(request_id)
             req = generate_request(request, self.core.tokenization, self.core.limits, request_id)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from splitserve.core.diffusion import DiffusionParamError, diffusion_params
 from splitserve.core.sampling import MAX_LOGPROBS  # vLLM's default max_logprobs (20)
 from splitserve.errors import InvalidArgument, NotFound
+from splitserve.request_rules import UINT32_MAX, check_id_length  # the rules every service applies
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
 from splitserve.core.records import DIFFUSION  # the engine family of diffusion models (LLaDA)
 
@@ -32,8 +33,6 @@ MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's range)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: the detokenizer matches each against every step's text
-MAX_ID_CHARS = 256  # request and session ids
-UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_LIMIT = 2**63
 PREDICTED_OUTPUT_LEN_HEADER = "x-predicted-output-len"
@@ -526,7 +525,7 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
         top_p=_top_p(s.top_p if s.HasField("top_p") else None), top_k=s.top_k, seed=seed, stop=stop,
         stop_token_ids=encoder.check_token_ids(s.stop_token_ids, "stop_token_ids"), ignore_eos=s.ignore_eos,
         stream=True, include_usage=True, echo_token_ids=msg.echo_token_ids,
-        session_id=_id_string(msg.session_id, "session_id"), priority=msg.priority,
+        session_id=check_id_length(msg.session_id, "session_id"), priority=msg.priority,
         slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
         predicted_output_len=None if hint is None else min(hint, max_tokens),
         **_penalties(*(getattr(s, name) if s.HasField(name) else None for name in _FLOAT_PENALTIES),
@@ -577,7 +576,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
         continuous_usage=bool(b.stream_options and b.stream_options.include_usage
                               and b.stream_options.continuous_usage_stats),
-        session_id=_id_string(b.session_id or "", "session_id"), priority=b.priority or 0,
+        session_id=check_id_length(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b),
         logprobs=logprobs,
@@ -783,12 +782,6 @@ def _stop_strings(stop: Any) -> list[str]:
     return list(stops)
 
 
-def _id_string(value: str, param: str) -> str:
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidArgument(f"{param} must be at most {MAX_ID_CHARS} characters, got {len(value)}", param=param)
-    return value
-
-
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -858,7 +851,7 @@ def with_session_header(request: GenerationRequest, values: list[str]) -> Genera
     if len(values) > 1:
         raise InvalidArgument(f"{SESSION_ID_HEADER} must be sent once, got {len(values)} values",
                               param=SESSION_ID_HEADER)
-    session_id = _id_string(values[0].strip(), SESSION_ID_HEADER)
+    session_id = check_id_length(values[0].strip(), SESSION_ID_HEADER)
     if request.session_id and request.session_id != session_id:
         raise InvalidArgument(f"{SESSION_ID_HEADER} ({session_id!r}) and body session_id ({request.session_id!r}) "
                               "differ", param=SESSION_ID_HEADER)
@@ -879,4 +872,4 @@ def session_open_params(body: Any) -> tuple[str, float]:
     ttl = body.get("ttl_s", 0)
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= UINT32_MAX:  # NaN too
         raise InvalidArgument(f"ttl_s must be a number of seconds in [0, {UINT32_MAX}], got {ttl!r}", param="ttl_s")
-    return _id_string(session_id, "session_id"), float(ttl)
+    return check_id_length(session_id, "session_id"), float(ttl)

@@ -27,6 +27,7 @@ from services.coordinator.vllm_metrics import RequestMetrics as VllmRequestMetri
 from services.coordinator.workers import WorkerDirectory
 from splitserve.config import CoordinatorConfig
 from splitserve.errors import DeadlineExceeded, InvalidArgument, SplitserveError, Unavailable, from_rpc_error
+from splitserve.request_rules import check_prompt_len, check_request_id
 from splitserve.proto import coordinator_pb2, scheduler_pb2, types_pb2, worker_pb2
 from splitserve.core.sampling import request_seed
 from splitserve.state.store import DIFFUSION, RequestRecord, SessionRecord
@@ -43,7 +44,6 @@ E2E = Histogram("splitserve_coordinator_e2e_seconds", "Submit to last token", bu
 # A request is placed again when a worker it runs on dies (before its first token: re-placed;
 # after: migrated), at most this many attempts in all, within migration_timeout_s.
 MAX_ATTEMPTS = 8
-MAX_REQUEST_ID_CHARS = 256  # as the gateway's
 
 
 class Coordinator:
@@ -91,12 +91,8 @@ class Coordinator:
         vllm_request = VllmRequestMetrics(request.model, len(request.prompt_token_ids), started, resumed=bool(emitted))
         error: BaseException | None = None
         try:
-            if not request.prompt_token_ids:
-                raise InvalidArgument("prompt_token_ids must contain at least 1 token", param="prompt_token_ids")
-            if len(request_id) > MAX_REQUEST_ID_CHARS or not (request_id.isascii() and request_id.isprintable()):
-                # It travels as gRPC metadata (x-request-id) to the scheduler and the workers.
-                raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters, "
-                                      f"got {request_id[:64]!r}", param="request_id")
+            check_prompt_len(len(request.prompt_token_ids))
+            check_request_id(request_id)
             max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
             if emitted and (len(emitted) >= max_tokens or request.session_id or request.engine_family == DIFFUSION):
                 raise InvalidArgument(f"generated_token_ids ({len(emitted)}) must be fewer than max_tokens "

@@ -35,6 +35,7 @@ from services.global_scheduler.view import ClusterViewSource
 from splitserve.config import SchedulerConfig, load_config
 from splitserve.core.designs import resolve_design
 from splitserve.errors import InvalidArgument, SplitserveError, abort
+from splitserve.request_rules import check_prompt_len, check_request_id, check_token_positions
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from splitserve.service import ServiceRuntime, channel_factory, run
 from splitserve.telemetry import end_span, incoming_context, start_span
@@ -50,7 +51,6 @@ GRPC_SERVICE_NAME = "splitserve.v1.GlobalScheduler"
 # Plans cover prompt_len + RequestMeta.max_tokens; callers that leave it unset get the
 # predicted output length or SamplingParams' own default.
 DEFAULT_MAX_TOKENS = 16
-UINT32_MAX = 2**32 - 1
 ENGINE_FAMILIES = ("", DIFFUSION)  # RequestMeta.engine_family: autoregressive, diffusion
 
 
@@ -58,8 +58,8 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
     """Validate a RequestMeta and turn it into a PlacementRequest; InvalidArgument names the field."""
     if not meta.request_id:
         raise InvalidArgument("request_id must not be empty", param="request_id")
-    if meta.prompt_len == 0:
-        raise InvalidArgument("prompt_len must be >= 1", param="prompt_len")
+    check_request_id(meta.request_id)
+    check_prompt_len(meta.prompt_len, param="prompt_len")
     if meta.history_len > meta.prompt_len:
         raise InvalidArgument(
             f"history_len {meta.history_len} exceeds prompt_len {meta.prompt_len}", param="history_len"
@@ -70,9 +70,7 @@ def placement_request_from_meta(meta: types_pb2.RequestMeta) -> PlacementRequest
     # Presence, not the value, tells a client's hint (0 included) from no hint.
     hint = meta.predicted_output_len if meta.HasField("predicted_output_len") else None
     max_tokens = meta.max_tokens or hint or DEFAULT_MAX_TOKENS
-    if meta.prompt_len + max_tokens > UINT32_MAX:  # the plan's last stage ends there: a uint32 token position
-        raise InvalidArgument(f"max_tokens: prompt_len + max_tokens = {meta.prompt_len + max_tokens} exceeds the "
-                              f"largest token position {UINT32_MAX}", param="max_tokens")
+    check_token_positions(meta.prompt_len, max_tokens)
     return PlacementRequest(
         request_id=meta.request_id,
         session_id=meta.session_id,
