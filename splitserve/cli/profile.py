@@ -44,27 +44,24 @@ from splitserve.perf.model import (DecodeCoeffs, PerfModel, PrefillCoeffs, Profi
 # Reads back what `run_profile` stores. It lives in the runtime module perf_store, where the
 # simulator imports it without this command's gRPC code, and stays importable from here.
 from splitserve.perf.store import load_perf_model
+from workers.profiling import DEFAULT_GRID, ProfileGrid
 
 __all__ = ["ProfileOptions", "base_model_for", "build_document", "load_perf_model", "parse_ints", "profile_command",
            "run_profile", "samples_from_response"]
 
 console = Console()
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
 DEFAULT_TRANSFER_TOKENS = (16, 64, 256, 1024, 4096)
 
 
 @dataclass
 class ProfileOptions:
     worker: str
-    prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
-    history_lens: tuple[int, ...] = (0, 256, 1024)
-    decode_batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
-    decode_context_lens: tuple[int, ...] = (64, 256, 1024)
-    # Mixed steps: chunk x history x decode batch x decode context (workers/profiling.py's defaults).
-    mixed_prefill_lens: tuple[int, ...] = (32, 128, 384)
-    mixed_history_lens: tuple[int, ...] = (0, 256)
-    mixed_decode_batch_sizes: tuple[int, ...] = (1, 8, 24)
-    mixed_decode_context_lens: tuple[int, ...] = (64, 512)
-    repeats: int = 3
+    grid: ProfileGrid = DEFAULT_GRID  # the shapes and repeats (workers/profiling.py owns the defaults)
     transfer_tokens: tuple[int, ...] = DEFAULT_TRANSFER_TOKENS
     base: str = ""  # GPU/MODEL[/TP] preset or a perf-model JSON; "" = the emulated worker's preset, else none
     out: Path | None = None
@@ -210,20 +207,12 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
 
     from splitserve.proto import worker_pb2, worker_pb2_grpc
 
-    grid = {"prefill_lens": list(opts.prefill_lens), "history_lens": list(opts.history_lens),
-            "decode_batch_sizes": list(opts.decode_batch_sizes), "decode_context_lens": list(opts.decode_context_lens),
-            "mixed_prefill_lens": list(opts.mixed_prefill_lens), "mixed_history_lens": list(opts.mixed_history_lens),
-            "mixed_decode_batch_sizes": list(opts.mixed_decode_batch_sizes),
-            "mixed_decode_context_lens": list(opts.mixed_decode_context_lens),
-            "repeats": opts.repeats, "transfer_tokens": list(opts.transfer_tokens)}
-    request = worker_pb2.ProfileRequest(prefill_lens=opts.prefill_lens, history_lens=opts.history_lens,
-                                        decode_batch_sizes=opts.decode_batch_sizes,
-                                        decode_context_lens=opts.decode_context_lens, repeats=opts.repeats,
-                                        mixed_prefill_lens=opts.mixed_prefill_lens,
-                                        mixed_history_lens=opts.mixed_history_lens,
-                                        mixed_decode_batch_sizes=opts.mixed_decode_batch_sizes,
-                                        mixed_decode_context_lens=opts.mixed_decode_context_lens)
-    if not opts.prefill_lens and not opts.decode_batch_sizes and not opts.mixed_prefill_lens:
+    shapes = asdict(opts.grid)  # every field of ProfileRequest's grid, by the same names
+    grid = {**{k: list(v) if isinstance(v, tuple) else v for k, v in shapes.items()},
+            "transfer_tokens": list(opts.transfer_tokens)}
+    request = worker_pb2.ProfileRequest(**shapes)
+    g = opts.grid
+    if not g.prefill_lens and not g.decode_batch_sizes and not g.mixed_prefill_lens:
         raise ValueError("nothing to measure: give --prefill-lens, --decode-batch or --mixed-chunk")
     # An empty list in the request means the worker's default grid: shapes of a kind not asked
     # for are measured by the worker but dropped here.
@@ -240,14 +229,14 @@ def run_profile(opts: ProfileOptions) -> dict[str, Any]:
         started = time.time()
         response = stub.Profile(request, timeout=opts.timeout_s)
         samples = samples_from_response(response)
-        samples = [s for s in samples if (s.kind != "prefill" or opts.prefill_lens)
-                   and (s.kind != "decode" or opts.decode_batch_sizes)
-                   and (s.kind != "mixed" or opts.mixed_prefill_lens)]
+        samples = [s for s in samples if (s.kind != "prefill" or g.prefill_lens)
+                   and (s.kind != "decode" or g.decode_batch_sizes)
+                   and (s.kind != "mixed" or g.mixed_prefill_lens)]
         emulated = response.device.startswith("emulated:")
         transfer, bytes_per_token, skipped = [], None, []
         if opts.transfer_tokens and not emulated:
             transfer, bytes_per_token, skipped = _measure_transfers(
-                stub, opts.transfer_tokens, load.block_size, load.total_blocks, opts.repeats, opts.timeout_s)
+                stub, opts.transfer_tokens, load.block_size, load.total_blocks, g.repeats, opts.timeout_s)
         elif opts.transfer_tokens:
             skipped.append("transfer: an emulated worker holds no KV bytes; coefficients from the base model")
     samples += transfer
@@ -301,18 +290,18 @@ def _report(doc: dict[str, Any]) -> None:
 
 def profile_command(
     worker: str = typer.Option(..., "--worker", help="HOST:PORT of the worker's gRPC server."),
-    prefill_lens: str = typer.Option("16,64,128,256,512", "--prefill-lens", help="l_incr values (comma list; none)."),
-    history_lens: str = typer.Option("0,256,1024", "--history-lens", help="l_hist values, crossed with --prefill-lens."),
-    decode_batch: str = typer.Option("1,4,16,32", "--decode-batch", help="Decode batch sizes (comma list; none)."),
-    decode_ctx: str = typer.Option("64,256,1024", "--decode-ctx", help="Decode contexts, crossed with --decode-batch."),
-    mixed_chunk: str = typer.Option("32,128,384", "--mixed-chunk",
+    prefill_lens: str = typer.Option(_csv(DEFAULT_GRID.prefill_lens), "--prefill-lens", help="l_incr values (comma list; none)."),
+    history_lens: str = typer.Option(_csv(DEFAULT_GRID.history_lens), "--history-lens", help="l_hist values, crossed with --prefill-lens."),
+    decode_batch: str = typer.Option(_csv(DEFAULT_GRID.decode_batch_sizes), "--decode-batch", help="Decode batch sizes (comma list; none)."),
+    decode_ctx: str = typer.Option(_csv(DEFAULT_GRID.decode_context_lens), "--decode-ctx", help="Decode contexts, crossed with --decode-batch."),
+    mixed_chunk: str = typer.Option(_csv(DEFAULT_GRID.mixed_prefill_lens), "--mixed-chunk",
                                     help="Mixed steps: prefill chunk lengths l_incr beside a decode batch (comma list; none)."),
-    mixed_history: str = typer.Option("0,256", "--mixed-history", help="Mixed steps: the chunk's cached tokens l_hist."),
-    mixed_batch: str = typer.Option("1,8,24", "--mixed-batch", help="Mixed steps: decode batch sizes beside the chunk."),
-    mixed_ctx: str = typer.Option("64,512", "--mixed-ctx", help="Mixed steps: decode contexts (all four lists crossed)."),
+    mixed_history: str = typer.Option(_csv(DEFAULT_GRID.mixed_history_lens), "--mixed-history", help="Mixed steps: the chunk's cached tokens l_hist."),
+    mixed_batch: str = typer.Option(_csv(DEFAULT_GRID.mixed_decode_batch_sizes), "--mixed-batch", help="Mixed steps: decode batch sizes beside the chunk."),
+    mixed_ctx: str = typer.Option(_csv(DEFAULT_GRID.mixed_decode_context_lens), "--mixed-ctx", help="Mixed steps: decode contexts (all four lists crossed)."),
     transfer_tokens: str = typer.Option(",".join(map(str, DEFAULT_TRANSFER_TOKENS)), "--transfer-tokens",
                                         help="KV transfer sizes in tokens, pulled over gRPC (comma list; none)."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs per shape after one warm-up (median kept)."),
+    repeats: int = typer.Option(DEFAULT_GRID.repeats, "--repeats", help="Timed runs per shape after one warm-up (median kept)."),
     base: str = typer.Option("", "--base", help="Kinds not measured come from this: a GPU/MODEL or GPU/MODEL/TP preset or a "
                              "perf-model JSON (default: an emulated worker's own preset)."),
     out: Optional[Path] = typer.Option(None, "--out", help="JSON file (default perf-<worker id>.json)."),
@@ -333,16 +322,17 @@ def profile_command(
     import grpc
 
     try:
-        opts = ProfileOptions(
-            worker=worker, prefill_lens=parse_ints(prefill_lens, "--prefill-lens"),
+        grid = ProfileGrid(
+            prefill_lens=parse_ints(prefill_lens, "--prefill-lens"),
             history_lens=parse_ints(history_lens, "--history-lens", allow_zero=True),
             decode_batch_sizes=parse_ints(decode_batch, "--decode-batch"),
             decode_context_lens=parse_ints(decode_ctx, "--decode-ctx"), repeats=repeats,
             mixed_prefill_lens=parse_ints(mixed_chunk, "--mixed-chunk"),
             mixed_history_lens=parse_ints(mixed_history, "--mixed-history", allow_zero=True),
             mixed_decode_batch_sizes=parse_ints(mixed_batch, "--mixed-batch"),
-            mixed_decode_context_lens=parse_ints(mixed_ctx, "--mixed-ctx"),
-            transfer_tokens=parse_ints(transfer_tokens, "--transfer-tokens"), base=base, out=out,
+            mixed_decode_context_lens=parse_ints(mixed_ctx, "--mixed-ctx"))
+        opts = ProfileOptions(
+            worker=worker, grid=grid, transfer_tokens=parse_ints(transfer_tokens, "--transfer-tokens"), base=base, out=out,
             redis_url=redis_url, redis_prefix=redis_prefix, store_redis=store_redis, worker_id=worker_id,
             label=label, timeout_s=timeout_s, mtls_ca_file=mtls_ca_file, mtls_cert_file=mtls_cert_file,
             mtls_key_file=mtls_key_file)
