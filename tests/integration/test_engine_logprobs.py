@@ -100,7 +100,10 @@ def test_split_at_any_token_equals_the_whole_request(engines, whole, split, name
     first, first_logprobs, reason = _drain(alpha, a, key_a)
     if reason != "stage_end":  # the request ended (length) with this stage
         alpha.release(key_a)
-        assert first == expected_tokens and first_logprobs == expected_logprobs
+        assert first == expected_tokens
+        # Same engine as the whole run, but the prompt now hits its prefix cache: the last bits
+        # may differ as in any split (LOGPROB_TOLERANCE).
+        _assert_same_logprobs(first_logprobs, expected_logprobs)
         return
     b = types_pb2.Stage(request_id=a.request_id, stage_index=1, start=split, prompt_token_ids=PROMPT,
                         generated_token_ids=first, sampling=sampling)
