@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# keeps pip from also pulling the CUDA-12 variant. Without it, KV moves over gRPC.
 	$(PY) -c "import nixl" 2>/dev/null || ($(PIP) install -q "nixl-cu13>=1.5" && $(PIP) install -q --no-deps "nixl>=1.5") \
 		|| echo "nixl not installed: KV transfer falls back to gRPC"
+	# xgrammar (structured output, the `structured` extra) without triton, which only its CUDA
+	# kernels use (the worker masks logits in torch; CUDA torch builds bring triton anyway).
+	$(PY) -c "import xgrammar" 2>/dev/null || $(PIP) install -q -c constraints.txt --no-deps xgrammar apache-tvm-ffi \
+		|| echo "xgrammar not installed: structured output requests are refused"
 	# The CPU decode-attention kernel, compiled once for this machine now rather than by the
 	# first worker (without a C++ compiler the engine keeps its torch path).
 	$(PY) -m workers.engine.kernels || echo "CPU kernels not built: decode attention runs in torch"

@@ -25,7 +25,7 @@ from prometheus_client import Counter
 
 from gateway.validation import GenerationRequest
 from splitserve.core.sampling import TokenLogprobs
-from splitserve.errors import DeadlineExceeded, Unavailable, connection_failure, from_rpc_error
+from splitserve.errors import DeadlineExceeded, SplitserveError, Unavailable, connection_failure, from_rpc_error
 from splitserve.proto import coordinator_pb2, coordinator_pb2_grpc
 from splitserve.core.records import DIFFUSION
 from splitserve.wire import token_logprobs_from_proto
@@ -69,6 +69,9 @@ class GenerationDelta:
     completion_tokens: int = 0  # output tokens so far, as delivered to the client
     # One per token of token_ids when the request asked for logprobs; else empty.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # On the first delta of a request that asked for prompt logprobs: one per prompt token, the
+    # first None (nothing predicts it); else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputAssembler:
@@ -78,18 +81,31 @@ class OutputAssembler:
     the same chunk as more output; the gateway's detokenizer decides where the text ends.
     """
 
-    def __init__(self, detokenizer: Detokenizer, prompt_len: int):
+    def __init__(self, detokenizer: Detokenizer, prompt_len: int, max_tokens: int | None = None,
+                 prompt_logprobs: bool = False):
+        """`max_tokens` 0: the output is empty whatever the engine generated (echo alone);
+        `prompt_logprobs`: the request asked for them (stitched here by position)."""
         self.detokenizer = detokenizer
         self.prompt_tokens = prompt_len
         self.completion_tokens = 0
         self.finished = False
+        self.max_tokens = max_tokens
+        self._prompt_scores: dict[int, TokenLogprobs] | None = {} if prompt_logprobs else None
 
     def feed(self, token_ids: Sequence[int], finish_reason: str, num_prompt_tokens: int = 0,
-             logprobs: Sequence[TokenLogprobs] = ()) -> GenerationDelta | None:
+             logprobs: Sequence[TokenLogprobs] = (), prompt_logprobs: Sequence[TokenLogprobs] = (),
+             prompt_logprobs_start: int = 0) -> GenerationDelta | None:
         """The delta for one upstream chunk, or None when it adds nothing visible; `logprobs`
-        (one per token, when asked for) are cut with the tokens a stop string cuts."""
+        (one per token, when asked for) are cut with the tokens a stop string cuts;
+        `prompt_logprobs` score the prompt tokens from `prompt_logprobs_start` on (each stage
+        of a split request sends those it computed; a position scored twice keeps the later)."""
         if num_prompt_tokens:
             self.prompt_tokens = num_prompt_tokens
+        if self._prompt_scores is not None:
+            for position, record in enumerate(prompt_logprobs, prompt_logprobs_start):
+                self._prompt_scores[position] = record
+        if self.max_tokens == 0 and (token_ids or finish_reason not in _RUNNING):
+            token_ids, finish_reason = [], "length"  # the engine's one token is not part of the answer
         finishing = finish_reason not in _RUNNING
         taken: list[int] = []
         text = ""
@@ -107,7 +123,20 @@ class OutputAssembler:
         if not (text or taken or reason):
             return None
         return GenerationDelta(text, taken, reason, self.prompt_tokens, self.completion_tokens,
-                               list(logprobs[:len(taken)]))
+                               list(logprobs[:len(taken)]), self._take_prompt_logprobs())
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Every prompt token's logprobs, once (on the first visible delta): they are all in by
+        then, since a prompt is scored before its first output token is sampled."""
+        if self._prompt_scores is None:
+            return None
+        scores, self._prompt_scores = self._prompt_scores, None
+        missing = [p for p in range(1, self.prompt_tokens) if p not in scores]
+        if missing:
+            raise SplitserveError(f"prompt_logprobs: {len(missing)} of the {self.prompt_tokens - 1} scored prompt "
+                                  f"positions did not arrive (first: {missing[0]}); a stage reused KV it did not "
+                                  "compute", param="prompt_logprobs")
+        return [None] + [scores[p] for p in range(1, self.prompt_tokens)]
 
 
 class CoordinatorClient:
@@ -124,8 +153,7 @@ class CoordinatorClient:
 
         A Submit that fails with UNAVAILABLE is sent again when that keeps the output exact
         (module docstring); the client sees one uninterrupted stream."""
-        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop, request.min_tokens),
-                                    len(request.prompt_token_ids))
+        assembler = output_assembler(self.tokenization, request)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delivered: list[int] = []  # output tokens the coordinator streamed so far, over every attempt
         attempts = answered = 0
@@ -137,8 +165,7 @@ class CoordinatorClient:
                 async for chunk in call:
                     delivered.extend(chunk.token_ids)
                     down_since = None  # served again: a later failure gets the whole wait
-                    delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens,
-                                           [token_logprobs_from_proto(lp) for lp in chunk.logprobs])
+                    delta = feed_chunk(assembler, chunk)
                     if delta is not None:
                         yield delta
                     if assembler.finished:
@@ -146,7 +173,7 @@ class CoordinatorClient:
                 raise Unavailable("the coordinator ended the stream without a finish reason")
             except grpc.aio.AioRpcError as err:
                 error = from_rpc_error(err)
-                if err.code() == grpc.StatusCode.UNAVAILABLE and len(delivered) >= request.max_tokens \
+                if err.code() == grpc.StatusCode.UNAVAILABLE and len(delivered) >= max(request.max_tokens, 1) \
                         and not request.session_id:
                     # Every token arrived, only the last chunk's finish reason did not: it is
                     # "length" (EOS or a stop would have ended the stream with that chunk).
@@ -216,13 +243,29 @@ class CoordinatorClient:
 
 
 
+def output_assembler(tokenization: DetokenizerFactory, request: GenerationRequest) -> OutputAssembler:
+    return OutputAssembler(tokenization.detokenizer(request.prompt_token_ids, request.stop, request.min_tokens),
+                           len(request.prompt_token_ids), request.max_tokens, request.prompt_logprobs is not None)
+
+
+def feed_chunk(assembler: OutputAssembler, chunk) -> GenerationDelta | None:
+    """`assembler.feed` of one coordinator TokenChunk."""
+    return assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens,
+                          [token_logprobs_from_proto(lp) for lp in chunk.logprobs],
+                          [token_logprobs_from_proto(lp) for lp in chunk.prompt_logprobs], chunk.prompt_logprobs_start)
+
+
 def resumable(request: GenerationRequest, delivered: Sequence[int]) -> bool:
     """Whether a request the coordinator failed with UNAVAILABLE may be sent again with
     `delivered` tokens already streamed: unless it is a session round (its round is marked
-    in flight in Redis) or a diffusion request (blocks, not tokens), or nothing is left."""
+    in flight in Redis) or a diffusion request (blocks, not tokens), or nothing is left.
+    A request scoring its prompt is sent again only before any output (its prompt is scored
+    again whole then; a continuation from delivered tokens would not score it)."""
     if request.session_id or request.engine_family == DIFFUSION:
         return False
-    return len(delivered) < request.max_tokens
+    if request.prompt_logprobs is not None and delivered:
+        return False
+    return len(delivered) < max(request.max_tokens, 1)  # max_tokens 0: the engine generates one
 
 
 def resume_request(request: GenerationRequest, delivered: Sequence[int]) -> coordinator_pb2.SubmitRequest:
@@ -259,14 +302,12 @@ class EmbeddedCoordinatorClient:
     async def generate(self, request: GenerationRequest, timeout_s: float | None = None,
                        trace_context: Context | None = None) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request; closing the iterator early cancels it on the worker."""
-        assembler = OutputAssembler(self.tokenization.detokenizer(request.prompt_token_ids, request.stop, request.min_tokens),
-                                    len(request.prompt_token_ids))
+        assembler = output_assembler(self.tokenization, request)
         deadline = time.monotonic() + (timeout_s or self.coordinator.config.request_timeout_s)
         submitted = self.coordinator.submit(request.submit_request(), deadline, trace_context=trace_context)
         async with contextlib.aclosing(submitted) as chunks:
             async for chunk in chunks:
-                delta = assembler.feed(chunk.token_ids, chunk.finish_reason, chunk.num_prompt_tokens,
-                                       [token_logprobs_from_proto(lp) for lp in chunk.logprobs])
+                delta = feed_chunk(assembler, chunk)
                 if delta is not None:
                     yield delta
                 if assembler.finished:

@@ -76,6 +76,7 @@ class GatewayCore:
         check_priority(0, config.scheduling_policy)  # an unknown --scheduling-policy stops the start
         self.limits = Limits(served_model=self.model_name, max_model_len=config.max_model_len or tokenization.max_model_len,
                              default_max_tokens=config.default_max_tokens, max_tokens_limit=config.max_tokens_limit,
+                             max_n=config.max_n,
                              engine_family=tokenization.engine_family, mask_token_id=tokenization.mask_token_id)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
         self.rate_limiter = rate_limiter if rate_limiter is not None and rate_limiter.enabled else None

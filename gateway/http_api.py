@@ -265,27 +265,87 @@ async def _generate(core: GatewayCore, request: Request, *, chat: bool) -> Respo
     req = with_session_header(req, request.headers.getlist(SESSION_ID_HEADER))
     if req.ignored_fields:
         log.warning("The following fields were present in the request but ignored: %s", list(req.ignored_fields))
-    shaper = ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=int(time.time()),
-                            include_usage=req.include_usage, continuous_usage=req.continuous_usage,
-                            logprobs=req.logprobs, token_text=_token_texts(core) if req.logprobs is not None else None)
+    created = int(time.time())
+    token_text = _token_texts(core) if req.logprobs is not None else None
+    echo_text = "" if not req.echo else (
+        req.echo_text if req.echo_text is not None else core.tokenization.decode(req.prompt_token_ids))
+    shapers = [ResponseShaper(chat=chat, request_id=request_id, model=core.model_name, created=created,
+                              include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+                              logprobs=req.logprobs, token_text=token_text, index=index, echo_text=echo_text,
+                              prompt_ids=req.prompt_token_ids) for index in range(req.n)]
     headers = {"X-Request-Id": request_id}
-    stream = core.generate(req, api="http", trace_parent=http_parent_context(request.headers.items()), caller=caller)
+    trace_parent = http_parent_context(request.headers.items())
+    if req.max_tokens == 0 and req.prompt_logprobs is None:
+        # An echo of the prompt alone: nothing for the model to compute.
+        streams = [_echo_only(len(req.prompt_token_ids)) for _ in range(req.n)]
+    else:
+        # Each of the n choices is a request of its own (its own seed), generated concurrently.
+        streams = [core.generate(req.choice(index), api="http", trace_parent=trace_parent, caller=caller)
+                   for index in range(req.n)]
     if not req.stream:
         try:
-            result = await _until_disconnected(request, _collect(stream))
+            results = await _until_disconnected(request, asyncio.gather(*(_collect(s) for s in streams)))
         finally:
-            await stream.aclose()
-        text, last, token_ids, logprobs = result
-        return JSONResponse(shaper.response(text, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                                            token_ids, logprobs), headers=headers)
+            for stream in streams:
+                await stream.aclose()
+        choices = [shaper.choice(text, last.finish_reason, token_ids, logprobs, prompt_logprobs)
+                   for shaper, (text, last, token_ids, logprobs, prompt_logprobs) in zip(shapers, results)]
+        completion_tokens = sum(last.completion_tokens for _, last, *_ in results)
+        return JSONResponse(shapers[0].body(choices, results[0][1].prompt_tokens, completion_tokens), headers=headers)
+    merged = _merged(streams)
     # The first delta is awaited before the 200 goes out, so admission and coordinator
     # errors (429, 503, ...) still reach the client as HTTP statuses.
     try:
-        first = await _until_disconnected(request, anext(stream))
+        first = await _until_disconnected(request, anext(merged))
     except BaseException:
-        await stream.aclose()
+        await merged.aclose()
         raise
-    return EventStreamResponse(_sse_events(first, stream, shaper), stream.aclose, headers)
+    return EventStreamResponse(_sse_events(first, merged, shapers), merged.aclose, headers)
+
+
+async def _echo_only(prompt_tokens: int) -> AsyncIterator[GenerationDelta]:
+    """The output of an echo with max_tokens 0 and no logprobs: nothing (the echo is the answer)."""
+    yield GenerationDelta("", [], "length", prompt_tokens, 0)
+
+
+async def _merged(streams: list[AsyncIterator[GenerationDelta]]) -> AsyncIterator[tuple[int, GenerationDelta]]:
+    """(choice index, delta) of every stream as they come; closing it closes them all. An
+    error of one stream ends the merge (and the others) with that error."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, GenerationDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[GenerationDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta, None))
+        except Exception as err:  # handed to the consumer; a cancellation is not
+            await queue.put((index, None, err))
+        else:
+            await queue.put((index, None, None))
+
+    pumps = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 def _token_texts(core: GatewayCore) -> Callable[[int], str]:
@@ -300,34 +360,46 @@ def _token_texts(core: GatewayCore) -> Callable[[int], str]:
     return token_text
 
 
-async def _collect(stream: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta, list[int], list[Any]]:
-    """The whole output: its text, the last delta, and every token with its logprobs (when asked)."""
+async def _collect(stream: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta, list[int], list[Any],
+                                                                  list[Any] | None]:
+    """The whole output: its text, the last delta, every token with its logprobs (when asked),
+    and the prompt's logprobs (when asked: echo)."""
     parts: list[str] = []
     token_ids: list[int] = []
     logprobs: list[Any] = []
+    prompt_logprobs = None
     async for delta in stream:
         parts.append(delta.text)
         token_ids += delta.token_ids
         logprobs += delta.logprobs
+        prompt_logprobs = prompt_logprobs or delta.prompt_logprobs
         if delta.finish_reason:
-            return "".join(parts), delta, token_ids, logprobs
+            return "".join(parts), delta, token_ids, logprobs, prompt_logprobs
     raise Unavailable("generation ended without a finish reason")
 
 
-async def _sse_events(first: GenerationDelta, stream: AsyncIterator[GenerationDelta],
-                      shaper: ResponseShaper) -> AsyncIterator[bytes]:
-    delta: GenerationDelta | None = first
+async def _sse_events(first: tuple[int, GenerationDelta], stream: AsyncIterator[tuple[int, GenerationDelta]],
+                      shapers: list[ResponseShaper]) -> AsyncIterator[bytes]:
+    """The stream's events: each choice's chunks by its shaper, as its deltas come; usage (the
+    prompt once, every choice's completion tokens) after the last choice finished."""
+    item: tuple[int, GenerationDelta] | None = first
+    completion = [0] * len(shapers)  # output tokens so far, by choice
+    finished = 0
     try:
-        while delta is not None:
-            for chunk in shaper.chunks(delta.text, delta.finish_reason or None, delta.prompt_tokens,
-                                       delta.completion_tokens, len(delta.token_ids), delta.token_ids,
-                                       delta.logprobs):
+        while item is not None:
+            index, delta = item
+            completion[index] = delta.completion_tokens
+            for chunk in shapers[index].chunks(delta.text, delta.finish_reason or None, delta.prompt_tokens,
+                                               sum(completion), len(delta.token_ids), delta.token_ids,
+                                               delta.logprobs, delta.prompt_logprobs):
                 yield sse_event(chunk)
             if delta.finish_reason:
-                if shaper.include_usage:
-                    yield sse_event(shaper.usage_chunk(delta.prompt_tokens, delta.completion_tokens))
-                break
-            delta = await anext(stream, None)
+                finished += 1
+                if finished == len(shapers):
+                    if shapers[0].include_usage:
+                        yield sse_event(shapers[0].usage_chunk(delta.prompt_tokens, sum(completion)))
+                    break
+            item = await anext(stream, None)
     except SplitserveError as err:
         # Headers are out: the error travels as an event, as OpenAI and vLLM do.
         yield sse_event(error_body(err))

@@ -73,21 +73,26 @@ def _step_logprobs(token: int, record: TokenLogprobs) -> dict[int, float]:
     return step
 
 
-def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprobs], num_logprobs: int,
+def completion_logprobs(token_ids: Sequence[int], records: Sequence[TokenLogprobs | None], num_logprobs: int,
                         token_text: Callable[[int], str], initial_text_offset: int = 0) -> dict[str, Any]:
     """A completions choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}), as
     vLLM's serving_completion builds it: each token's text is its id decoded alone, top_logprobs
     maps the sampled token and the top `num_logprobs` (so up to N + 1 entries, as OpenAI's spec
     allows) to their logprobs, and text_offset counts the token texts from `initial_text_offset`
-    (the length of the text streamed before)."""
+    (the length of the text streamed before). A record None (the first prompt token of an echo,
+    which nothing predicts) gives null token_logprobs and top_logprobs, as OpenAI and vLLM do."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = initial_text_offset
     for token, record in zip(token_ids, records):
         text = token_text(token)
         tokens.append(text)
-        token_logprobs.append(_logprob(record.logprob))
-        top_logprobs.append({token_text(t): _logprob(v) for i, (t, v) in
-                             enumerate(_step_logprobs(token, record).items()) if i <= num_logprobs})
+        if record is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token_logprobs.append(_logprob(record.logprob))
+            top_logprobs.append({token_text(t): _logprob(v) for i, (t, v) in
+                                 enumerate(_step_logprobs(token, record).items()) if i <= num_logprobs})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
@@ -119,8 +124,16 @@ class ResponseShaper:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int, include_usage: bool = False,
                  continuous_usage: bool = False, logprobs: int | None = None,
-                 token_text: Callable[[int], str] | None = None):
+                 token_text: Callable[[int], str] | None = None, index: int = 0, echo_text: str = "",
+                 prompt_ids: Sequence[int] = ()):
+        """`index`: the choice this shaper writes (n > 1: one shaper per choice); `echo_text`:
+        what the choice's text starts with (echo); `prompt_ids`: the prompt, whose tokens lead
+        the logprobs when a delta brings prompt logprobs (completions' echo with logprobs)."""
         self.chat = chat
+        self.index = index
+        self.echo_text = echo_text
+        self._echoed = False
+        self.prompt_ids = list(prompt_ids)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = created
@@ -138,29 +151,52 @@ class ResponseShaper:
         # Streaming: tokens whose chunk is not sent yet (no text yet), with their logprobs, and
         # the length of the text streamed so far (completions' text_offset).
         self._pending_ids: list[int] = []
-        self._pending_logprobs: list[TokenLogprobs] = []
+        self._pending_logprobs: list[TokenLogprobs | None] = []
         self._text_len = 0
 
     def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                 token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
-        """The non-streaming response body; `logprobs` one per output token, when asked for."""
+                 token_ids: Sequence[int] = (), logprobs: Sequence[TokenLogprobs] = (),
+                 prompt_logprobs: Sequence[TokenLogprobs | None] | None = None) -> dict[str, Any]:
+        """The non-streaming response body of one choice; `logprobs` one per output token, when
+        asked for (`prompt_logprobs` one per prompt token, for an echo)."""
+        return self.body([self.choice(text, finish_reason, token_ids, logprobs, prompt_logprobs)], prompt_tokens,
+                         completion_tokens)
+
+    def choice(self, text: str, finish_reason: str, token_ids: Sequence[int] = (),
+               logprobs: Sequence[TokenLogprobs] = (),
+               prompt_logprobs: Sequence[TokenLogprobs | None] | None = None) -> dict[str, Any]:
+        """This shaper's choice of a non-streaming response (echo included)."""
+        if prompt_logprobs is not None:
+            token_ids, logprobs = [*self.prompt_ids, *token_ids], [*prompt_logprobs, *logprobs]
         shaped = self._logprobs(token_ids, logprobs, 0)
+        text = self.echo_text + text
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shaped,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": shaped, "finish_reason": finish_reason}
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+            return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": shaped,
+                    "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": shaped, "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """A non-streaming response of these choices; usage counts the prompt once and every
+        choice's completion tokens (`completion_tokens`, summed by the caller), as OpenAI does."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return body
 
     def chunks(self, text: str, finish_reason: str | None, prompt_tokens: int = 0, completion_tokens: int = 0,
                new_tokens: int = 0, token_ids: Sequence[int] = (),
-               logprobs: Sequence[TokenLogprobs] = ()) -> list[dict[str, Any]]:
+               logprobs: Sequence[TokenLogprobs] = (),
+               prompt_logprobs: Sequence[TokenLogprobs | None] | None = None) -> list[dict[str, Any]]:
         """Stream chunks for one delta (chat opens with a role-only chunk, as OpenAI does); with
         continuous usage each carries the usage after this delta's `new_tokens`. The chunk with
         this delta's text carries the logprobs of its tokens (and of earlier tokens that had no
-        text yet, hence no chunk)."""
+        text yet, hence no chunk). The first content chunk starts with the echo (and its
+        tokens' `prompt_logprobs`, as vLLM streams an echo)."""
+        if not self._echoed:
+            self._echoed = True
+            text = self.echo_text + text
+            if prompt_logprobs is not None and self.num_logprobs is not None:
+                self._pending_ids += self.prompt_ids
+                self._pending_logprobs += prompt_logprobs
         if self.num_logprobs is not None:
             self._pending_ids += token_ids
             self._pending_logprobs += logprobs
@@ -193,7 +229,7 @@ class ResponseShaper:
         self._pending_ids, self._pending_logprobs = [], []
         return shaped
 
-    def _logprobs(self, token_ids: Sequence[int], records: Sequence[TokenLogprobs],
+    def _logprobs(self, token_ids: Sequence[int], records: Sequence[TokenLogprobs | None],
                   text_offset: int) -> dict[str, Any] | None:
         if self.num_logprobs is None:
             return None
@@ -209,9 +245,9 @@ class ResponseShaper:
 
     def _chunk(self, content: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         body = self._envelope(self._chunk_object(), [choice])
         if self.include_usage:
             # OpenAI sends null usage on every chunk but the last; vLLM's continuous usage, the sum so far.

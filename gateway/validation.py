@@ -24,9 +24,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitserve.core.diffusion import DiffusionParamError, diffusion_params
 from splitserve.core.sampling import MAX_LOGPROBS  # vLLM's default max_logprobs (20)
+from splitserve.core.structured import StructuredOutput
+from gateway import structured_output as structured
 from splitserve.errors import InvalidArgument, NotFound
 from splitserve.request_rules import UINT32_MAX, check_id_length  # the rules every service applies
 from splitserve.proto import coordinator_pb2, gateway_pb2, types_pb2
+from splitserve.wire import structured_output_from_proto, structured_output_to_proto
 from splitserve.core.records import DIFFUSION  # the engine family of diffusion models (LLaDA)
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
@@ -71,6 +74,7 @@ class Limits:
     max_model_len: int
     default_max_tokens: int = 16
     max_tokens_limit: int = 4096
+    max_n: int = 16  # largest n (choices per request): each choice is a request of its own
     engine_family: str = ""  # "diffusion" for a diffusion model; "": autoregressive
     mask_token_id: int | None = None  # a diffusion model's mask token, which no prompt may hold
 
@@ -119,10 +123,32 @@ class GenerationRequest:
     logprobs: int | None = None
     # Body fields neither OpenAI's, vLLM's nor ours: ignored, as vLLM does, and logged by the API.
     ignored_fields: tuple[str, ...] = ()
+    # What the output must match (response_format, structured_outputs, guided_*); None: free output.
+    structured_output: StructuredOutput | None = None
+    # OpenAI's n: choices generated for the prompt, each a request of its own (`choice(i)`).
+    n: int = 1
+    # Echo: the response text starts with `echo_text` (completions: the prompt; chat: vLLM's last
+    # message); None with echo set: the prompt ids decoded (a prompt given as token ids).
+    echo: bool = False
+    echo_text: str | None = None
+    # None: no prompt logprobs; N: each prompt token's logprob and the top N's (completions'
+    # echo with logprobs, vLLM's prompt_logprobs); the first prompt token has none.
+    prompt_logprobs: int | None = None
+
+    def choice(self, index: int) -> GenerationRequest:
+        """The request generating choice `index` of n: its own request id (n > 1) and, for a
+        seeded request, the seed + index (mod 2^63) as vLLM's parallel sampling gives its child
+        requests, so each choice differs and a seeded request is reproducible; choice 0 of n is
+        the request with n = 1. An unseeded choice gets its seed from its own id (coordinator)."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % SEED_LIMIT
+        return dataclasses.replace(self, request_id=f"{self.request_id}-{index}", seed=seed, n=1)
 
     def sampling_params(self) -> types_pb2.SamplingParams:
         """The SamplingParams proto; unset optionals stay unset so engine defaults apply."""
-        params = types_pb2.SamplingParams(max_tokens=self.max_tokens, top_k=self.top_k, stop=self.stop,
+        # max_tokens 0 (echo): the engine generates one token, which the gateway drops.
+        params = types_pb2.SamplingParams(max_tokens=max(self.max_tokens, 1), top_k=self.top_k, stop=self.stop,
                                           stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
         if self.temperature is not None:
             params.temperature = self.temperature
@@ -139,6 +165,10 @@ class GenerationRequest:
                 setattr(params, name, getattr(self, name))
         if self.logprobs is not None:
             params.num_logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            params.num_prompt_logprobs = self.prompt_logprobs
+        if self.structured_output is not None:
+            params.structured_output.CopyFrom(structured_output_to_proto(self.structured_output))
         return params
 
     def submit_request(self) -> coordinator_pb2.SubmitRequest:
@@ -230,7 +260,6 @@ class ChatCompletionBody(_OpenAIBody):
 # 400 naming the field: ignoring it would answer something other than what the client asked
 # for (a penalty not applied, a grammar not followed). Fields no API knows are ignored and
 # logged, as vLLM does (GenerationRequest.ignored_fields); HARMLESS_FIELDS are ignored quietly.
-_STRUCTURED = "structured output (guided decoding)"
 NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # sampling
     "use_beam_search": ((None, False), "beam search"),
@@ -253,15 +282,10 @@ NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens (prompts are never truncated)"),
     "truncation_side": ((None,), "truncation_side (prompts are never truncated)"),
     "prompt_embeds": ((None,), "prompt_embeds"),
-    # structured output: vLLM's current field and its older guided_* ones
-    "structured_outputs": ((None,), _STRUCTURED),
-    "guided_json": ((None,), _STRUCTURED),
-    "guided_regex": ((None,), _STRUCTURED),
-    "guided_choice": ((None,), _STRUCTURED),
-    "guided_grammar": ((None,), _STRUCTURED),
-    "structural_tag": ((None,), _STRUCTURED),
-    "guided_decoding_backend": ((None,), _STRUCTURED),
-    "guided_whitespace_pattern": ((None,), _STRUCTURED),
+    # structured output: structured_outputs and guided_* are read by gateway.structured_output;
+    # these two ask for what xgrammar does not do
+    "structural_tag": ((None,), "structural_tag (structured output of tagged regions)"),
+    "guided_whitespace_pattern": ((None,), "guided_whitespace_pattern (xgrammar's JSON whitespace is fixed)"),
     # serving
     "request_id": ((None,), "a client-chosen request_id (the gateway assigns one, sent as X-Request-Id)"),
     "cache_salt": ((None,), "cache_salt (the prefix cache is not salted per request)"),
@@ -364,30 +388,47 @@ def completion_request(body: Any, encoder: PromptEncoder, limits: Limits, reques
                        predicted_output_len_header: str | None = None) -> GenerationRequest:
     """Validate a /v1/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: CompletionBody = _parse(CompletionBody, body)
-    if b.echo:
-        # Echo with logprobs needs the prompt's logprobs (vLLM's prompt_logprobs), which are not computed.
-        _unsupported("echo", "echo=true (with or without logprobs)")
     if b.suffix:
         _unsupported("suffix", "suffix")
-    if b.best_of not in (None, 1):
-        raise InvalidArgument(f"best_of must be 1 (got {b.best_of}): one candidate per request is supported",
-                              param="best_of")
+    if b.best_of not in (None, 1, b.n):
+        # best_of = n returns every candidate (vLLM's default); more candidates than choices
+        # would need ranking them by their cumulative logprob, which is not implemented.
+        raise InvalidArgument(f"best_of must equal n (got best_of {b.best_of}, n {b.n}): ranking more candidates "
+                              "than choices is not supported", param="best_of")
     logprobs = _top_logprobs(b.logprobs, "logprobs")
     _refuse_not_implemented(b, NOT_IMPLEMENTED)
     prompt_ids = _completion_prompt(b.prompt, encoder, b.add_special_tokens)
     # Legacy completions default to limits.default_max_tokens (16), as vLLM's CompletionRequest
     # and OpenAI's legacy endpoint do: clients of this API send max_tokens when they want more.
-    return _common(b, prompt_ids, b.max_tokens, "max_tokens", encoder, limits, request_id,
-                   predicted_output_len_header, default_max_tokens=limits.default_max_tokens, prompt_param="prompt",
-                   logprobs=logprobs)
+    # Echo allows max_tokens 0 (vLLM does): the prompt, scored, is the whole answer (how
+    # lm-eval-harness computes loglikelihoods: echo, logprobs, max_tokens 0).
+    echo_only = bool(b.echo) and b.max_tokens == 0
+    req = _common(b, prompt_ids, None if echo_only else b.max_tokens, "max_tokens", encoder, limits, request_id,
+                  predicted_output_len_header, default_max_tokens=1 if echo_only else limits.default_max_tokens,
+                  prompt_param="prompt", logprobs=logprobs)
+    if not b.echo:
+        return req
+    if req.engine_family == DIFFUSION:
+        _unsupported("echo", "echo on a diffusion model")
+    if logprobs is not None and req.session_id:
+        _unsupported("echo", "echo with logprobs in a session (the history's KV is reused, so its prompt "
+                              "logprobs are not computed)")
+    return dataclasses.replace(req, echo=True, echo_text=_echo_prompt_text(b.prompt),
+                               prompt_logprobs=logprobs, max_tokens=0 if echo_only else req.max_tokens)
+
+
+def _echo_prompt_text(prompt: Any) -> str | None:
+    """The text echoed for a completions prompt: the string as sent (vLLM's prompt text);
+    None for token ids (the API decodes them)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: str,
                  predicted_output_len_header: str | None = None) -> GenerationRequest:
     """Validate a /v1/chat/completions body (and the x-predicted-output-len header's value, None when absent)."""
     b: ChatCompletionBody = _parse(ChatCompletionBody, body)
-    if b.echo:
-        _unsupported("echo", "echo=true (prepending the last message)")
     logprobs = _chat_logprobs(b.logprobs, b.top_logprobs)
     if b.tools:
         _unsupported("tools", "tool calling")
@@ -405,8 +446,18 @@ def chat_request(body: Any, encoder: PromptEncoder, limits: Limits, request_id: 
     # within the server's --max-tokens-limit. A diffusion model generates exactly max_tokens
     # tokens (a fixed canvas, not a cap), so it keeps the configured default.
     default = limits.default_max_tokens if limits.engine_family == DIFFUSION else None
-    return _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header,
-                   default_max_tokens=default, prompt_param="messages", logprobs=logprobs)
+    req = _common(b, prompt_ids, max_tokens, param, encoder, limits, request_id, predicted_output_len_header,
+                  default_max_tokens=default, prompt_param="messages", logprobs=logprobs)
+    if not b.echo:
+        return req
+    return dataclasses.replace(req, echo=True, echo_text=_chat_echo_text(messages, b.add_generation_prompt))
+
+
+def _chat_echo_text(messages: list[dict[str, str]], add_generation_prompt: bool | None) -> str:
+    """vLLM's chat echo: the last message's content when it is in the role the reply takes
+    (the assistant's, or with add_generation_prompt false the last message's own), else ""."""
+    role = messages[-1]["role"] if add_generation_prompt is False else "assistant"
+    return messages[-1]["content"] if messages[-1]["role"] == role else ""
 
 
 def _encode_chat(encoder: PromptEncoder, messages: list[dict[str, str]], add_generation_prompt: bool | None,
@@ -528,6 +579,7 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
         session_id=check_id_length(msg.session_id, "session_id"), priority=msg.priority,
         slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
         predicted_output_len=None if hint is None else min(hint, max_tokens),
+        structured_output=_grpc_structured_output(s),
         **_penalties(*(getattr(s, name) if s.HasField(name) else None for name in _FLOAT_PENALTIES),
                      s.min_tokens, max_tokens))
     return _with_diffusion(req, limits, steps=s.steps if s.HasField("steps") else None,
@@ -535,6 +587,18 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
                            remasking=s.remasking or None,
                            retention_ratio=s.retention_ratio if s.HasField("retention_ratio") else None,
                            cfg_scale=s.cfg_scale if s.HasField("cfg_scale") else None)
+
+
+def _grpc_structured_output(s: types_pb2.SamplingParams) -> StructuredOutput | None:
+    """sampling.structured_output of a gRPC Generate, shape-checked as the HTTP fields are."""
+    if not s.HasField("structured_output"):
+        return None
+    param = "sampling.structured_output"
+    constraint = dataclasses.replace(structured_output_from_proto(s.structured_output), param=param)
+    if constraint.kind == "json":
+        constraint = dataclasses.replace(constraint, spec=structured.schema_text(constraint.spec, f"{param}.spec",
+                                                                                 param))
+    return structured.checked(constraint)
 
 
 # --- shared checks
@@ -545,12 +609,15 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
             prompt_param: str, logprobs: int | None = None) -> GenerationRequest:
     """The checks both OpenAI endpoints share; `default_max_tokens` None: the rest of the context."""
     _check_model(b.model, limits)
-    if b.n not in (None, 1):
-        raise InvalidArgument(f"n must be 1 (got {b.n}): one choice per request is supported", param="n")
+    n = 1 if b.n is None else b.n
+    if not 1 <= n <= limits.max_n:
+        raise InvalidArgument(f"n must be in [1, {limits.max_n}] (max_n), got {n}", param="n")
+    if n > 1 and b.session_id:
+        _unsupported("n", "n > 1 in a session (a session holds one history)")
     if b.logit_bias:
         _unsupported("logit_bias", "logit_bias")
-    if b.response_format and b.response_format.get("type", "text") != "text":
-        _unsupported("response_format", f"response_format type {b.response_format.get('type')!r}")
+    # response_format is a declared field; structured_outputs and guided_* arrive as extras.
+    constraint = structured.structured_output({"response_format": b.response_format, **(b.model_extra or {})})
     if b.stream_options is not None and not b.stream:
         raise InvalidArgument("stream_options is only allowed when stream is true", param="stream_options")
     top_k = b.top_k if b.top_k is not None else 0
@@ -579,7 +646,7 @@ def _common(b: _OpenAIBody, prompt_ids: list[int], max_tokens: int | None, max_t
         session_id=check_id_length(b.session_id or "", "session_id"), priority=b.priority or 0,
         slo_ttft_ms=b.slo_ttft_ms or 0, slo_itl_ms=b.slo_itl_ms or 0,
         predicted_output_len=None if hint is None else min(hint, max_tokens), ignored_fields=_ignored_fields(b),
-        logprobs=logprobs,
+        logprobs=logprobs, n=n, structured_output=constraint,
         **_penalties(b.presence_penalty, b.frequency_penalty, b.repetition_penalty, b.min_p, b.min_tokens, max_tokens))
     return _with_diffusion(req, limits, steps=b.steps, block_length=b.block_length, remasking=b.remasking,
                            retention_ratio=b.retention_ratio, cfg_scale=b.cfg_scale)
@@ -606,6 +673,9 @@ def _with_diffusion(req: GenerationRequest, limits: Limits, **knobs: Any) -> Gen
             _unsupported(name, f"{name} on a diffusion model (it samples every position of a block at once)")
     if req.logprobs is not None:
         _unsupported("logprobs", "logprobs on a diffusion model (its tokens are unmasked, not sampled one by one)")
+    if req.structured_output is not None:
+        _unsupported(req.structured_output.param, "structured output on a diffusion model (it unmasks every "
+                     "position of a block at once, not left to right as a grammar is matched)")
     if limits.mask_token_id is not None and limits.mask_token_id in req.prompt_token_ids:
         raise InvalidArgument(f"prompt holds the mask token (id {limits.mask_token_id}), which only the model "
                               "may place", param="prompt")
@@ -675,7 +745,7 @@ def _asks_for_nothing(value: Any, defaults: tuple[Any, ...]) -> bool:
 
 def _ignored_fields(b: BaseModel) -> tuple[str, ...]:
     """The body's fields that no API here knows (bounded, for one log line)."""
-    known = NOT_IMPLEMENTED.keys() | NOT_IMPLEMENTED_CHAT.keys() | HARMLESS_FIELDS
+    known = NOT_IMPLEMENTED.keys() | NOT_IMPLEMENTED_CHAT.keys() | HARMLESS_FIELDS | set(structured.FIELDS)
     names = sorted(name for name in (b.model_extra or {}) if name not in known)
     return tuple(name[:MAX_IGNORED_FIELD_CHARS] for name in names[:MAX_IGNORED_FIELDS_LOGGED])
 

@@ -26,7 +26,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNTIME_EXTRAS = ("server", "bench", "gguf", "plots", "tracing")
+RUNTIME_EXTRAS = ("server", "bench", "gguf", "plots", "tracing", "structured")
 PROJECT = "splitserve"
 HEADER = """\
 # Exact versions of splitserve's runtime dependencies (base + the extras {extras}) and of every

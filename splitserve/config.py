@@ -111,6 +111,8 @@ class WorkerConfig(CommonConfig):
                                         "CPU) | cuda_graph (captured once per bucket, replayed) | eager | compile "
                                         "(torch.compile per bucket).")
     max_captured_buckets: int = opt(64, "Most captured buckets (CUDA graphs) kept; a step of another runs unpadded.")
+    structured_output_cache_size: int = opt(256, "Compiled structured-output grammars kept (LRU by the request's "
+                                            "schema, regex, choices or grammar); a request for another compiles it.")
     design: str = opt("", "A research design: dynaserve | laps | ampd, or '' (none). Selects the design's local "
                       "batch policy (slo_aware | laps | prefill_reorder) unless --batch-policy is given (an ablation); "
                       "give the scheduler the same --design (or --policy). One variable for every service.",
@@ -236,6 +238,8 @@ class GatewayConfig(CommonConfig):
     max_model_len: int = opt(0, "Longest prompt + output accepted; 0: the model directory's config (an emulated "
                              "cluster's gateway takes the preset model's context, as its workers do).")
     max_tokens_limit: int = opt(4096, "Largest max_tokens a request may ask for.")
+    max_n: int = opt(16, "Largest n (choices per request) a request may ask for; each choice is generated as a "
+                           "request of its own.")
     default_max_tokens: int = opt(16, "max_tokens when a request sets none.")
     max_request_body_bytes: int = opt(16 << 20, "Largest HTTP request body accepted (larger: 413 naming the limit; "
                                       "gRPC messages are bounded by --max-message-bytes).")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from splitserve.core.errors import InvalidInput
 from splitserve.core.sampling import SamplingParams, TokenLogprobs
+from splitserve.core.structured import StructuredOutput
 from splitserve.errors import InvalidArgument
 from splitserve.proto import types_pb2
 from splitserve.core.records import WorkerLoad
@@ -67,7 +68,21 @@ def sampling_from_proto(message: types_pb2.SamplingParams) -> SamplingParams:
             setattr(params, name, getattr(message, name))
     if message.HasField("num_logprobs"):
         params.logprobs = message.num_logprobs
+    if message.HasField("num_prompt_logprobs"):
+        params.prompt_logprobs = message.num_prompt_logprobs
+    if message.HasField("structured_output"):
+        params.structured_output = structured_output_from_proto(message.structured_output)
     return params
+
+
+def structured_output_from_proto(message: types_pb2.StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(message.kind, message.spec, tuple(message.choices), not message.compact_json,
+                            message.param or "response_format")
+
+
+def structured_output_to_proto(structured: StructuredOutput) -> types_pb2.StructuredOutput:
+    return types_pb2.StructuredOutput(kind=structured.kind, spec=structured.spec, choices=list(structured.choices),
+                                      compact_json=not structured.any_whitespace, param=structured.param)
 
 
 # vLLM's penalties and min_p: optional floats on the wire (unset: the engine's no-op default).
@@ -86,6 +101,10 @@ def sampling_to_proto(params: SamplingParams) -> types_pb2.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.num_logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.num_prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     for name in ("steps", "block_length"):
         if getattr(params, name) is not None:
             setattr(message, name, getattr(params, name))

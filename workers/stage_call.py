@@ -204,13 +204,21 @@ def _refusal(err: ValueError) -> Exception:
 def merge_pending(event: TokenEvent, events: asyncio.Queue) -> TokenEvent:
     """One event for everything already queued: a stream that fell behind catches up in one message."""
     token_ids, text, logprobs = list(event.token_ids), event.text, list(event.logprobs)
+    prompt_start, prompt_logprobs = event.prompt_logprobs_start, list(event.prompt_logprobs)
     while not event.finished and not events.empty():
         event = events.get_nowait()
         token_ids += event.token_ids
         text += event.text
         logprobs += event.logprobs  # one per token where the request asked: they stay aligned
+        if event.prompt_logprobs:  # scored positions: the later ones win where they overlap
+            if prompt_start + len(prompt_logprobs) >= event.prompt_logprobs_start >= prompt_start:
+                del prompt_logprobs[event.prompt_logprobs_start - prompt_start:]
+            else:
+                prompt_start, prompt_logprobs = event.prompt_logprobs_start, []
+            prompt_logprobs += event.prompt_logprobs
     return TokenEvent(event.key, token_ids, text, event.finish_reason, event.num_prompt_tokens,
-                      event.num_output_tokens, logprobs=logprobs)
+                      event.num_output_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      prompt_logprobs_start=prompt_start)
 
 
 def record_stage_phases(span, arrived_ns: int, queue_wait_s: float | None, first_token_ns: int, end_ns: int,

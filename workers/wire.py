@@ -56,4 +56,6 @@ def token_chunk(stage: types_pb2.Stage, event: TokenEvent, worker_id: str, first
         emitted_unix_ns=time.time_ns(), stage_index=stage.stage_index, worker_id=worker_id,
         kv_block_ids=kv_block_ids, kv_tokens=kv_tokens,
         logprobs=[token_logprobs_to_proto(lp) for lp in event.logprobs],
+        prompt_logprobs=[token_logprobs_to_proto(lp) for lp in event.prompt_logprobs],
+        prompt_logprobs_start=event.prompt_logprobs_start,
     )

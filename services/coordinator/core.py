@@ -332,7 +332,7 @@ class Coordinator:
                     if chunk.finish_reason == "stage_end":
                         # The first stage's last token(s), or the prompt logprobs it scored: still
                         # part of the output.
-                        if chunk.token_ids:  # the first stage's last token(s): still part of the output
+                        if chunk.token_ids or chunk.prompt_logprobs:
                             chunk.finish_reason = ""
                             yield chunk
                         break  # the next stage continues the stream

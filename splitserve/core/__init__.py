@@ -17,14 +17,14 @@ from splitserve.core.policy import (BatchPolicy, ExecutedBatch, PolicyContractEr
 from splitserve.core.sampling import SamplingParams
 from splitserve.core.scheduler import (KvCapacityError, ScheduledEntry, Scheduler, SchedulerConfig, SchedulerOutput,
                                        TokenEvent)
-from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
+from splitserve.core.sequence import FinishReason, OutputConstraint, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.stage import KvInBlocks, KvPayload, KvPushPlan, KvSink, StageSlo, StageSpec, whole_block_chunk
 from splitserve.core.step_cost import StepShape, step_time
 
 __all__ = [
     "BatchPolicy", "BlockManager", "DecodeRun", "FcfsPolicy", "ExecutedBatch", "LatencyTable", "SloAwarePolicy",
     "build_batch_policy", "takes_option", "FinishReason", "InvalidInput", "KvCapacityError", "KvInBlocks",
-    "KvPayload", "KvPushPlan", "KvSink", "OutputText", "PolicyContractError", "QueuedRequest", "SamplingParams",
+    "KvPayload", "KvPushPlan", "KvSink", "OutputConstraint", "OutputText", "PolicyContractError", "QueuedRequest", "SamplingParams",
     "ScheduledEntry", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence", "SequenceStatus", "StageKey",
     "StageKeyTaken", "StageSlo", "StageSpec", "StepBudget", "StepBuilder", "StepShape", "TokenEvent", "known_batch_policies",
     "make_batch_policy", "register_batch_policy", "step_time", "unregister_batch_policy", "whole_block_chunk",

@@ -163,7 +163,9 @@ class BlockManager:
         At least one token (of this stage's range) is always left to compute, since the
         forward pass over it produces the logits for the next token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            # A stage asking for prompt logprobs computes every position (vLLM skips the prefix
+            # cache for prompt_logprobs too): a cached block's logits were never kept.
             return []
         hashes = self.update_block_hashes(seq)
         end = seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.core.errors import InvalidInput
+from splitserve.core.structured import StructuredOutput
 
 
 _MASK64 = (1 << 64) - 1
@@ -75,6 +76,14 @@ class SamplingParams:
     # None: no logprobs; N in [0, MAX_LOGPROBS]: each output token's logprob and the top N's, of
     # the raw distribution (before penalties, temperature and filters, as vLLM's raw_logprobs).
     logprobs: int | None = None
+    # None: no prompt logprobs; N in [0, MAX_LOGPROBS]: each prompt token's logprob (from the
+    # position before it) and the top N's there (vLLM's prompt_logprobs). Such a stage computes
+    # every prompt position it covers: no prefix-cache hits (BlockManager.cached_prefix_blocks).
+    prompt_logprobs: int | None = None
+    # None: free output; else what the output must match (a JSON schema, regex, choice or
+    # grammar: splitserve.core.structured). Every stage of the request masks its logits with it
+    # from the output so far, so a split request samples what an unsplit one does.
+    structured_output: StructuredOutput | None = None
 
     @property
     def penalised(self) -> bool:
@@ -119,6 +128,12 @@ class SamplingParams:
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidInput(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top tokens per output token), "
                                f"got {self.logprobs!r}", param="logprobs")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidInput(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (top tokens per prompt "
+                               f"token), got {self.prompt_logprobs!r}", param="prompt_logprobs")
+        if self.structured_output is not None:
+            self.structured_output.validate()
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidInput(f"stop_token_ids must be in [0, {vocab_size}), got {bad}", param="stop_token_ids")

@@ -43,7 +43,7 @@ from splitserve.core.errors import InvalidInput, StageKeyTaken
 from splitserve.core.policy import (PRIORITY, BatchPolicy, ExecutedBatch, PolicyContractError, QueuedRequest, StepBudget,
                                     priority_key, scheduling_policy_option)
 from splitserve.core.sampling import SamplingParams, TokenLogprobs
-from splitserve.core.sequence import FinishReason, OutputText, Sequence, SequenceStatus, StageKey
+from splitserve.core.sequence import FinishReason, OutputConstraint, OutputText, Sequence, SequenceStatus, StageKey
 from splitserve.core.session_pins import SessionPins
 from splitserve.core.stage import KvInBlocks, StageSpec
 from splitserve.core.step_cost import StepShape
@@ -124,6 +124,10 @@ class TokenEvent:
     queue_wait_s: float | None = None
     # One per token of token_ids when the request asked for logprobs (SamplingParams.logprobs); else empty.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: the prompt tokens at positions prompt_logprobs_start, +1, ...
+    # whose logprobs this stage computed since its previous event (they ride on the next event).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
 
     @property
     def request_id(self) -> str:
@@ -151,6 +155,8 @@ class Scheduler:
         self.sequences: dict[StageKey, Sequence] = {}
         self.num_preemptions = 0
         self._seed_rng = random.Random(config.seed)
+        # Prompt logprobs scored but not yet reported, by stage: (first position, logprobs).
+        self._prompt_logprobs: dict[StageKey, tuple[int, list[TokenLogprobs]]] = {}
         # Session histories kept between rounds (AMPD); evicted before any running request is preempted.
         self.session_pins = SessionPins(block_manager)
         # Transferred new KV dropped because the history it continues was no longer cached here.
@@ -164,12 +170,14 @@ class Scheduler:
     def kv_capacity_tokens(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
 
-    def add_stage(self, spec: StageSpec, text: OutputText | None = None) -> Sequence:
+    def add_stage(self, spec: StageSpec, text: OutputText | None = None,
+                  constraint: OutputConstraint | None = None) -> Sequence:
         """Queue a stage; InvalidInput naming the field for anything it cannot run (StageKeyTaken
         while an earlier attempt of the stage is still here).
 
         `text` detokenises the output and matches stop strings (it has seen the prompt and
-        any earlier stages' output); without it, stop strings cannot be honoured.
+        any earlier stages' output); without it, stop strings cannot be honoured. `constraint`
+        is the request's structured output, having accepted any earlier stages' output.
         """
         if spec.key in self.sequences:
             raise StageKeyTaken(f"request_id {spec.key.request_id!r} (stage {spec.key.stage_index}) "
@@ -190,7 +198,7 @@ class Scheduler:
             stop_at=spec.end if spec.end is not None and spec.end < total else None,
             priority=spec.priority,
             ttft_deadline=arrival + spec.slo.ttft_s if spec.slo.ttft_s else None,
-            itl_slo_s=spec.slo.itl_s or None, text=text, session=spec.session,
+            itl_slo_s=spec.slo.itl_s or None, text=text, session=spec.session, constraint=constraint,
         )
         if spec.session is not None:
             self.session_pins.note_round(spec.session)
@@ -228,6 +236,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if reason is FinishReason.ABORT:
+            self._prompt_logprobs.pop(seq.key, None)
         if seq.session is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.session_pins.pin(seq.session, seq, self.clock())  # the next round starts from here
         if not seq.keep_kv:
@@ -328,10 +338,20 @@ class Scheduler:
         return SchedulerOutput.of(step.entries, step.preempted, step.held_until)
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int], latency_s: float,
-                           logprobs: Mapping[StageKey, TokenLogprobs] | None = None) -> list[TokenEvent]:
+                           logprobs: Mapping[StageKey, TokenLogprobs] | None = None,
+                           prompt_logprobs: Mapping[StageKey, tuple[int, list[TokenLogprobs]]] | None = None,
+                           ) -> list[TokenEvent]:
         """Apply an executed step: KV computed, tokens appended, stages finished; their events.
-        `logprobs`: the sampled tokens' logprobs of the stages whose requests asked for them."""
+        `logprobs`: the sampled tokens' logprobs of the stages whose requests asked for them;
+        `prompt_logprobs`: (first position, logprobs) of the prompt tokens this step scored, for
+        the stages that asked: kept until the stage's next event, which carries them."""
         events: list[TokenEvent] = []
+        for key, (start, records) in (prompt_logprobs or {}).items():
+            pending = self._prompt_logprobs.get(key)
+            if pending is not None and pending[0] + len(pending[1]) == start:
+                pending[1].extend(records)  # the next chunk of the same prefill
+            else:
+                self._prompt_logprobs[key] = (start, list(records))
         sequences, bm = self.sequences, self.block_manager
         for e in out.entries:
             seq = e.seq
@@ -346,6 +366,11 @@ class Scheduler:
                 self.finish(seq, FinishReason.STAGE_END)
                 events.append(TokenEvent(seq.key, [], "", FinishReason.STAGE_END.value, seq.prompt_len,
                                          seq.num_output_tokens, _queue_wait(seq)))
+            else:
+                continue
+            scored = self._prompt_logprobs.pop(seq.key, None)
+            if scored is not None:
+                events[-1].prompt_logprobs_start, events[-1].prompt_logprobs = scored
         self.policy.observe(ExecutedBatch(out.shape, latency_s))
         return events
 
@@ -424,6 +449,11 @@ class Scheduler:
             reason = FinishReason.LENGTH
         elif seq.reached_stage_end:
             reason = FinishReason.STAGE_END
+        if seq.constraint is not None and reason is not FinishReason.STOP:
+            # The grammar's end (its EOS accepted, with ignore_eos too) ends the output: nothing
+            # may follow it. A token it refuses cannot be sampled (the logits were masked).
+            if not seq.constraint.accept(token) or seq.constraint.terminated:
+                reason = FinishReason.STOP
         text = ""
         if seq.text is not None:
             text = seq.text.push([token], final=reason is not None)

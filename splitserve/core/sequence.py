@@ -51,6 +51,21 @@ class OutputText(Protocol):
     def push(self, token_ids: list[int], final: bool = False) -> str: ...
 
 
+class OutputConstraint(Protocol):
+    """What the output may be next (structured output: a grammar matcher).
+
+    The scheduler feeds it every appended token, as it does the detokenizer; a terminated
+    constraint (the grammar's end accepted) finishes the stage with "stop". The implementation
+    (`workers.engine.structured.GrammarConstraint`) also masks the logits before sampling; it has
+    accepted the earlier stages' output, so every stage continues the same grammar state.
+    """
+
+    @property
+    def terminated(self) -> bool: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+
 @dataclass(frozen=True)
 class SessionHold:
     """A stage that ends one round of a session: pin its KV under the session when it finishes
@@ -98,6 +113,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     text: OutputText | None = None  # None: no detokenisation (token ids only)
+    constraint: OutputConstraint | None = None  # structured output: the grammar the output follows
     # The session round this stage ends: its KV is pinned under the session when it finishes.
     session: SessionHold | None = None
 

@@ -85,7 +85,7 @@ def test_a_prompt_longer_than_the_context_is_context_length_exceeded(http, max_m
     assert error["message"].startswith(f"This model's maximum context length is {max_model_len} tokens")
 
 
-@pytest.mark.parametrize("field,value", [("guided_choice", ["yes", "no"]), ("include_stop_str_in_output", True)])
+@pytest.mark.parametrize("field,value", [("structural_tag", "{}"), ("include_stop_str_in_output", True)])
 def test_fields_we_do_not_implement_are_refused_and_unknown_ones_served(http, field, value):
     reply = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, field: value})
     assert reply.status_code == 400, reply.text

@@ -175,8 +175,12 @@ async def deltas(*items):
 
 
 def collect_events(first, rest, include_usage=False, chat=False):
+    async def indexed(items):  # one choice (index 0), as http_api's merge yields it
+        async for item in items:
+            yield 0, item
+
     async def go():
-        return [e async for e in _sse_events(first, rest, shaper(chat, include_usage))]
+        return [e async for e in _sse_events((0, first), indexed(rest), [shaper(chat, include_usage)])]
 
     events = asyncio.run(go())
     assert events[-1] == SSE_DONE

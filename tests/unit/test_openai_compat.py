@@ -113,9 +113,7 @@ ASKING = {
     "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "prompt_logprobs": 1, "logprob_token_ids": [3], "return_tokens_as_token_ids": True, "return_token_ids": True,
     "truncate_prompt_tokens": 10, "truncation_side": "left", "prompt_embeds": "AAAA",
-    "structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["yes", "no"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "structural_tag": "{}", "guided_whitespace_pattern": " ",
     "request_id": "mine", "cache_salt": "salt", "kv_transfer_params": {"do_remote_decode": True},
     "ec_transfer_params": {}, "vllm_xargs": {"a": 1},
     # chat only
@@ -206,18 +204,15 @@ def test_a_diffusion_model_refuses_the_penalties_naming_them(name):
     assert info.value.param == name and "diffusion" in info.value.message
 
 
-def test_chat_refuses_echo_which_it_used_to_ignore():
-    with pytest.raises(InvalidArgument) as info:
-        chat(echo=True)
-    assert info.value.param == "echo" and "not supported" in info.value.message
-    assert chat(echo=False).ignored_fields == ()
+def test_chat_echo_is_vllms_last_message_in_the_replys_role():
+    assert chat(echo=False).ignored_fields == () and not chat(echo=False).echo
+    # The last message is the user's: the assistant's reply echoes nothing of it.
+    assert chat(echo=True).echo and chat(echo=True).echo_text == ""
 
 
-def test_completions_refuse_a_structured_response_format_too():
-    with pytest.raises(InvalidArgument) as info:
-        completion(response_format={"type": "json_object"})
-    assert info.value.param == "response_format"
-    assert completion(response_format={"type": "text"}).max_tokens == 16
+def test_completions_take_a_structured_response_format_too():
+    assert completion(response_format={"type": "json_object"}).structured_output.kind == "json_object"
+    assert completion(response_format={"type": "text"}).structured_output is None
 
 
 def test_unknown_fields_are_ignored_and_reported_harmless_ones_quietly():

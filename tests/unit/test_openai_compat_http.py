@@ -145,11 +145,11 @@ def test_tokenizer_endpoints_sit_behind_the_api_keys_and_version_does_not():
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
     ("/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "structural_tag": "{}"}, "structural_tag"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "structural_tag"}}, "response_format"),
 ])
 def test_a_field_we_do_not_implement_is_a_400_naming_it_and_never_reaches_the_coordinator(path, body, param):
     core, coordinator = gateway()

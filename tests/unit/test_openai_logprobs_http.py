@@ -1,7 +1,7 @@
 """logprobs / top_logprobs through the gateway's HTTP app (issue 37), in vLLM's OpenAI shapes:
 completions' {tokens, token_logprobs, top_logprobs, text_offset} and chat's {content: [{token,
 logprob, bytes, top_logprobs}]}, whole and streamed (each chunk with its own tokens' logprobs);
-what reaches the coordinator; the refusals (ranges, echo, a diffusion model); and the cut at a
+what reaches the coordinator; the refusals (ranges, a diffusion model); and the cut at a
 stop string dropping the cut tokens' logprobs with them."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_streamed_chat_chunks_carry_their_own_tokens_logprobs():
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True, "max_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": 3}, "logprobs"),

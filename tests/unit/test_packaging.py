@@ -21,7 +21,7 @@ from splitserve.entry import missing_extra_message
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 EXTRAS = PROJECT["optional-dependencies"]
-RUNTIME_EXTRAS = ("server", "bench", "gguf", "plots", "tracing")
+RUNTIME_EXTRAS = ("server", "bench", "gguf", "plots", "tracing", "structured")
 SERVER_ONLY = {"torch", "transformers", "numpy", "safetensors", "tokenizers", "huggingface-hub", "redis", "fastapi",
                "uvicorn", "scipy", "matplotlib", "typer", "rich", "httpx", "pyyaml", "gguf", "accelerate",
                "opentelemetry-sdk", "prometheus-client", "xxhash", "aiconfigurator-core"}
@@ -63,13 +63,18 @@ def test_the_server_and_the_optional_parts_are_extras():
     assert _names(EXTRAS["tracing"]) == {"opentelemetry-exporter-otlp-proto-grpc"}
     assert "torch" not in _names(EXTRAS["bench"])
     assert "nixl" in _names(EXTRAS["nixl"])
+    # Structured output's grammar engine: imported by a worker only for a request asking for it.
+    assert _names(EXTRAS["structured"]) == {"xgrammar"} and "xgrammar" not in _names(EXTRAS["server"])
 
 
 def test_dev_pulls_the_server_and_every_optional_part():
     """`make setup` installs .[dev]: the tests need every part."""
     runtime = set().union(*(_expanded(extra) for extra in RUNTIME_EXTRAS))
-    assert runtime <= _expanded("dev")
+    # xgrammar apart: `make setup` installs it with --no-deps (its triton serves CUDA kernels only).
+    assert runtime - _expanded("structured") <= _expanded("dev")
     assert runtime <= _expanded("all")
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--no-deps xgrammar apache-tvm-ffi" in makefile
 
 
 def _third_party_imports() -> dict[str, set[str]]:

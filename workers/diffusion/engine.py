@@ -208,6 +208,10 @@ class DiffusionEngine:
             if refused:
                 raise InvalidInput(f"{field}: a diffusion model runs each request whole on one worker "
                                    "(no split, KV transfer or session)", param=field)
+        structured = spec.sampling.structured_output
+        if structured is not None:  # the gateway refuses it first; a direct caller meets it here
+            raise InvalidInput(f"{structured.param}: structured output is not supported on a diffusion model (it "
+                               "unmasks every position of a block at once)", param=structured.param)
         self.add_request(spec.key, list(spec.prompt_ids), spec.sampling)
 
     def abort_all(self) -> list[TokenEvent]:

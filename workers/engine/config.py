@@ -81,6 +81,8 @@ class EngineConfig:
     # per bucket); auto: cuda_graph on CUDA, eager on the CPU.
     captured_shapes_executor: str = "auto"
     max_captured_buckets: int = 64  # buckets (and CUDA graphs) kept; a step of another bucket runs unpadded
+    # Compiled structured-output grammars kept (workers/engine/structured.py), LRU by the constraint.
+    structured_output_cache_size: int = 256
     # Diffusion models (LLaDA; workers/diffusion): dual = Refresh at each block start, Reuse
     # the cache within the block (dLLM-Serve §2.3); none = every step recomputes the sequence.
     dllm_cache: str = "dual"
@@ -95,7 +97,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_captured_buckets",
-                     "max_num_logits", "static_batch_size"):
+                     "max_num_logits", "static_batch_size", "structured_output_cache_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.captured_shapes_executor not in ("auto", "eager", "compile", "cuda_graph"):

@@ -59,6 +59,7 @@ class Engine:
             build_batch_policy(config.batch_policy, config.batch_policy_options, perf_model=self.policy_perf_model()),
             clock)
         self.last_output = SchedulerOutput()  # the latest step's (empty after a step that found nothing to run)
+        self._grammar = None  # structured output's compiler (xgrammar), made for the first request asking for it
         # Stages whose last step pushes its KV layer by layer: key -> (stop_at, callback(layer, block_table)).
         # Set and cleared from another thread (the worker's event loop); read once per step.
         self.layer_watchers: dict[StageKey, tuple[int, Callable[[int, list[int]], None]]] = {}
@@ -113,19 +114,40 @@ class Engine:
         if params.logprobs is not None and not hasattr(self.runner, "step_logprobs"):
             raise InvalidInput("logprobs: this engine computes no logits to take them from (the emulated backend)",
                                param="logprobs")
+        if params.prompt_logprobs is not None and not hasattr(self.runner, "step_prompt_logprobs"):
+            raise InvalidInput("prompt_logprobs: this engine computes no logits to take them from (the emulated "
+                               "backend)", param="prompt_logprobs")
         if self.tokenizer is not None and (self.config.detokenize or params.stop):
             text = IncrementalDetokenizer(self.tokenizer, list(spec.prompt_ids), params.stop, params.min_tokens)
             if spec.output_ids:
                 text.push(list(spec.output_ids))  # text of earlier stages is not re-emitted
         if isinstance(spec.kv, KvPayload):
+            constraint = self._output_constraint(spec)
             spec = dataclasses.replace(spec, kv=self._write_payload(spec))
             try:
-                self.scheduler.add_stage(spec, text)
+                self.scheduler.add_stage(spec, text, constraint)
             except ValueError:
                 self.scheduler.release_reserved(list(spec.kv.block_ids))
                 raise
             return
-        self.scheduler.add_stage(spec, text)
+        self.scheduler.add_stage(spec, text, self._output_constraint(spec))
+
+    def _output_constraint(self, spec: StageSpec):
+        """The stage's grammar matcher (structured output), at the state after the earlier
+        stages' output; None for free output. InvalidInput naming the request's field when it
+        cannot be had (no logits here, no tokenizer, no xgrammar, a constraint that does not compile)."""
+        structured = spec.sampling.structured_output
+        if structured is None:
+            return None
+        if not hasattr(self.runner, "step_logprobs"):
+            raise InvalidInput(f"{structured.param}: structured output needs logits to mask; this engine computes "
+                               "none (the emulated backend)", param=structured.param)
+        if self._grammar is None:
+            from workers.engine.structured import load_backend
+
+            self._grammar = load_backend(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids,
+                                         self.config.structured_output_cache_size, structured.param)
+        return self._grammar.constraint(structured, spec.output_ids)
 
     def abort(self, key: StageKey) -> bool:
         """Drop a stage and free its KV at once; False if it is unknown."""
@@ -198,7 +220,8 @@ class Engine:
         on_layer_kv = self._layer_hook(out) if self.layer_watchers else None
         sampled = self.runner.execute(out) if on_layer_kv is None else self.runner.execute(out, on_layer_kv)
         return self.scheduler.update_from_output(out, sampled, self.clock() - started,
-                                                 getattr(self.runner, "step_logprobs", None))
+                                                 getattr(self.runner, "step_logprobs", None),
+                                                 getattr(self.runner, "step_prompt_logprobs", None))
 
     @property
     def last_step_tokens(self) -> int:

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from workers.engine import sampler
+from workers.engine import sampler, structured
 from workers.engine.attention import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     HAVE_FLASH_ATTN,
@@ -36,6 +36,9 @@ class PreparedBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_entries: list[ScheduledEntry]  # in the order of logits rows
+    # Logits rows after the sampling ones: per entry asking for prompt logprobs, (entry, the
+    # first prompt position scored, how many), the rows in that order.
+    prompt_rows: list[tuple[ScheduledEntry, int, int]]
 
 
 class ModelRunner:
@@ -67,6 +70,8 @@ class ModelRunner:
         # The latest step's sampled-token logprobs, of the stages whose requests asked for them
         # (SamplingParams.logprobs); the engine hands them to the scheduler with the tokens.
         self.step_logprobs: dict[StageKey, TokenLogprobs] = {}
+        # ... and the prompt logprobs it scored (SamplingParams.prompt_logprobs): (first position, logprobs).
+        self.step_prompt_logprobs: dict[StageKey, tuple[int, list[TokenLogprobs]]] = {}
         self.buckets: BucketRunner | None = None
         if self.shapes is not None:
             executor = config.captured_shapes_executor
@@ -198,7 +203,9 @@ class ModelRunner:
 
         `on_layer_kv(layer)` is called on this thread as each decoder layer has written its
         KV of the step (the per-layer push of a stage's last step)."""
-        if self.buckets is not None:
+        self.step_prompt_logprobs = {}
+        scoring_prompt = any(e.seq.params.prompt_logprobs is not None for e in out.entries)
+        if self.buckets is not None and not scoring_prompt:  # a captured shape yields the sampled rows only
             sampled = self._execute_bucket(out)
             if sampled is not None:
                 if on_layer_kv is not None:
@@ -213,7 +220,21 @@ class ModelRunner:
         else:
             logits = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, batch.logits_indices,
                                 on_layer_kv=on_layer_kv)
-        return self._sample(logits, [e.seq for e in batch.sampling_entries])
+        sampling = len(batch.sampling_entries)
+        if batch.prompt_rows:
+            self._score_prompt(logits[sampling:], batch.prompt_rows)
+        return self._sample(logits[:sampling], [e.seq for e in batch.sampling_entries])
+
+    def _score_prompt(self, logits: torch.Tensor, prompt_rows: list[tuple[ScheduledEntry, int, int]]) -> None:
+        """The prompt logprobs of this step's rows after the sampling ones: the logits at
+        position p score the prompt token at p + 1."""
+        row = 0
+        for entry, first, count in prompt_rows:
+            seq = entry.seq
+            targets = seq.token_ids[first:first + count]
+            self.step_prompt_logprobs[seq.key] = (first, sampler.prompt_token_logprobs(
+                logits[row:row + count], targets, seq.params.prompt_logprobs))
+            row += count
 
     def _execute_bucket(self, out: SchedulerOutput) -> dict[StageKey, int] | None:
         """The step run as its captured shape (LAPS §3.1), or None when it has none."""
@@ -230,11 +251,17 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[StageKey, int]:
         """One token per sequence; penalties read each one's whole history (a later stage's
-        sequence holds the earlier stages' output too, so it samples what one worker would)."""
+        sequence holds the earlier stages' output too, so it samples what one worker would).
+        A structured-output sequence samples among the tokens its grammar allows next."""
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:  # before everything else, logprobs included (vLLM's order)
+            allowed = structured.allowed_tokens([seqs[i].constraint for i in constrained], logits.shape[-1],
+                                                logits.device)
+            logits = sampler.mask_disallowed(logits, constrained, allowed)
         tokens = sampler.sample(
             logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
             token_ids=[s.token_ids for s in seqs], prompt_lens=[s.prompt_len for s in seqs],
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, grammar_rows=constrained,
         )
         # Of the raw logits (vLLM's raw_logprobs), for the rows that asked only.
         found = sampler.token_logprobs(logits, [s.params for s in seqs], tokens)
@@ -256,10 +283,13 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prompt_rows: list[tuple[ScheduledEntry, int, int]] = []
+        starts: dict[StageKey, int] = {}  # each entry's first row in the flattened step
         offset = 0
         for e in ordered:
             seq, n = e.seq, e.num_new_tokens
             ctx = e.start + n
+            starts[seq.key] = offset
             input_ids.extend(seq.token_ids[e.start : ctx])
             pos = torch.arange(e.start, ctx)
             table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
@@ -274,6 +304,14 @@ class ModelRunner:
             if e.samples:
                 logits_indices.append(offset - 1)
                 sampling.append(e)
+            if seq.params.prompt_logprobs is not None:
+                # Positions p of this chunk followed by a prompt token score that token (p + 1).
+                first, last = e.start + 1, min(ctx, seq.prompt_len - 1)
+                if first <= last:
+                    prompt_rows.append((e, first, last - first + 1))
+        for e, first, count in prompt_rows:  # after the sampling rows: position p is row starts + p - e.start
+            row = starts[e.seq.key] + first - 1 - e.start
+            logits_indices.extend(range(row, row + count))
         dev = self.device
         slot_mapping = torch.cat(slots).to(dev)
         meta = AttentionMetadata(
@@ -295,6 +333,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampling_entries=sampling,
+            prompt_rows=prompt_rows,
         )
 
     # ---- KV export / import (the hook KV transfer builds on) ----------------------

@@ -29,7 +29,8 @@ from splitserve.core import SamplingParams
 from splitserve.core.sampling import TokenLogprobs, mix_seed
 from workers.tensor_hash import M32, hash32
 
-__all__ = ["apply_penalties", "argmax_rows", "counter_uniform", "min_p_mask", "mix_seed", "sample", "token_logprobs"]  # mix_seed: splitserve.core.sampling's, re-exported
+__all__ = ["apply_penalties", "argmax_rows", "counter_uniform", "mask_disallowed", "min_p_mask", "mix_seed", "sample",
+           "token_logprobs"]  # mix_seed: splitserve.core.sampling's, re-exported
 
 # Rows whose noise is made at once: bounds its temporaries (~5 int64 tables of NOISE_ROWS x
 # vocab: 48 MiB at a 152k vocabulary) whatever the batch, on the CPU and in GPU memory alike.
@@ -58,15 +59,17 @@ def sample(
     token_ids: Sequence[Sequence[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
     eos_token_ids: Collection[int] = (),
+    grammar_rows: Collection[int] = (),
 ) -> list[int]:
     """One token per row of `logits` [rows, vocab] (float32).
 
     `token_ids[i]` (prompt then output) and `prompt_lens[i]` are row i's request history, read
     only by rows with penalties; `eos_token_ids` are masked with stop_token_ids under min_tokens
-    (`output_indices[i]` is the output's length so far)."""
+    (`output_indices[i]` is the output's length so far). `grammar_rows`: the rows whose logits
+    a structured output's grammar masked (`mask_disallowed`), where min_tokens yields to it."""
     rows = len(params)
     vocab = logits.shape[-1]
-    logits = _processed(logits, params, output_indices, token_ids, prompt_lens, eos_token_ids)
+    logits = _processed(logits, params, output_indices, token_ids, prompt_lens, eos_token_ids, grammar_rows)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -90,7 +93,9 @@ def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
     """The logprobs of the rows whose request asked for them (`params[i].logprobs` not None),
     by row: the sampled `tokens[i]`'s and the `params[i].logprobs` most likely tokens', under the
     model's raw distribution: log_softmax of `logits` [rows, vocab] as the model gave them, before
-    min_tokens, penalties, temperature, min_p, top-k and top-p (which `sample` applies to a copy).
+    min_tokens, penalties, temperature, min_p, top-k and top-p (which `sample` applies to a copy);
+    a structured-output row's logits come already masked by its grammar (`mask_disallowed`), as
+    vLLM's bitmask is applied before its sampler.
 
     vLLM v1's default `logprobs_mode="raw_logprobs"` does the same: `Sampler.forward`
     (vllm/v1/sample/sampler.py) takes `compute_logprobs(logits)` (log_softmax in float32) before
@@ -101,6 +106,9 @@ def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not asked:
         return {}
     logprobs = torch.log_softmax(logits[_index(asked, logits.shape[0], logits.device)].to(torch.float32), dim=-1)
+    # A token a structured output's grammar refused (its logit -inf): vLLM's API shows -9999.0,
+    # and JSON has no -inf.
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
     ids = torch.tensor([tokens[i] for i in asked], dtype=torch.int64, device=logits.device).unsqueeze(1)
     sampled = logprobs.gather(1, ids).squeeze(1).tolist()
     wanted = [params[i].logprobs for i in asked]
@@ -112,6 +120,20 @@ def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
         top_values = top_ids = [[] for _ in asked]
     return {i: TokenLogprobs(sampled[r], tuple(zip(top_ids[r][:n], top_values[r][:n])))
             for r, (i, n) in enumerate(zip(asked, wanted))}
+
+
+def mask_disallowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` whose rows `rows` keep only the tokens `allowed` [len(rows), vocab]
+    (bool) marks; the others are -inf. Structured output's grammar masks, applied as vLLM's model
+    runner applies its bitmask: to the logits before the sampler, so that the logprobs, which
+    are computed from them, are those of the tokens the grammar allows (a refused token: -inf)."""
+    masked = logits.clone()
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+LOGPROB_FLOOR = -9999.0
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -136,7 +158,8 @@ PENALTY_ROWS = 8
 
 def _processed(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
                token_ids: Sequence[Sequence[int]] | None, prompt_lens: Sequence[int] | None,
-               eos_token_ids: Collection[int]) -> torch.Tensor:
+               eos_token_ids: Collection[int],
+               grammar_rows: Collection[int] = ()) -> torch.Tensor:
     """The logits after min_tokens and the penalties (vLLM's order); `logits` itself when no
     row asks for either, else a copy (the caller's tensor is left as it was)."""
     stopping = [i for i, p in enumerate(params) if output_indices[i] < p.min_tokens]
@@ -145,10 +168,16 @@ def _processed(logits: torch.Tensor, params: list[SamplingParams], output_indice
         return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
+    masked = set(grammar_rows)
     for i in stopping:  # few rows, few ids each: masked in place
-        stop = {t for t in (*params[i].stop_token_ids, *eos_token_ids) if 0 <= t < vocab}
+        stop = sorted({t for t in (*params[i].stop_token_ids, *eos_token_ids) if 0 <= t < vocab})
         if stop:
-            logits[i, sorted(stop)] = float("-inf")
+            kept = logits[i, stop].clone() if i in masked else None
+            logits[i, stop] = float("-inf")
+            if kept is not None and not bool(torch.isfinite(logits[i]).any()):
+                # The grammar allows only an end here: it wins over min_tokens (vLLM would be
+                # left with no token at all), so the output stays what the grammar accepts.
+                logits[i, stop] = kept
     if penalised:
         if token_ids is None or prompt_lens is None:
             raise ValueError("penalties need each row's token_ids and prompt_lens")
@@ -251,3 +280,26 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: torch
         exponential = -torch.log(counter_uniform(keys[start:end], vocab))
         tokens[start:end] = argmax_rows(probs[start:end] / exponential)
     return tokens
+
+
+# Prompt positions whose log_softmax is taken at once: bounds the float32 [rows, vocab] temporary.
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """Row r's logprob of `targets[r]` (the prompt token that follows the position whose logits
+    row r holds) and its top `num_top`, of the raw distribution as `token_logprobs` takes them
+    (vLLM's prompt_logprobs: log_softmax in float32 of the unprocessed logits)."""
+    out: list[TokenLogprobs] = []
+    for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        end = min(len(targets), start + PROMPT_LOGPROB_ROWS)
+        logprobs = torch.log_softmax(logits[start:end].to(torch.float32), dim=-1)
+        ids = torch.tensor(list(targets[start:end]), dtype=torch.int64, device=logits.device).unsqueeze(1)
+        own = logprobs.gather(1, ids).squeeze(1).tolist()
+        k = min(num_top, logprobs.shape[-1])
+        if k:
+            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+        else:
+            top_values = top_ids = [[] for _ in own]
+        out += [TokenLogprobs(v, tuple(zip(i, t))) for v, i, t in zip(own, top_ids, top_values)]
+    return out
