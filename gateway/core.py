@@ -188,7 +188,7 @@ class GatewayCore:
             if self.rate_limiter is not None:  # per API key, before it takes a slot
                 taken = await self.rate_limiter.check(caller.owner, len(request.prompt_token_ids) + request.max_tokens,
                                                       caller.limits, caller.tenant)
-            async with self.admission.slot():
+            async with self.admission.slot(request.priority):
                 metrics.QUEUE_WAIT.observe(loop.time() - arrived)
                 span.add_event("admitted")
                 timeout_s = None

@@ -195,3 +195,52 @@ def test_invalid_limits():
         Admission(0, 1, 1.0)
     with pytest.raises(ValueError, match="max_queued_requests"):
         Admission(1, -1, 1.0)
+
+
+def test_waiters_are_admitted_by_priority_then_arrival():
+    """Lower priority value first (vLLM's --scheduling-policy priority), FIFO among equals."""
+    async def scenario():
+        adm = Admission(1, 10, 10.0)
+        await adm.acquire()
+        order = []
+
+        async def wait(name, priority):
+            await adm.acquire(priority)
+            order.append(name)
+
+        tasks = []
+        for name, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -1)]:
+            tasks.append(asyncio.create_task(wait(name, priority)))
+            await settle()
+        for _ in tasks:
+            adm.release()
+            await settle()
+        await asyncio.gather(*tasks)
+        assert order == ["c", "e", "a", "d", "b"]
+
+    run(scenario())
+
+
+def test_a_full_queue_refuses_its_lowest_ranked_waiter_for_a_request_that_outranks_it():
+    async def scenario():
+        adm = Admission(1, 2, 10.0)
+        await adm.acquire()
+        low = asyncio.create_task(adm.acquire(3))
+        mid = asyncio.create_task(adm.acquire(1))
+        await settle()
+        urgent = asyncio.create_task(adm.acquire(0))
+        await settle()
+        assert low.done() and isinstance(low.exception(), Overloaded)
+        assert low.exception().retry_after_s > 0
+        assert adm.queued == 2 and not mid.done() and not urgent.done()
+        # A newcomer that does not outrank the last waiter is refused itself.
+        with pytest.raises(Overloaded):
+            await adm.acquire(1)
+        adm.release()
+        await settle()
+        assert urgent.done() and not mid.done()
+        adm.release()
+        await settle()
+        assert mid.done()
+
+    run(scenario())
