@@ -15,6 +15,7 @@ from splitserve.request_rules import check_request_id
 from splitserve.errors import InvalidArgument, NotFound, SplitserveError, abort
 from splitserve.proto import gateway_pb2, gateway_pb2_grpc, types_pb2
 from splitserve.telemetry import incoming_context, request_id_var
+from splitserve.wire import token_logprobs_to_proto
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -47,8 +48,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async for delta in stream:
                     response = gateway_pb2.GenerateResponse(request_id=request_id, text=delta.text,
                                                             finish_reason=delta.finish_reason)
-                    if req.echo_token_ids:
+                    if req.echo_token_ids or req.logprobs is not None:
                         response.token_ids.extend(delta.token_ids)
+                    if req.logprobs is not None:
+                        response.logprobs.extend(token_logprobs_to_proto(lp) for lp in delta.logprobs)
                     if delta.finish_reason:
                         response.usage.CopyFrom(types_pb2.Usage(
                             prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,

@@ -559,9 +559,6 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
             raise InvalidArgument("prompt is empty: token_ids.ids must be non-empty", param="prompt")
         prompt_ids = encoder.check_token_ids(msg.token_ids.ids, "prompt")
     s = msg.sampling
-    if s.HasField("num_logprobs"):
-        # GenerateResponse has no field for them yet (the HTTP API returns them).
-        _unsupported("num_logprobs", "sampling.num_logprobs over gRPC Generate (use the HTTP API)")
     max_tokens = s.max_tokens if s.HasField("max_tokens") else None
     seed = s.seed if s.HasField("seed") else None
     if seed is not None and seed >= SEED_LIMIT:
@@ -576,6 +573,7 @@ def generate_request(msg: gateway_pb2.GenerateRequest, encoder: PromptEncoder, l
         top_p=_top_p(s.top_p if s.HasField("top_p") else None), top_k=s.top_k, seed=seed, stop=stop,
         stop_token_ids=encoder.check_token_ids(s.stop_token_ids, "stop_token_ids"), ignore_eos=s.ignore_eos,
         stream=True, include_usage=True, echo_token_ids=msg.echo_token_ids,
+        logprobs=_top_logprobs(s.num_logprobs, "sampling.num_logprobs") if s.HasField("num_logprobs") else None,
         session_id=check_id_length(msg.session_id, "session_id"), priority=msg.priority,
         slo_ttft_ms=msg.slo.ttft_ms, slo_itl_ms=msg.slo.itl_ms,
         predicted_output_len=None if hint is None else min(hint, max_tokens),

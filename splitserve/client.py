@@ -35,7 +35,7 @@ import dataclasses
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
@@ -61,14 +61,25 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability and the top N tokens' (`GenerateOptions.logprobs`),
+    from the model's raw distribution (before penalties, temperature and filters)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class GenerationResult:
-    """A whole generation: text, its token ids, why it ended, usage and the request id."""
+    """A whole generation: text, its token ids, why it ended, usage and the request id; with
+    `logprobs` asked for, one `TokenLogprob` per token id."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     usage: Usage
     request_id: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class StreamChunk:
     finish_reason: str
     usage: Usage | None
     request_id: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,8 @@ class GenerateOptions:
     (dLLM-Serve; None: the server's defaults; an autoregressive model refuses them).
     `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p` and `min_tokens`
     are vLLM's (None: off); every stage of a split request applies them over the whole history.
+    `logprobs` N returns each output token's logprob and the top N's (`StreamChunk.logprobs`,
+    `GenerationResult.logprobs`).
     Frozen, so one instance can serve many calls:
 
         greedy = GenerateOptions(temperature=0.0, ignore_eos=True)
@@ -231,6 +245,7 @@ class GenerateOptions:
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    logprobs: int | None = None  # N in [0, 20]: each token's logprob and the top N's (None: none)
 
     def __post_init__(self) -> None:
         # Tuples: the options stay as given even if the caller's list changes later.
@@ -276,6 +291,8 @@ def build_generate_request(prompt: str | Sequence[int], options: GenerateOptions
         value = getattr(opts, name)
         if value is not None:
             setattr(sampling, name, value)
+    if opts.logprobs is not None:
+        sampling.num_logprobs = opts.logprobs
     request = gateway_pb2.GenerateRequest(
         sampling=sampling, slo=types_pb2.Slo(ttft_ms=opts.slo_ttft_ms or 0, itl_ms=opts.slo_itl_ms or 0),
         session_id=opts.session_id or "", request_id=opts.request_id or uuid.uuid4().hex, priority=opts.priority,
@@ -300,18 +317,20 @@ def _chunk(msg: gateway_pb2.GenerateResponse) -> StreamChunk:
     usage = None
     if msg.HasField("usage"):
         usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.total_tokens)
-    return StreamChunk(msg.text, list(msg.token_ids), msg.finish_reason, usage, msg.request_id)
+    logprobs = [TokenLogprob(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in msg.logprobs]
+    return StreamChunk(msg.text, list(msg.token_ids), msg.finish_reason, usage, msg.request_id, logprobs)
 
 
 def _result(chunks: Iterable[StreamChunk], request_id: str) -> GenerationResult:
-    text, ids, finish, usage = [], [], "", Usage(0, 0, 0)
+    text, ids, finish, usage, logprobs = [], [], "", Usage(0, 0, 0), []
     for chunk in chunks:
         text.append(chunk.text)
         ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs)
         finish = chunk.finish_reason or finish
         usage = chunk.usage or usage
         request_id = chunk.request_id or request_id
-    return GenerationResult("".join(text), ids, finish, usage, request_id)
+    return GenerationResult("".join(text), ids, finish, usage, request_id, logprobs)
 
 
 class _Deadline:

@@ -118,3 +118,22 @@ def test_logprobs_come_back_with_every_token_through_the_cluster(http, tokenizer
                                                     "ignore_eos": True, "logprobs": 2}).json()
     logprobs = completion["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4
+
+
+def test_logprobs_over_grpc_generate_are_the_http_apis(cluster, http):
+    """The SDK's `logprobs` (gRPC Generate, sampling.num_logprobs): one per token, the same
+    numbers the HTTP API returns for the same greedy request."""
+    from splitserve.client import Client, GenerateOptions
+
+    options = GenerateOptions(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    with Client(cluster.gateway_grpc, timeout_s=120) as client:
+        result = client.generate("Hello", options)
+        streamed = list(client.stream("Hello", options))
+    assert len(result.token_ids) == len(result.logprobs) == 6
+    for token, record in zip(result.token_ids, result.logprobs):
+        assert len(record.top) == 3 and record.top[0] == (token, record.logprob)  # greedy: the most likely
+    assert [lp for chunk in streamed for lp in chunk.logprobs] == result.logprobs
+    completion = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 6, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": 3}).json()
+    assert [record.logprob for record in result.logprobs] == pytest.approx(
+        completion["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.splitserve.v1 import types_pb2 as splitserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1f\n\x03slo\x18\x05 \x01(\x0b\x32\x12.splitserve.v1.Slo\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x16\n\x0e\x65\x63ho_token_ids\x18\t \x01(\x08\x12!\n\x14predicted_output_len\x18\n \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x17\n\x15_predicted_output_len\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\"F\n\x12OpenSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\"8\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_kind\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xda\x02\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12T\n\x0bOpenSession\x12!.splitserve.v1.OpenSessionRequest\x1a\".splitserve.v1.OpenSessionResponse\x12W\n\x0c\x43loseSession\x12\".splitserve.v1.CloseSessionRequest\x1a#.splitserve.v1.CloseSessionResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1f\n\x03slo\x18\x05 \x01(\x0b\x32\x12.splitserve.v1.Slo\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x16\n\x0e\x65\x63ho_token_ids\x18\t \x01(\x08\x12!\n\x14predicted_output_len\x18\n \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x17\n\x15_predicted_output_len\"\xb3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12.\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\"F\n\x12OpenSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\"8\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"X\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_kind\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xda\x02\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12T\n\x0bOpenSession\x12!.splitserve.v1.OpenSessionRequest\x1a\".splitserve.v1.OpenSessionResponse\x12W\n\x0c\x43loseSession\x12\".splitserve.v1.CloseSessionRequest\x1a#.splitserve.v1.CloseSessionResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=99
   _globals['_GENERATEREQUEST']._serialized_end=427
   _globals['_GENERATERESPONSE']._serialized_start=430
-  _globals['_GENERATERESPONSE']._serialized_end=561
-  _globals['_OPENSESSIONREQUEST']._serialized_start=563
-  _globals['_OPENSESSIONREQUEST']._serialized_end=633
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=635
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=691
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=693
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=734
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=736
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=774
-  _globals['_LISTMODELSREQUEST']._serialized_start=776
-  _globals['_LISTMODELSREQUEST']._serialized_end=795
-  _globals['_MODELINFO']._serialized_start=797
-  _globals['_MODELINFO']._serialized_end=885
-  _globals['_LISTMODELSRESPONSE']._serialized_start=887
-  _globals['_LISTMODELSRESPONSE']._serialized_end=949
-  _globals['_GATEWAY']._serialized_start=952
-  _globals['_GATEWAY']._serialized_end=1298
+  _globals['_GENERATERESPONSE']._serialized_end=609
+  _globals['_OPENSESSIONREQUEST']._serialized_start=611
+  _globals['_OPENSESSIONREQUEST']._serialized_end=681
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=683
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=739
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=741
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=782
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=784
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=822
+  _globals['_LISTMODELSREQUEST']._serialized_start=824
+  _globals['_LISTMODELSREQUEST']._serialized_end=843
+  _globals['_MODELINFO']._serialized_start=845
+  _globals['_MODELINFO']._serialized_end=933
+  _globals['_LISTMODELSRESPONSE']._serialized_start=935
+  _globals['_LISTMODELSRESPONSE']._serialized_end=997
+  _globals['_GATEWAY']._serialized_start=1000
+  _globals['_GATEWAY']._serialized_end=1346
 # @@protoc_insertion_point(module_scope)
