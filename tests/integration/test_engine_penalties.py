@@ -15,20 +15,13 @@ from splitserve.wire import sampling_from_proto, sampling_to_proto
 from workers.engine import LLM, Engine, EngineConfig
 from workers.wire import stage_spec_from_proto
 
+from engine_support import drain
+
 P, MAX_TOKENS, MIN_TOKENS = 23, 16, 6
 L = P + MAX_TOKENS
 PROMPT = [(i * 7) % 11 + 3 for i in range(P)]  # few distinct tokens: the penalties bite
 PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.4)
 
-
-def _drain(engine: Engine, key: StageKey) -> tuple[list[int], str | None]:
-    tokens, reason = [], None
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.key == key:
-                tokens += ev.token_ids
-                reason = ev.finish_reason or reason
-    return tokens, reason
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +78,7 @@ def test_split_at_any_token_equals_the_offline_llm(llm, engines, cases, split, c
                         sampling=sampling, keep_kv=True)
     key_a = StageKey(a.request_id, 0)
     alpha.add_stage(stage_spec_from_proto(a, key_a, None))
-    first, reason = _drain(alpha, key_a)
+    first, reason = drain(alpha, key_a)
     if reason != "stage_end":  # the request ended (stop, length) before the split point
         alpha.release(key_a)
         assert first == expected
@@ -95,5 +88,5 @@ def test_split_at_any_token_equals_the_offline_llm(llm, engines, cases, split, c
     key_b = StageKey(b.request_id, 1)
     beta.add_stage(stage_spec_from_proto(b, key_b, KvPayload(alpha.export_kv(key_a, 0, split), split)))
     alpha.release(key_a)
-    rest, _ = _drain(beta, key_b)
+    rest, _ = drain(beta, key_b)
     assert first + rest == expected

@@ -9,18 +9,11 @@ import pytest
 from splitserve.core import KvInBlocks, KvPayload, StageKey, StageSpec
 from workers.engine import Engine, EngineConfig, SamplingParams
 
+from engine_support import drain
+
 P, MAX_TOKENS = 37, 12
 L = P + MAX_TOKENS
 
-
-def _drain(engine: Engine, key: StageKey) -> tuple[list[int], str]:
-    tokens, reason = [], None
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.key == key:
-                tokens += ev.token_ids
-                reason = ev.finish_reason or reason
-    return tokens, reason
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +39,10 @@ def test_two_stage_split_equals_colocated(engines, prompt, split, params, via):
     alpha, beta = engines
     full, a, b = StageKey("full"), StageKey("r", 0), StageKey("r", 1)
     alpha.add_stage(StageSpec(full, tuple(prompt), params))
-    expected, _ = _drain(alpha, full)
+    expected, _ = drain(alpha, full)
 
     alpha.add_stage(StageSpec(a, tuple(prompt), params, end=split, keep_kv=True))
-    first, reason = _drain(alpha, a)
+    first, reason = drain(alpha, a)
     if split == L - 1:  # alpha generates every output token itself: a normal finish
         assert reason == "length" and first == expected
         alpha.release(a)
@@ -67,7 +60,7 @@ def test_two_stage_split_equals_colocated(engines, prompt, split, params, via):
         kv = KvInBlocks(tuple(dst_blocks), split)
     beta.add_stage(StageSpec(b, tuple(prompt), params, output_ids=tuple(first), kv=kv))
     alpha.release(a)
-    rest, reason = _drain(beta, b)
+    rest, reason = drain(beta, b)
     assert first + rest == expected
     assert reason == "length"
     for engine in engines:
@@ -77,7 +70,7 @@ def test_two_stage_split_equals_colocated(engines, prompt, split, params, via):
 def alpha_kv(engine, prompt):
     key = StageKey("kv")
     engine.add_stage(StageSpec(key, tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0), keep_kv=True))
-    _drain(engine, key)
+    drain(engine, key)
     kv = engine.export_kv(key, 0, 10)
     engine.release(key)
     return kv

@@ -28,6 +28,8 @@ from workers.engine import LLM, Engine, EngineConfig  # noqa: E402
 from workers.engine.structured import load_backend  # noqa: E402
 from workers.wire import stage_spec_from_proto  # noqa: E402
 
+from engine_support import drain  # noqa: E402
+
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
                                             "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["color", "ok", "n"], "additionalProperties": False}
@@ -40,15 +42,6 @@ CONSTRAINTS = {
 MAX_TOKENS = 48
 SAMPLED = dict(temperature=1.0, seed=1234)
 
-
-def _drain(engine: Engine, key: StageKey) -> tuple[list[int], str | None]:
-    tokens, reason = [], None
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.key == key:
-                tokens += ev.token_ids
-                reason = ev.finish_reason or reason
-    return tokens, reason
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +128,7 @@ def test_split_at_any_token_equals_the_unsplit_request(llm, engines, prompt, nam
                             prompt_token_ids=prompt, sampling=sampling, keep_kv=True)
         key_a = StageKey(a.request_id, 0)
         alpha.add_stage(stage_spec_from_proto(a, key_a, None))
-        first, reason = _drain(alpha, key_a)
+        first, reason = drain(alpha, key_a)
         if reason != "stage_end":  # the request ended before the split point
             alpha.release(key_a)
             assert first == expected
@@ -145,7 +138,7 @@ def test_split_at_any_token_equals_the_unsplit_request(llm, engines, prompt, nam
         key_b = StageKey(b.request_id, 1)
         beta.add_stage(stage_spec_from_proto(b, key_b, KvPayload(alpha.export_kv(key_a, 0, split), split)))
         alpha.release(key_a)
-        rest, reason = _drain(beta, key_b)
+        rest, reason = drain(beta, key_b)
         assert (first + rest, reason) == (expected, "stop"), split
 
 
