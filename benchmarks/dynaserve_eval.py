@@ -16,7 +16,8 @@ roofline of `splitserve/perf/presets.py`), KV over NVLink (the paper's GPUs shar
   **least_loaded+slo_aware** (whole requests on the least loaded worker, no split), so that
   the table shows what the split itself adds.
 
-Qwen2.5-14B runs 2 workers of TP1 (2 GPUs), Qwen2.5-32B 2 workers of TP2 (4 GPUs).
+Qwen2.5-14B runs 2 workers of TP1 (2 GPUs), Qwen2.5-32B 2 workers of TP2 (4 GPUs), Qwen2.5-72B
+2 workers of TP4 (8 GPUs, `--setups 72B`; not in the default list).
 
 SLO (§6.1, §6.3): a request meets it when its own p99 inter-token gap <= 100 ms; TTFT <= 20 s
 and no single gap > 20 s only keep runaway queues from passing. Serving capacity: the highest
@@ -213,7 +214,9 @@ class Setup:
 
 
 SETUPS = {"14B": Setup("Qwen2.5-14B, 2 x A100 (2 workers x TP1)", "Qwen2.5-14B", 1),
-          "32B": Setup("Qwen2.5-32B, 4 x A100 (2 workers x TP2)", "Qwen2.5-32B", 2)}
+          "32B": Setup("Qwen2.5-32B, 4 x A100 (2 workers x TP2)", "Qwen2.5-32B", 2),
+          # §6.1's 72B deployment: colocation TP4 x DP2, 4P4D (one TP4 instance each), DynaServe on both.
+          "72B": Setup("Qwen2.5-72B, 8 x A100 (2 workers x TP4)", "Qwen2.5-72B", 4)}
 
 
 ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware", "DynaServe+prompt_cuts")
@@ -437,7 +440,7 @@ def main() -> None:
                     "result before issue 34)")
     ap.add_argument("--quick", action="store_true", help="14B, P2048/D512 and Azure code, 30 s windows, "
                     "few probes, no sweep: a smoke run of a few minutes")
-    ap.add_argument("--setups", default="14B,32B", help="comma list of 14B, 32B")
+    ap.add_argument("--setups", default="14B,32B", help="comma list of 14B, 32B, 72B")
     ap.add_argument("--workloads", default="P8192/D32,P2048/D512,P219/D1467,Azure code,Azure conversation,Hybrid")
     ap.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="colocation chunk sizes tried")
     ap.add_argument("--window-s", type=float, default=90.0, help="seconds of arrivals per probe (at least)")

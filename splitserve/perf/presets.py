@@ -230,6 +230,10 @@ MODEL_SPECS: Mapping[str, ModelSpec] = MappingProxyType({
     "Qwen2.5-32B": ModelSpec("Qwen2.5-32B", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648,
                              152064, False, "ar", _HF.format("Qwen/Qwen2.5-32B")
                              + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1", 32768),
+    # DynaServe's largest model (§6.1: 72B on TP4 A100s); untied embeddings, Qwen2 qkv bias.
+    "Qwen2.5-72B": ModelSpec("Qwen2.5-72B", "Qwen/Qwen2.5-72B", 80, 8192, 64, 8, 128, 29568,
+                             152064, False, "ar", _HF.format("Qwen/Qwen2.5-72B")
+                             + "; Qwen2.5 technical report (arXiv:2412.15115) Table 1", 32768),
     # Qwen3: head_dim 128 with 64 query heads (wider than hidden / heads); 32,768 native context.
     "Qwen3-32B": ModelSpec("Qwen3-32B", "Qwen/Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936, False, "ar",
                            _HF.format("Qwen/Qwen3-32B"), 32768),

@@ -48,6 +48,23 @@ def test_the_issues_measured_anchor_points(qwen_a100):
     assert qwen_a100.backend == "aiconfigurator" and "vllm" in qwen_a100.label
 
 
+def test_qwen25_72b_on_tp4_a100s_as_dynaserve_deploys_it(qwen_a100, tmp_path):
+    # DynaServe §6.1 runs 72B as TP4 instances on A100s; the A100 vLLM database must cover it.
+    tp4 = tabulate("A100", "Qwen2.5-72B", tp=4, cache_dir=tmp_path)
+    tp1 = tabulate("A100", "Qwen2.5-72B", cache_dir=tmp_path)
+    assert tp4.backend == "aiconfigurator" and "Qwen2.5-72B/tp4/vllm" in tp4.label
+    prefills = [tp4.prefill_time(0, n) for n in (256, 512, 2048, 8192)]
+    assert prefills == sorted(prefills) and prefills[-1] > 3 * prefills[-2]  # compute-bound: ~linear
+    decodes = [tp4.decode_time(b, ctx) for b, ctx in ((1, 1024), (32, 1024), (32, 8192), (128, 8192))]
+    assert decodes == sorted(decodes)
+    # Four GPUs each do a quarter of the GEMMs and attention, plus all-reduces: faster than one,
+    # not four times.
+    for step in (lambda m: m.prefill_time(0, 2048), lambda m: m.decode_time(32, 4096)):
+        assert step(tp1) / 4 < step(tp4) < step(tp1) / 2
+    # ~5x Qwen2.5-14B's linear FLOPs per token (72.7B vs 14.7B parameters, longer attention).
+    assert 4.0 < tp1.prefill_time(0, 2048) / qwen_a100.prefill_time(0, 2048) < 6.0
+
+
 @pytest.mark.parametrize("chunk,decodes", [(512, 0), (256, 0), (2048, 0), (512, 64), (128, 32), (1, 16)])
 def test_mixed_steps_match_aiconfigurators_estimator_at_grid_points(qwen_a100, reference, chunk, decodes):
     # aiconfigurator's mixed step: the chunk is a whole prompt (isl = chunk, no prefix) and each
