@@ -1,9 +1,10 @@
 """Cross-validation (issue 5): the same workload on an emulated cluster and on the simulator.
 
 (a) a real cluster of processes (Redis, global scheduler, coordinator, gateway) with two
-emulated workers of 4 x A100 x Llama-3.1-70B (the preset's step times are slept, ~73 ms
-for a 320-token prefill, ~23 ms a decode step, so the model's time dominates this box's
-control-plane milliseconds), measured by `splitserve bench` over gRPC; (b) `splitserve
+emulated workers of 4 x A100 x Llama-3.1-70B (their step times are slept: the default
+`--perf-backend auto`, NVIDIA aiconfigurator's measured A100 data, ~66 ms for a 320-token
+prefill, ~30 ms a decode step, so the model's time dominates this box's control-plane
+milliseconds), measured by `splitserve bench` over gRPC; (b) `splitserve
 simulate` of the same cluster shape, same workload, same seed (so the same arrival
 offsets). p50 TTFT and p50 ITL must agree within 15%, and `bench compare` must read both.
 
@@ -29,11 +30,13 @@ from loadgen.cli import bench_app
 from services.planner.cli import simulate_app
 from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
-from splitserve.perf.presets import preset
+from splitserve.perf.backends import perf_model_for
 from splitserve.redis_server import free_port
 
 GPU, MODEL, TP = "A100", "llama-3.1-70b", 4
-PERF = preset(GPU, MODEL, TP)
+# What times the emulated workers' steps and the simulator's (both default to --perf-backend auto):
+# the calibration below subtracts this model's prefill time, so it must be the same one.
+PERF = perf_model_for(GPU, MODEL, TP)
 WORKERS, MAX_NUM_SEQS = 2, 32
 WORKLOAD = ["--shape", "P320/D48", "--num-requests", "48", "--arrival", "poisson:rate=4", "--seed", "5",
             "--slo-ttft-ms", "500", "--slo-itl-ms", "60"]
