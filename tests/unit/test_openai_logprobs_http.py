@@ -6,20 +6,18 @@ stop string dropping the cut tokens' logprobs with them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
-import httpx
 import pytest
 
 from gateway.coordinator_client import GenerationDelta, OutputAssembler
 from gateway.core import GatewayCore
-from gateway.http_api import create_app
 from gateway.tokenization import Tokenization
 from splitserve.config import GatewayConfig
 from splitserve.core.sampling import TokenLogprobs
 from tests.unit.test_openai_compat_http import BOS, HI, MAX_LEN, ByteTokenizer
+from gateway_support import call, events
 
 A, B, C = 65, 66, 67
 # "AB" then "C": three tokens, each with its logprob and its top 2 (C was sampled outside them).
@@ -56,20 +54,6 @@ def gateway(**config):
     settings = {"model": "/models/demo", "default_max_tokens": 16, "max_tokens_limit": 1000, **config}
     return GatewayCore(GatewayConfig(**settings), Tokenization(ByteTokenizer(), max_model_len=MAX_LEN),
                        coordinator), coordinator
-
-
-def call(core: GatewayCore, path: str, body: dict) -> httpx.Response:
-    async def run():
-        transport = httpx.ASGITransport(app=create_app(core))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            return await client.post(path, json=body)
-    return asyncio.run(run())
-
-
-def events(reply: httpx.Response) -> list[dict]:
-    lines = [line[len("data: "):] for line in reply.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 COMPLETION_LOGPROBS = {

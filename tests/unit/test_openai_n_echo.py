@@ -7,15 +7,12 @@ Also the assembler stitching prompt logprobs by position across stages."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
 
 from gateway.coordinator_client import GenerationDelta, OutputAssembler
 from gateway.core import GatewayCore
-from gateway.http_api import create_app
 from gateway.openai_format import completion_logprobs
 from gateway.tokenization import Tokenization
 from gateway.validation import SEED_LIMIT, Limits, chat_request, completion_request
@@ -23,6 +20,7 @@ from splitserve.config import GatewayConfig
 from splitserve.core.sampling import TokenLogprobs
 from splitserve.errors import InvalidArgument, SplitserveError
 from tests.unit.test_openai_compat_http import BOS, HI, MAX_LEN, ByteTokenizer
+from gateway_support import call, events
 
 TOK = Tokenization(ByteTokenizer(), max_model_len=MAX_LEN)
 LIMITS = Limits(served_model="demo", max_model_len=MAX_LEN, default_max_tokens=16, max_tokens_limit=40)
@@ -70,20 +68,6 @@ def gateway(**config):
     coordinator = SeededCoordinator()
     settings = {"model": "/models/demo", "default_max_tokens": 16, "max_tokens_limit": 1000, **config}
     return GatewayCore(GatewayConfig(**settings), TOK, coordinator), coordinator
-
-
-def call(core: GatewayCore, path: str, body: dict) -> httpx.Response:
-    async def run():
-        transport = httpx.ASGITransport(app=create_app(core))
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            return await client.post(path, json=body)
-    return asyncio.run(run())
-
-
-def events(reply: httpx.Response) -> list[dict]:
-    lines = [line[len("data: "):] for line in reply.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 # --- validation
