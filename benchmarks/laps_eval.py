@@ -94,13 +94,13 @@ from loadgen.sessions import parse_tool_delay  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec, requests_from_trace  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
+from splitserve.perf.backends import BACKENDS  # noqa: E402
 from splitserve.perf.model import PerfModel  # noqa: E402
 
 SLO_S = 0.4
 TRACES = {"mooncake-conv": "mooncake_conversation_trace.jsonl", "azure-conv": "AzureLLMInferenceTrace_conv.csv"}
 MULTITURN = "multiturn"
 SESSION_SPAN_S = 30.0  # conversations' first turns arrive over at least this long (Workload.at_rate)
-BACKENDS = ("auto", "aiconfigurator", "roofline", "datasheet")
 DEPLOYMENTS = {"temporal": (1, 2), "spatial": (8, 4)}  # (prefill instances, decode instances)
 SYSTEMS: dict[str, dict[str, Any]] = {
     "vanilla PD": dict(placement_policy="pd_disaggregated", policy_params={"prefill_routing": "round_robin"}),

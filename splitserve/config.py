@@ -81,7 +81,9 @@ class WorkerConfig(CommonConfig):
     perf_backend: str = opt("auto", "emulated: what times the steps: aiconfigurator (NVIDIA's per-op timings measured "
                             "on real GPUs) | roofline (kernel classes, constants fitted to those measurements) | "
                             "datasheet (the whole-step roofline of earlier results) | auto (measured where the GPU x "
-                            "model x framework is covered, else the roofline with a warning).")
+                            "model x framework is covered, else the roofline with a warning); the first, second and last add "
+                            "the framework's per-step cost fitted to end-to-end GPU measurements (vLLM's), their "
+                            "-kernels forms (auto-kernels, ...) time the kernels alone.")
     perf_framework: str = opt("vllm", "emulated: the framework whose measured kernels time the steps: vllm | sglang | "
                               "trtllm.")
     perf_database_version: str = opt("", "emulated: aiconfigurator database version (empty: its current one).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, takewhile
+from itertools import chain, islice, takewhile
 from operator import is_not
 
 from splitserve.core.sequence import Sequence
@@ -80,6 +80,9 @@ class BlockManager:
         self._num_free_cached = 0
         self._hash_to_block: dict[int, int] = {}
         self._cache_epoch = 0  # bumped by reset_prefix_cache: every commit_state walks again
+        # Bumped whenever a hash leaves the index (eviction, reset): a memoised prefix hint
+        # (`cached_prefix_hint_tokens`) stays valid while it is unchanged, since entries only get added.
+        self._index_removals = 0
         self.num_evictions = 0  # cached blocks taken for reuse (their prefix-cache entries dropped)
         self.prefix_hits_tokens = 0
         self.prefix_queries_tokens = 0
@@ -175,6 +178,27 @@ class BlockManager:
         hits = list(takewhile(_is_not_none, map(self._hash_to_block.get, hashes[:max_blocks])))
         del hits[self._matching_contents(hits, seq.token_ids):]
         return hits
+
+    def cached_prefix_hint_tokens(self, seq: Sequence) -> int:
+        """Tokens of this waiting sequence's longest cached prefix by the index's hashes alone:
+        what a scheduling step shows its policy (`QueuedRequest.num_computed_tokens`) for every
+        waiting request, each step. `cached_prefix_blocks` (admission) also checks the blocks'
+        contents; a hash collision can only make this hint larger than what admission finds,
+        so a policy never asks for more tokens than admission can schedule.
+
+        Memoised on the sequence: while no hash has left the index the hits found stay indexed,
+        so the walk resumes where it stopped (a deep queue costs O(1) per request per step,
+        not a walk over each prompt; LAPS looks at every waiting request)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        hashes = self.update_block_hashes(seq)
+        end = seq.num_tokens if seq.stop_at is None else min(seq.num_tokens, seq.stop_at)
+        max_blocks = (end - 1) // self.block_size
+        memo = seq.prefix_hint
+        start = min(memo[1], max_blocks) if memo is not None and memo[0] == self._index_removals else 0
+        found = start + sum(1 for _ in takewhile(self._hash_to_block.__contains__, islice(hashes, start, max_blocks)))
+        seq.prefix_hint = (self._index_removals, found)
+        return found * self.block_size
 
     def _matching_contents(self, hits: list[int], token_ids: list[int]) -> int:
         """How many of `hits` (the blocks for positions 0, 1, ...) hold exactly those
@@ -364,6 +388,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after weights change)."""
         self._cache_epoch += 1
+        self._index_removals += 1
         self._plain += self._lru_order()  # free cached blocks become plain, LRU order kept
         self._lru.clear()
         self._lru_entries = [0] * self.num_blocks
@@ -417,6 +442,7 @@ class BlockManager:
             left -= 1
         self._num_free_cached -= n
         self.num_evictions += n
+        self._index_removals += 1
         return evicted
 
     def _lru_order(self) -> list[int]:

@@ -592,7 +592,7 @@ class _Step:
             head = islice(scheduler.waiting, budget.max_num_seqs)
         for s in head:
             # A waiting sequence holding blocks got its KV from another worker: no lookup.
-            computed = s.num_computed_tokens if s.block_table else len(bm.cached_prefix_blocks(s)) * bm.block_size
+            computed = s.num_computed_tokens if s.block_table else bm.cached_prefix_hint_tokens(s)
             waiting.append(_view(s, computed))
         self.waiting = waiting
         self._waiting_views = {v.key: v for v in waiting}

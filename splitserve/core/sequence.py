@@ -109,6 +109,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     # How far `BlockManager.commit_computed` has indexed this block table (see there).
     commit_state: tuple | None = None
+    # (the block manager's index-removal count, cached blocks found) of the last
+    # `BlockManager.cached_prefix_hint_tokens` (see there).
+    prefix_hint: tuple[int, int] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

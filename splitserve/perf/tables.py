@@ -4,11 +4,11 @@ A GPU runs one engine step as separate kernels whose times add (issue 34; DynaSe
 LAPS §2, AMPD §2 are built on that prefill-decode interference), so a step is the sum of
 four kernel classes, each looked up in a table of measured times:
 
-    seconds = overhead
-            + linear(T)                     GEMMs, norms, activations, all-reduces of T tokens
-            + logits(rows)                  the lm_head over the rows that get logits
-            + sum_i prefill_attention(L_i, H_i)   each chunk's attention: L_i new on H_i cached
-            + decode_attention(B, C)        B decodes reading mean context C
+    seconds = overhead + per_sequence * rows
+            + kernel_scale * ( linear(T)                     GEMMs, norms, activations, all-reduces of T tokens
+                             + logits(rows)                  the lm_head over the rows that get logits
+                             + sum_i prefill_attention(L_i, H_i)   each chunk's attention: L_i new on H_i cached
+                             + decode_attention(B, C) )      B decodes reading mean context C
 
 `linear` has two curves, one for steps with prefill tokens (the context-phase kernels) and
 one for decode-only steps (the generation-phase kernels). T counts every token of the step
@@ -23,6 +23,10 @@ what `StepTables.from_raw` reports as `monotone_fix`.
 
 Where the tables come from (`source`) is recorded with them: `splitserve.perf.aiconfigurator`
 tabulates NVIDIA aiconfigurator's database of per-op timings measured on real GPUs.
+The kernel tables alone carry `overhead = 0`, `per_sequence = 0`, `kernel_scale = 1`; the
+framework's own cost per step (its scheduler, input preparation, sampling, output processing:
+CPU work per step and per sequence, and the gaps between kernels that isolated kernel
+timings do not show) is added by `splitserve.perf.framework` from end-to-end measurements.
 Pure arithmetic: no torch, no I/O (numpy only for the vectorised forms).
 """
 
@@ -131,7 +135,9 @@ class StepTables:
     decode_batch: tuple[float, ...]
     decode_context: tuple[float, ...]
     decode_attention: tuple[tuple[float, ...], ...]  # [decode_batch][decode_context]
-    overhead_s: float = 0.0
+    overhead_s: float = 0.0  # seconds every non-empty step pays
+    per_seq_overhead_s: float = 0.0  # seconds per sequence in the step (decodes + prefill chunks)
+    kernel_scale: float = 1.0  # end-to-end kernel time / the sum of the isolated kernel timings
     source: Mapping[str, Any] = field(default_factory=dict)  # what measured them (JSON-able)
     digest: str = field(default="", init=False)
     _arrays: dict = field(default_factory=dict, init=False, repr=False)  # numpy copies, made on first use
@@ -153,8 +159,13 @@ class StepTables:
             flat = [v for r in getattr(self, name) for v in (r if isinstance(r, tuple) else (r,))]
             if any(not math.isfinite(v) or v < 0 for v in flat):
                 raise ValueError(f"tables.{name} must hold finite seconds >= 0")
-        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
-            raise ValueError(f"tables.overhead_s must be a finite number >= 0, got {self.overhead_s!r}")
+        for name in ("overhead_s", "per_seq_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"tables.{name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.kernel_scale, (int, float)) and math.isfinite(self.kernel_scale)
+                and self.kernel_scale >= 1.0):
+            raise ValueError(f"tables.kernel_scale must be a finite number >= 1, got {self.kernel_scale!r}")
         text = json.dumps(self._payload(), sort_keys=True)
         object.__setattr__(self, "digest", hashlib.sha256(text.encode()).hexdigest()[:16])
 
@@ -210,8 +221,8 @@ class StepTables:
             attention += self.decode_attention_s(decode_batch, decode_ctx)
         elif tokens == 0:
             return 0.0
-        return (self.overhead_s + self.linear_s(tokens + decode_batch, tokens > 0)
-                + self.logits_s(rows + decode_batch) + attention)
+        kernels = self.linear_s(tokens + decode_batch, tokens > 0) + self.logits_s(rows + decode_batch) + attention
+        return self.overhead_s + self.per_seq_overhead_s * (rows + decode_batch) + self.kernel_scale * kernels
 
     def aggregate_step_s(self, prefill_tokens: float, prefill_pairs: float, decode_batch: float,
                          decode_context_tokens: float) -> float:
@@ -251,11 +262,12 @@ class StepTables:
         a = self._np
         lin = np.where(has_p, _curve_np(a("tokens"), a("context_linear"), tok + b),
                        _curve_np(a("tokens"), a("generation_linear"), tok + b))
-        total = (self.overhead_s + lin + _curve_np(a("logits_rows"), a("logits"), has_p + b)
-                 + np.where(has_p, _surface_np(a("chunk_tokens"), a("chunk_history"), a("prefill_attention"),
-                                               safe_tok, hist), 0.0)
-                 + np.where(has_d, _surface_np(a("decode_batch"), a("decode_context"), a("decode_attention"),
-                                               np.where(has_d, b, 1.0), ctx), 0.0))
+        kernels = (lin + _curve_np(a("logits_rows"), a("logits"), has_p + b)
+                   + np.where(has_p, _surface_np(a("chunk_tokens"), a("chunk_history"), a("prefill_attention"),
+                                                 safe_tok, hist), 0.0)
+                   + np.where(has_d, _surface_np(a("decode_batch"), a("decode_context"), a("decode_attention"),
+                                                 np.where(has_d, b, 1.0), ctx), 0.0))
+        total = self.overhead_s + self.per_seq_overhead_s * (has_p + b) + self.kernel_scale * kernels
         return np.where(has_p | has_d, total, 0.0)
 
     def decode_run(self, batch: int, first_context_tokens: float, steps: int):
@@ -264,8 +276,9 @@ class StepTables:
         import numpy as np
 
         ctx = (first_context_tokens + batch * np.arange(steps, dtype=np.float64)) / batch
-        fixed = self.overhead_s + self.linear_s(batch, False) + self.logits_s(batch)
-        return fixed + _curve_np(self._np("decode_context"), self._decode_row(batch), ctx)
+        fixed = (self.overhead_s + self.per_seq_overhead_s * batch
+                 + self.kernel_scale * (self.linear_s(batch, False) + self.logits_s(batch)))
+        return fixed + self.kernel_scale * _curve_np(self._np("decode_context"), self._decode_row(batch), ctx)
 
     def _decode_row(self, batch: int):
         """Decode attention over the context axis at one batch size (interpolated between rows)."""
@@ -281,7 +294,8 @@ class StepTables:
     def linear_slope_s(self) -> float:
         """Seconds per token of the context-phase linear kernels at the largest measured
         sizes, where the GEMMs are compute-bound."""
-        return (self.context_linear[-1] - self.context_linear[-2]) / (self.tokens[-1] - self.tokens[-2])
+        slope = (self.context_linear[-1] - self.context_linear[-2]) / (self.tokens[-1] - self.tokens[-2])
+        return self.kernel_scale * slope
 
     def prefill_boundary(self, l_hist: float) -> float:
         """LAPS' L_m read off the measured curve: where a prefill's compute-bound line (the
@@ -304,6 +318,9 @@ class StepTables:
         for name in _GRIDS:
             out[name] = [list(r) for r in getattr(self, name)]
         out["overhead_s"] = self.overhead_s
+        if self.per_seq_overhead_s or self.kernel_scale != 1.0:  # kernel tables keep their digest
+            out["per_seq_overhead_s"] = self.per_seq_overhead_s
+            out["kernel_scale"] = self.kernel_scale
         out["source"] = dict(self.source)
         out["format"] = TABLES_FORMAT
         return out
@@ -325,12 +342,14 @@ class StepTables:
             for n in _GRIDS:
                 kw[n] = tuple(tuple(float(v) for v in r) for r in data[n])
             overhead = float(data.get("overhead_s", 0.0))
+            per_seq = float(data.get("per_seq_overhead_s", 0.0))
+            scale = float(data.get("kernel_scale", 1.0))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"tables: {exc}") from None
         source = data.get("source", {})
         if not isinstance(source, Mapping):
             raise ValueError("tables.source must be an object")
-        return cls(**kw, overhead_s=overhead, source=dict(source))
+        return cls(**kw, overhead_s=overhead, per_seq_overhead_s=per_seq, kernel_scale=scale, source=dict(source))
 
 
 def _curve_np(g, v, x):

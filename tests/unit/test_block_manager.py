@@ -966,3 +966,41 @@ def test_a_collision_inside_a_later_run_cuts_the_prefix_at_that_block():
     assert bm.cached_prefix_blocks(b) == a.block_table[:3]
     c = make_seq(list(range(9)))
     assert bm.cached_prefix_blocks(c) == a.block_table[:4]
+
+
+# ---- the scheduling hint: hashes alone, memoised while nothing leaves the index -------------
+
+
+def test_the_prefix_hint_equals_the_verified_prefix_and_resumes_as_blocks_get_indexed():
+    bm = BlockManager(16, 2)
+    waiting = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.cached_prefix_hint_tokens(waiting) == 0 and waiting.prefix_hint == (0, 0)
+    a = admit_and_compute(bm, [1, 2, 3, 4, 5])  # indexes two blocks: the hint grows from the memo
+    assert bm.cached_prefix_hint_tokens(waiting) == 4 == len(bm.cached_prefix_blocks(waiting)) * 2
+    admit_and_compute(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert bm.cached_prefix_hint_tokens(waiting) == 8 == len(bm.cached_prefix_blocks(waiting)) * 2
+    bm.free(a)
+    assert bm.cached_prefix_hint_tokens(make_seq([1, 2, 3, 4, 5, 6, 7, 8])) == 6  # one token always left
+
+
+def test_an_eviction_invalidates_the_memoised_hint():
+    bm = BlockManager(2, 2)
+    a = admit_and_compute(bm, [1, 2, 3])
+    bm.free(a)
+    waiting = make_seq([1, 2, 3])
+    assert bm.cached_prefix_hint_tokens(waiting) == 2
+    other = admit_and_compute(bm, [8, 8, 8, 8])  # evicts a's cached block
+    assert bm.cached_prefix_hint_tokens(waiting) == 0 == len(bm.cached_prefix_blocks(waiting))
+    bm.free(other)
+    bm.reset_prefix_cache()
+    assert bm.cached_prefix_hint_tokens(make_seq([8, 8, 8, 8, 8])) == 0
+
+
+def test_a_hash_collision_can_only_make_the_hint_larger_than_admission_finds():
+    bm = BlockManager(16, 2)
+    a = admit_and_compute(bm, list(range(9)))
+    b = make_seq([0, 1, 2, 3, 4, 5, 99, 7, 8])
+    b.block_hashes = list(a.block_hashes)  # made equal: the fourth block collides
+    assert bm.cached_prefix_hint_tokens(b) == 8 and len(bm.cached_prefix_blocks(b)) * 2 == 6
+    logprobs = dataclasses.replace(make_seq(list(range(9))), params=SamplingParams(prompt_logprobs=1))
+    assert bm.cached_prefix_hint_tokens(logprobs) == 0  # prompt logprobs compute every position

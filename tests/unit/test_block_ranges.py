@@ -98,6 +98,10 @@ class ReferenceBlockManager:
             hits.append(block_id)
         return hits
 
+    def cached_prefix_hint_tokens(self, seq: Sequence) -> int:
+        # Without hash collisions (none here) the hint is the verified prefix.
+        return len(self.cached_prefix_blocks(seq)) * self.block_size
+
     def blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         needed = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         return max(0, needed - len(seq.block_table))

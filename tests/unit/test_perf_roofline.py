@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.perf.backends import BACKENDS, _warn_fallback, perf_model_for
+from splitserve.perf.framework import with_framework_overhead
 from splitserve.perf.model import PerfModel
 from splitserve.perf.presets import preset
 from splitserve.perf.roofline import FITTED, RooflineKernels, constants_for, generation, roofline_model, roofline_tables
@@ -143,7 +144,8 @@ def test_backends_roofline_and_datasheet():
     assert "datasheet" in BACKENDS and "roofline" in BACKENDS
     roof = perf_model_for("A100", "Qwen2.5-14B", backend="roofline")
     assert roof.backend == "roofline" and roof.tables.source["constants"] == "ampere"
-    assert roof is roofline_model("A100", "Qwen2.5-14B")
+    assert perf_model_for("A100", "Qwen2.5-14B", backend="roofline-kernels") is roofline_model("A100", "Qwen2.5-14B")
+    assert roof.tables.kernel_scale > 1 and roof.label.endswith("+vllm-overhead")  # the framework's cost on top
     # datasheet: the whole-step roofline every earlier result was timed by, unchanged.
     old = perf_model_for("A100", "Qwen2.5-14B", backend="datasheet")
     assert old == preset("A100", "Qwen2.5-14B") and old.tables is None and old.label.startswith("preset:")
@@ -162,7 +164,8 @@ def test_a_diffusion_lm_keeps_the_datasheet_preset():
 def test_the_fallback_for_an_uncovered_gpu_is_the_kernel_class_roofline_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):
         m = perf_model_for("H20", "Qwen3-32B", tp=2, backend="auto")
-    assert m.backend == "roofline" and m is roofline_model("H20", "Qwen3-32B", 2)
+    assert m.backend == "roofline" and m is with_framework_overhead(roofline_model("H20", "Qwen3-32B", 2), "vllm")
+    assert perf_model_for("H20", "Qwen3-32B", tp=2, backend="auto-kernels") is roofline_model("H20", "Qwen3-32B", 2)
     assert m.tables.source["constants"] == "hopper"
     assert "kernel-class roofline" in caplog.text and "H20" in caplog.text
     with caplog.at_level(logging.WARNING, logger="splitserve.perf.aiconfigurator"):

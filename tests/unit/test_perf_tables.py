@@ -116,6 +116,8 @@ def test_a_perf_model_with_tables_times_every_step_from_them_and_round_trips():
     ("context_linear", (1.0, 2.0), "one value per tables.tokens"),
     ("decode_attention", ((1.0, 2.0, 3.0),), "decode_batch x decode_context"),
     ("overhead_s", -1.0, "overhead_s"),
+    ("per_seq_overhead_s", -1e-6, "per_seq_overhead_s"),
+    ("kernel_scale", 0.9, "kernel_scale"),
 ])
 def test_bad_tables_are_refused_naming_the_field(field, value, message):
     data = dict(T.to_dict())
@@ -124,3 +126,53 @@ def test_bad_tables_are_refused_naming_the_field(field, value, message):
         StepTables.from_dict(data)
     with pytest.raises(ValueError, match="format"):
         StepTables.from_dict({**T.to_dict(), "format": 99})
+
+
+# ---- the framework's own cost on top of the kernels (splitserve.perf.framework) ----------------
+F = dataclasses.replace(T, overhead_s=2e-4, per_seq_overhead_s=3e-5, kernel_scale=1.25)
+
+
+def test_a_framework_cost_is_per_step_per_sequence_and_a_scale_on_the_kernels():
+    kernels = T.step_s(((1024, 256),), 8, 512) - T.overhead_s
+    assert F.step_s(((1024, 256),), 8, 512) == pytest.approx(2e-4 + 3e-5 * 9 + 1.25 * kernels, rel=1e-12)
+    decode = T.step_s((), 8, 300) - T.overhead_s
+    assert F.step_s((), 8, 300) == pytest.approx(2e-4 + 3e-5 * 8 + 1.25 * decode, rel=1e-12)
+    assert F.step_s((), 0, 0) == 0.0  # an empty step costs nothing, framework or not
+    assert np.allclose(F.decode_run(8, 8 * 300, 5), [F.step_s((), 8, 300 + i) for i in range(5)], rtol=1e-12)
+    assert F.linear_slope_s() == pytest.approx(1.25 * T.linear_slope_s())
+
+
+@settings(max_examples=100, deadline=None)
+@given(h=st.integers(0, 20000), n=st.integers(0, 10000), b=st.integers(0, 300), c=st.floats(1, 20000))
+def test_with_a_framework_cost_the_aggregate_and_vector_forms_still_equal_one_chunk(h, n, b, c):
+    one = F.step_s(((h, n),), b, c)
+    pairs = n * (h + n / 2)
+    assert F.aggregate_step_s(n, pairs, b, b * c) == pytest.approx(one, rel=1e-9, abs=1e-15)
+    assert F.step_array([n], [pairs], [b], [b * c])[0] == pytest.approx(one, rel=1e-9, abs=1e-15)
+
+
+def test_a_framework_cost_round_trips_and_kernel_tables_keep_their_digest():
+    again = StepTables.from_dict(F.to_dict())
+    assert again == F and (again.per_seq_overhead_s, again.kernel_scale) == (3e-5, 1.25)
+    assert "kernel_scale" not in T.to_dict() and F.digest != T.digest  # cached kernel tables stay valid
+
+
+def test_with_framework_overhead_adds_the_fitted_cost_and_says_so():
+    from splitserve.perf.framework import FRAMEWORK_OVERHEADS, FrameworkOverhead, with_framework_overhead
+
+    base = dataclasses.replace(preset("H100", "Llama-3-8B"), tables=T, label="measured")
+    vllm = with_framework_overhead(base, "vllm")
+    fo = FRAMEWORK_OVERHEADS["vllm"]
+    assert vllm.label == "measured+vllm-overhead" and vllm is with_framework_overhead(base, "vllm")
+    assert vllm.tables.kernel_scale == fo.kernel_scale and vllm.tables.per_seq_overhead_s == fo.per_seq_s
+    assert vllm.tables.overhead_s == pytest.approx(T.overhead_s + fo.overhead_s)
+    assert vllm.tables.source["framework_overhead"]["vllm"]["fitted_to"] == fo.source
+    assert vllm.decode_time(64, 1024) > base.decode_time(64, 1024)
+    other = with_framework_overhead(base, "trtllm")  # no end-to-end fit: the kernels, and the label says so
+    assert other.tables == T and "kernels-only(trtllm" in other.label
+    datasheet = preset("H100", "Llama-3-8B")
+    assert with_framework_overhead(datasheet, "vllm") is datasheet  # keeps its own overheads
+    with pytest.raises(ValueError, match="kernel_scale"):
+        FrameworkOverhead(0.0, 0.0, 0.5, "bad")
+    with pytest.raises(ValueError, match="per_seq_s"):
+        FrameworkOverhead(0.0, -1.0, 1.0, "bad")
