@@ -276,9 +276,11 @@ class StepTables:
         import numpy as np
 
         ctx = (first_context_tokens + batch * np.arange(steps, dtype=np.float64)) / batch
-        fixed = (self.overhead_s + self.per_seq_overhead_s * batch
-                 + self.kernel_scale * (self.linear_s(batch, False) + self.logits_s(batch)))
-        return fixed + self.kernel_scale * _curve_np(self._np("decode_context"), self._decode_row(batch), ctx)
+        # Summed in step_s's order (kernels first, then scaled), so a fast-forwarded run equals its
+        # steps to the last bit.
+        kernels = self.linear_s(batch, False) + self.logits_s(batch) + _curve_np(
+            self._np("decode_context"), self._decode_row(batch), ctx)
+        return self.overhead_s + self.per_seq_overhead_s * batch + self.kernel_scale * kernels
 
     def _decode_row(self, batch: int):
         """Decode attention over the context axis at one batch size (interpolated between rows)."""
