@@ -38,6 +38,8 @@ controller's SLA term).
 
 from __future__ import annotations
 
+import math
+
 from services.global_scheduler.baselines import LeastLoadedPolicy, colocated_candidates
 from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import ClusterView, Placement, PlacementRequest, WorkerView
@@ -60,7 +62,7 @@ class LapsPlacementPolicy:
                  ttft_slo_ms: float | str = 400.0, period_s: float | str = 1.0, cool_down_s: float | str = 5.0,
                  hysteresis: float | str = 0.25, min_per_pool: int | str = 1, alpha: float | str = 1.0,
                  beta: float | str = 1.0, gamma: float | str = 0.25, min_gap: float | str = 0.05,
-                 controller: bool | str = True, overflow_ms: float | str | None = None,
+                 max_donor_busy: float | str | None = None, controller: bool | str = True, overflow_ms: float | str | None = None,
                  follow_workers: bool | str = True,
                  prefill_token_scale: float | str = 2048.0, request_scale: float | str = 16.0):
         if isinstance(perf_model, str) and perf_model.strip() and not perf_model.lstrip().startswith("{"):
@@ -77,6 +79,7 @@ class LapsPlacementPolicy:
             min_per_pool=number_option("min_per_pool", min_per_pool, minimum=1, integer=True),
             alpha=number_option("alpha", alpha, minimum=0.0), beta=number_option("beta", beta, minimum=0.0),
             gamma=number_option("gamma", gamma, minimum=0.0), min_gap=number_option("min_gap", min_gap, minimum=0.0),
+            max_donor_busy=number_option("max_donor_busy", max_donor_busy, minimum=1e-3, allow_none=True) or math.inf,
             ttft_slo_s=number_option("ttft_slo_ms", ttft_slo_ms, minimum=1e-3) / 1000)
         self.controller_enabled = flag_option("controller", controller)
         self.follow_workers = flag_option("follow_workers", follow_workers)

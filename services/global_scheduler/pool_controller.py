@@ -36,7 +36,13 @@ Differences from the paper, and why:
   2·n_min prefill workers there are no pools (the single instance runs both classes apart
   in time: temporal mode);
 * a pool found below n_min (its worker died or drains, an operator moved one) gets an
-  instance from the other pool at once, cool-down or not.
+  instance from the other pool at once, cool-down or not;
+* optional, off by default (`max_donor_busy`, not in the paper): a hill-climb move is refused
+  when the donor pool's busy share, spread over one instance fewer, would exceed the bound.
+  Measured on the multi-turn workload (docs/laps_measured.md §3): with 69% of turns short, the
+  long pool's P90 pressure spikes (one long prefill queued) outweigh a short pool of two
+  instances that is just keeping up, the controller takes one, the remaining short instance
+  saturates, and the pools oscillate between one and two short instances every ~10 s.
 
 Pure: the caller (the scheduler's controller task, the simulator) hands it the cluster
 view and the time, and applies what it returns.
@@ -89,12 +95,17 @@ class PoolControllerConfig:
     percentile: float = 90.0  # the robust aggregator A(·)
     min_gap: float = 0.05  # P_s − P_l (in SLO units) below which no move is worth its cost
     ttft_slo_s: float = 0.4
+    # Refuse a hill-climb move leaving the donor's instances busier than this on average
+    # (their busy shares summed over one instance fewer); inf: never (Alg. 2 as published).
+    max_donor_busy: float = math.inf
 
     def __post_init__(self) -> None:
         for name in ("period_s", "ttft_slo_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (self.max_donor_busy > 0 and not math.isnan(self.max_donor_busy)):
+            raise ValueError(f"max_donor_busy must be a number > 0 (inf: no bound), got {self.max_donor_busy!r}")
         for name in ("cool_down_s", "hysteresis", "alpha", "beta", "gamma", "min_gap"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -169,6 +180,13 @@ class PoolController:
         return InstancePressure(worker.worker_id, load.pool, queue, deviation, spare,
                                 c.alpha * queue + c.beta * deviation - c.gamma * spare)
 
+    def _donor_keeps_up(self, donor: list[InstancePressure]) -> bool:
+        """Whether the donor pool's work fits one instance fewer (`max_donor_busy`)."""
+        if math.isinf(self.config.max_donor_busy):
+            return True
+        busy = sum(1.0 - i.spare for i in donor)
+        return busy / (len(donor) - 1) <= self.config.max_donor_busy
+
     def step(self, view: ClusterView, now: float) -> PoolDecision:
         """One control period: assign unpooled prefill workers, measure, maybe move one instance."""
         c = self.config
@@ -197,7 +215,8 @@ class PoolController:
             receiver = next((pool for pool, other in ((SHORT, LONG), (LONG, SHORT))
                              if pressures[pool] > (1 + c.hysteresis) * pressures[other]
                              and pressures[pool] - pressures[other] >= c.min_gap
-                             and len(by_pool[other]) > c.min_per_pool), None)
+                             and len(by_pool[other]) > c.min_per_pool
+                             and self._donor_keeps_up(by_pool[other])), None)
         if receiver is None:
             return decision
         donor = by_pool[LONG if receiver == SHORT else SHORT]

@@ -194,6 +194,20 @@ def test_hysteresis_min_gap_and_n_min_hold_moves_back():
     assert controller().step(at_min, NOW).move is None  # the long pool is at n_min
 
 
+def test_the_donor_guard_refuses_a_move_its_pool_could_not_absorb():
+    # Two short instances 60% busy each keep up; the long pool's pressure spike would take one
+    # (Alg. 2 as published), leaving one instance 120% busy. The guard (opt-in) refuses that.
+    spike = view(worker("s0", pool="short", busy=0.6), worker("s1", pool="short", busy=0.6),
+                 worker("l0", pool="long", queued=60_000, busy=1.0), worker("l1", pool="long", queued=60_000, busy=1.0))
+    assert controller().step(spike, NOW).move.to_pool == "long"
+    assert controller(max_donor_busy=0.9).step(spike, NOW).move is None
+    idle_short = view(worker("s0", pool="short", busy=0.2), worker("s1", pool="short", busy=0.3),
+                      worker("l0", pool="long", queued=60_000, busy=1.0), worker("l1", pool="long", queued=60_000, busy=1.0))
+    assert controller(max_donor_busy=0.9).step(idle_short, NOW).move.to_pool == "long"  # 0.5 fits one instance
+    with pytest.raises(ValueError, match="max_donor_busy"):
+        PoolControllerConfig(max_donor_busy=0.0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["short", "long", ""]), st.integers(0, 60_000), st.floats(0, 1),
                           st.one_of(st.none(), st.floats(0, 3))), min_size=0, max_size=9),
