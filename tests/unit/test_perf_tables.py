@@ -34,6 +34,7 @@ def tables(**over) -> StepTables:
 
 
 T = tables()
+F = dataclasses.replace(T, overhead_s=2e-4, per_seq_overhead_s=3e-5, kernel_scale=1.25)  # a framework's cost on top
 
 
 def test_grid_points_are_returned_exactly_and_a_step_is_the_sum_of_its_kernel_classes():
@@ -76,13 +77,15 @@ def test_more_work_never_takes_less_time(h, n, dn, dh, b, db, c, dc):
     assert T.step_s(((h, n),), b, c + dc) >= base - 1e-12
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.parametrize("which", ["kernels", "with a framework cost"])
+@settings(max_examples=150, deadline=None)
 @given(h=st.integers(0, 20000), n=st.integers(0, 10000), b=st.integers(0, 300), c=st.floats(1, 20000))
-def test_the_aggregate_and_vector_forms_equal_one_chunk(h, n, b, c):
-    one = T.step_s(((h, n),), b, c)
+def test_the_aggregate_and_vector_forms_equal_one_chunk(which, h, n, b, c):
+    tables = T if which == "kernels" else F
+    one = tables.step_s(((h, n),), b, c)
     pairs = n * (h + n / 2)
-    assert T.aggregate_step_s(n, pairs, b, b * c) == pytest.approx(one, rel=1e-9, abs=1e-15)
-    vec = T.step_array([n, n], [pairs, pairs], [b, b], [b * c, b * c])
+    assert tables.aggregate_step_s(n, pairs, b, b * c) == pytest.approx(one, rel=1e-9, abs=1e-15)
+    vec = tables.step_array([n, n], [pairs, pairs], [b, b], [b * c, b * c])
     assert vec[0] == pytest.approx(one, rel=1e-9, abs=1e-15)
 
 
@@ -129,7 +132,6 @@ def test_bad_tables_are_refused_naming_the_field(field, value, message):
 
 
 # ---- the framework's own cost on top of the kernels (splitserve.perf.framework) ----------------
-F = dataclasses.replace(T, overhead_s=2e-4, per_seq_overhead_s=3e-5, kernel_scale=1.25)
 
 
 def test_a_framework_cost_is_per_step_per_sequence_and_a_scale_on_the_kernels():
@@ -140,15 +142,6 @@ def test_a_framework_cost_is_per_step_per_sequence_and_a_scale_on_the_kernels():
     assert F.step_s((), 0, 0) == 0.0  # an empty step costs nothing, framework or not
     assert np.allclose(F.decode_run(8, 8 * 300, 5), [F.step_s((), 8, 300 + i) for i in range(5)], rtol=1e-12)
     assert F.linear_slope_s() == pytest.approx(1.25 * T.linear_slope_s())
-
-
-@settings(max_examples=100, deadline=None)
-@given(h=st.integers(0, 20000), n=st.integers(0, 10000), b=st.integers(0, 300), c=st.floats(1, 20000))
-def test_with_a_framework_cost_the_aggregate_and_vector_forms_still_equal_one_chunk(h, n, b, c):
-    one = F.step_s(((h, n),), b, c)
-    pairs = n * (h + n / 2)
-    assert F.aggregate_step_s(n, pairs, b, b * c) == pytest.approx(one, rel=1e-9, abs=1e-15)
-    assert F.step_array([n], [pairs], [b], [b * c])[0] == pytest.approx(one, rel=1e-9, abs=1e-15)
 
 
 def test_a_framework_cost_round_trips_and_kernel_tables_keep_their_digest():
