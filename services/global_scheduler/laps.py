@@ -62,8 +62,8 @@ class LapsPlacementPolicy:
                  ttft_slo_ms: float | str = 400.0, period_s: float | str = 1.0, cool_down_s: float | str = 5.0,
                  hysteresis: float | str = 0.25, min_per_pool: int | str = 1, alpha: float | str = 1.0,
                  beta: float | str = 1.0, gamma: float | str = 0.25, min_gap: float | str = 0.05,
-                 max_donor_busy: float | str | None = None, controller: bool | str = True, overflow_ms: float | str | None = None,
-                 follow_workers: bool | str = True,
+                 max_donor_busy: float | str | None = None, controller: bool | str = True,
+                 overflow_ms: float | str | None = None, follow_workers: bool | str = True,
                  prefill_token_scale: float | str = 2048.0, request_scale: float | str = 16.0):
         if isinstance(perf_model, str) and perf_model.strip() and not perf_model.lstrip().startswith("{"):
             from splitserve.perf.store import resolve_perf_model  # names: presets, JSON files, redis:ID

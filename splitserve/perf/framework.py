@@ -22,12 +22,12 @@ other frameworks keep the kernel sum and their reports say so. Pure arithmetic, 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
 from splitserve.perf.model import PerfModel
+from splitserve.perf.tables import check_step_cost
 
 __all__ = ["FRAMEWORK_OVERHEADS", "FrameworkOverhead", "with_framework_overhead"]
 
@@ -42,12 +42,7 @@ class FrameworkOverhead:
     source: str  # what it was fitted to
 
     def __post_init__(self) -> None:
-        for name in ("overhead_s", "per_seq_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"FrameworkOverhead.{name} must be a finite number >= 0, got {value!r}")
-        if not (math.isfinite(self.kernel_scale) and self.kernel_scale >= 1.0):
-            raise ValueError(f"FrameworkOverhead.kernel_scale must be a finite number >= 1, got {self.kernel_scale!r}")
+        check_step_cost(self, "FrameworkOverhead", ("overhead_s", "per_seq_s"), "kernel_scale")
 
     def describe(self) -> dict[str, Any]:
         return {"overhead_ms": round(self.overhead_s * 1e3, 4), "per_seq_ms": round(self.per_seq_s * 1e3, 5),

@@ -39,7 +39,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["BATCH_GRID", "CHUNK_GRID", "LOGITS_GRID", "TABLES_FORMAT", "TOKEN_GRID", "StepTables", "context_grid",
+__all__ = ["BATCH_GRID", "CHUNK_GRID", "LOGITS_GRID", "TABLES_FORMAT", "TOKEN_GRID", "StepTables", "check_step_cost",
+           "context_grid",
            "history_grid", "monotone_grid"]
 
 TABLES_FORMAT = 1
@@ -73,6 +74,18 @@ def history_grid(max_len: int) -> tuple[int, ...]:
 _AXES = ("tokens", "logits_rows", "chunk_tokens", "chunk_history", "decode_batch", "decode_context")
 _CURVES = ("context_linear", "generation_linear", "logits")
 _GRIDS = ("prefill_attention", "decode_attention")
+
+
+def check_step_cost(obj: Any, owner: str, seconds: Sequence[str], scale: str) -> None:
+    """The framework-cost fields of `obj` (the tables', `splitserve.perf.framework`'s): each of
+    `seconds` a finite number >= 0, `scale` a finite number >= 1; a ValueError names the field."""
+    for name in seconds:
+        value = getattr(obj, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
+    value = getattr(obj, scale)
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"{owner}.{scale} must be a finite number >= 1, got {value!r}")
 
 
 def monotone_grid(values: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
@@ -159,13 +172,7 @@ class StepTables:
             flat = [v for r in getattr(self, name) for v in (r if isinstance(r, tuple) else (r,))]
             if any(not math.isfinite(v) or v < 0 for v in flat):
                 raise ValueError(f"tables.{name} must hold finite seconds >= 0")
-        for name in ("overhead_s", "per_seq_overhead_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"tables.{name} must be a finite number >= 0, got {value!r}")
-        if not (isinstance(self.kernel_scale, (int, float)) and math.isfinite(self.kernel_scale)
-                and self.kernel_scale >= 1.0):
-            raise ValueError(f"tables.kernel_scale must be a finite number >= 1, got {self.kernel_scale!r}")
+        check_step_cost(self, "tables", ("overhead_s", "per_seq_overhead_s"), "kernel_scale")
         text = json.dumps(self._payload(), sort_keys=True)
         object.__setattr__(self, "digest", hashlib.sha256(text.encode()).hexdigest()[:16])
 
