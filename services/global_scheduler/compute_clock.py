@@ -8,12 +8,13 @@ is its longest remaining decode, not its load (one 512-token decode drains as la
 eighty), and the request's own second stage cannot start before the first ends, so T2 > T1
 for every split below φ = 1 and the search never gave the second worker any prefill.
 
-So the balance is taken over *compute*: each micro-request adds the compute seconds of the
-performance model's compute line (prefill: c_tok·n + c_attn·n(h + n/2); decode: c_seq +
-c_ctx·context per token), and a worker's clock is what of its committed compute is not done
-yet, assuming each micro-request runs at a steady pace between its predicted first pass and
-its finish (the timeline predicts both). Memory-bound decode passes cost little compute, so
-a worker full of decodes still has room for prefill, which is what the split should use.
+So the balance is taken over *work*: each micro-request adds the seconds of device work the
+performance model says it costs (`PerfModel.work_seconds`: with measured GPU tables each
+kernel class's share, decode attention included, since kernels add on a GPU; on the
+datasheet roofline the compute line, under which memory-bound decode passes cost little),
+and a worker's clock is what of its committed work is not done yet, assuming each
+micro-request runs at a steady pace between its predicted first pass and its finish (the
+timeline predicts both).
 
 Cost: `add`/`remove` O(log n), `backlog(now)` amortised O(log n) (two heaps of start and
 finish times with lazy deletion; the linear decay kept as two running sums).
@@ -28,14 +29,8 @@ from splitserve.perf.model import PerfModel
 
 
 def compute_seconds(perf_model: PerfModel, prefill: int, history: int, decode: int) -> float:
-    """Compute-line seconds of `prefill` tokens on `history` cached ones, then `decode` tokens
-    (the first decode reads history + prefill + 1 positions, each next one one more)."""
-    p, d = perf_model.prefill, perf_model.decode
-    seconds = p.c_tok * prefill + p.c_attn * prefill * (history + prefill / 2)
-    if decode:
-        first_context = history + prefill + 1
-        seconds += d.c_seq * decode + d.c_ctx * (decode * first_context + decode * (decode - 1) / 2)
-    return seconds
+    """Work seconds of `prefill` tokens on `history` cached tokens, then `decode` tokens."""
+    return perf_model.work_seconds(prefill, history, decode)
 
 
 @dataclass(slots=True)

@@ -17,7 +17,11 @@ attention compute alike, so L_m(H) moves with H.
 **Online refit** (`observe`): every measured step that ran one prefill and nothing else
 corrects the term that bounds it by the model: an EWMA of measured / predicted time
 scales the compute terms (when the model calls the step compute-bound) or the memory
-terms (memory-bound). L_m(H) is then the ridge of the scaled roofline. Two scale factors
+terms (memory-bound). L_m(H) is then the ridge of the scaled roofline. With measured
+tables (whose steps are sums of kernel classes, not a max) the regime is the side of the
+scaled L_m the step's size is on, the ratio is to the whole predicted step, and
+L_m(H) = tables' L_m(H) × memory scale / compute scale (their L_m is a one-token
+prefill's cost over the GEMMs' seconds per token). Two scale factors
 keep the model's shape (fitted offline by `splitserve profile`, or a preset) and follow
 the device it really runs on: a GPU whose memory is slower than its preset says moves
 its L_m up, one whose compute is slower moves it down.
@@ -64,6 +68,10 @@ class LengthBoundary:
         if self.fixed_tokens is not None:
             return float(self.fixed_tokens)
         assert self._scaled is not None
+        if self._scaled.tables is not None:
+            # Measured tables: L_m = (one-token prefill's cost) / (GEMM seconds per token), so a
+            # device whose memory is slower than measured moves it up, slower compute down.
+            return self._scaled.prefill_boundary(history) * self.memory_scale / self.compute_scale
         return self._scaled.prefill_boundary(history)  # a closed form: cheap per request
 
     def observe(self, prefill_tokens: int, history: int, seconds: float) -> None:
@@ -73,9 +81,20 @@ class LengthBoundary:
         if model is None or self.fixed_tokens is not None or prefill_tokens <= 0 \
                 or not (math.isfinite(seconds) and seconds > 0):
             return
+        rate = self.learning_rate
+        if model.tables is not None:
+            # The tables' step is a sum, not a max: the whole predicted step is the term, and the
+            # (scaled) boundary says which regime it ran in.
+            predicted = model.prefill_time(history, prefill_tokens)
+            if predicted > 0:
+                if prefill_tokens >= self.tokens(history):
+                    self.compute_scale += rate * (seconds / predicted - self.compute_scale)
+                else:
+                    self.memory_scale += rate * (seconds / predicted - self.memory_scale)
+                self.num_observed += 1
+            return
         compute, memory = model.prefill_terms(history, prefill_tokens)
         # Which term bounds the step by the *scaled* model: the scales move the ridge.
-        rate = self.learning_rate
         if compute * self.compute_scale >= memory * self.memory_scale:
             if compute > 0:
                 self.compute_scale += rate * (seconds / compute - self.compute_scale)

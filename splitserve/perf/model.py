@@ -325,6 +325,27 @@ class PerfModel:
         c, m = self._lines(0, 0.0, 0, batch, batch * ctx)
         return "compute" if c >= m else "memory"
 
+    def work_seconds(self, prefill: int, history: int, decode: int) -> float:
+        """Seconds of device work a request of `prefill` tokens on `history` cached ones,
+        then `decode` tokens, adds to its worker (DynaServe's execution clock, Alg. 1). With
+        measured tables their kernel classes' shares (`StepTables.added_seconds`); else the
+        compute line (prefill: c_tok·n + c_attn·n(h + n/2); decode: c_seq + c_ctx·context per
+        token, the first reading h + n + 1 positions, each next one one more): memory-bound
+        decode passes cost little compute, so a worker full of decodes still has room."""
+        if self.tables is not None:
+            return self.tables.added_seconds(prefill, history, decode)
+        p, d = self.prefill, self.decode
+        seconds = p.c_tok * prefill + p.c_attn * prefill * (history + prefill / 2)
+        if decode:
+            first_context = history + prefill + 1
+            seconds += d.c_seq * decode + d.c_ctx * (decode * first_context + decode * (decode - 1) / 2)
+        return seconds
+
+    @property
+    def attention_s_per_pair(self) -> float:
+        """Seconds per (query, cached key) pair a prefill chunk pays to read its history."""
+        return self.tables.attention_s_per_pair() if self.tables is not None else self.prefill.c_attn
+
     def prefill_boundary(self, l_hist: int = 0) -> float:
         """LAPS' L_m: the smallest new-token count at which a prefill on `l_hist` cached
         tokens is compute-bound (root of compute = memory); inf if never. With measured

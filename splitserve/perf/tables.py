@@ -306,6 +306,32 @@ class StepTables:
         slope = (self.context_linear[-1] - self.context_linear[-2]) / (self.tokens[-1] - self.tokens[-2])
         return self.kernel_scale * slope
 
+    def attention_s_per_pair(self, chunk_tokens: float = 512.0, history: float = 8192.0) -> float:
+        """Seconds per (query, cached key) pair of prefill attention: what a chunk pays for
+        reading history, the secant from no history to `history` at `chunk_tokens` new tokens."""
+        added = self.prefill_attention_s(chunk_tokens, history) - self.prefill_attention_s(chunk_tokens, 0.0)
+        return self.kernel_scale * max(0.0, added) / (chunk_tokens * history)
+
+    def added_seconds(self, prefill: float, history: float, decode: float) -> float:
+        """Seconds a request adds to the steps of the worker that runs it: `prefill` new
+        tokens on `history` cached ones, then `decode` tokens (DynaServe's per-worker clock,
+        Alg. 1, `services.global_scheduler.compute_clock`). Kernels add, so this is the
+        request's share of every class: the GEMMs at their compute-bound seconds per token (a
+        chunk or a decode beside others runs on weights the step reads anyway), each chunk's
+        attention as one chunk of `prefill` tokens, and per decode token its attention's
+        marginal cost in a batch of 16-64 (the secant, where the measured per-sequence cost
+        has settled) at the run's mean context, plus the framework's cost per sequence."""
+        seconds = 0.0
+        if prefill > 0:
+            seconds += (self.linear_slope_s() * prefill + self.per_seq_overhead_s
+                        + self.kernel_scale * self.prefill_attention_s(prefill, history))
+        if decode > 0:
+            mean_context = history + prefill + 1 + (decode - 1) / 2
+            attention = (self.decode_attention_s(64, mean_context) - self.decode_attention_s(16, mean_context)) / 48
+            seconds += decode * (self.linear_slope_s() + self.per_seq_overhead_s
+                                 + self.kernel_scale * max(0.0, attention))
+        return seconds
+
     def prefill_boundary(self, l_hist: float) -> float:
         """LAPS' L_m read off the measured curve: where a prefill's compute-bound line (the
         GEMMs' seconds per token at large sizes) reaches the cost of a one-token prefill on

@@ -294,6 +294,25 @@ def test_the_boundary_refits_online_from_measured_single_prefill_steps():
     assert fixed.tokens(0) == 64 and fixed.num_observed == 0
 
 
+def test_with_measured_tables_the_refit_scales_their_boundary_and_steps_as_measured_leave_it():
+    pytest.importorskip("aiconfigurator_core")
+    from splitserve.perf.backends import perf_model_for
+
+    model = perf_model_for("a100_sxm", "qwen2.5-14b", 1, backend="aiconfigurator")
+    assert model.tables is not None
+    boundary = LengthBoundary(model, learning_rate=0.5)
+    lm = model.prefill_boundary(0)
+    # The simulator's steps are the tables' own: the boundary stays the tables' L_m.
+    for n in (16, 64, 4096, 8192):
+        boundary.observe(n, 0, model.prefill_time(0, n))
+    assert boundary.tokens(0) == pytest.approx(lm) and boundary.num_observed == 4
+    # Short prefills measured 2x slower (memory slower than measured there): L_m doubles.
+    for _ in range(40):
+        boundary.observe(16, 0, 2 * model.prefill_time(0, 16))
+    assert boundary.memory_scale == pytest.approx(2.0, rel=1e-3) and boundary.compute_scale == pytest.approx(1.0)
+    assert boundary.tokens(0) == pytest.approx(2 * lm, rel=1e-3)
+
+
 def test_the_performance_model_may_be_named_as_a_preset_as_splitserve_up_names_it():
     policy = make_policy("laps", perf_model="A100/qwen2.5-14b/1")
     assert policy.boundary.tokens(0) == pytest.approx(policy.perf_model.prefill_boundary(0))

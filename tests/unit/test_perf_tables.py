@@ -169,3 +169,30 @@ def test_with_framework_overhead_adds_the_fitted_cost_and_says_so():
         FrameworkOverhead(0.0, 0.0, 0.5, "bad")
     with pytest.raises(ValueError, match="per_seq_s"):
         FrameworkOverhead(0.0, -1.0, 1.0, "bad")
+
+
+def test_added_seconds_is_each_kernel_class_share_of_a_request():
+    """DynaServe's clock (Alg. 1) charges a request its GEMMs at the compute-bound slope, its
+    prefill attention, and per decode token the 16-64 secant of decode attention at the mean
+    context, all scaled like the steps, plus the per-sequence cost."""
+    slope = F.linear_slope_s()
+    assert slope == pytest.approx(1.25 * (0.1 - 9e-3) / (4096 - 256))
+    prefill_only = F.added_seconds(256, 1024, 0)
+    assert prefill_only == pytest.approx(slope * 256 + 3e-5 + 1.25 * F.prefill_attention_s(256, 1024))
+    mean_ctx = 1024 + 256 + 1 + (10 - 1) / 2
+    per_decode = (F.decode_attention_s(64, mean_ctx) - F.decode_attention_s(16, mean_ctx)) / 48
+    assert per_decode == pytest.approx(2e-5 * (1 + mean_ctx / 256))  # the test tables: linear in batch
+    assert F.added_seconds(256, 1024, 10) == pytest.approx(prefill_only + 10 * (slope + 3e-5 + 1.25 * per_decode))
+    assert F.added_seconds(0, 0, 0) == 0.0
+    # Decodes at longer context read more KV: more work, unlike the compute line's near-constant decode.
+    assert F.added_seconds(0, 8000, 10) > 2 * F.added_seconds(0, 100, 10)
+
+
+def test_attention_per_pair_is_the_secant_over_history():
+    want = 1.25 * (F.prefill_attention_s(512, 8192) - F.prefill_attention_s(512, 0)) / (512 * 8192)
+    assert F.attention_s_per_pair() == pytest.approx(want) and want > 0
+    model = dataclasses.replace(preset("A100", "Llama-3-8B"), tables=F)
+    assert model.attention_s_per_pair == pytest.approx(want)
+    assert model.work_seconds(256, 1024, 10) == F.added_seconds(256, 1024, 10)
+    datasheet = preset("A100", "Llama-3-8B")
+    assert datasheet.attention_s_per_pair == datasheet.prefill.c_attn

@@ -29,7 +29,7 @@ Where the values come from:
 
 A prefill chunk on history (a later chunk of a long prompt, KV of an earlier stage) also
 reads that history's KV: `l_incr * l_hist` attention pairs. That cost is not a table
-axis; it is `history_cost_s_per_pair` (the prior's `c_attn`, 0 without a prior) times the
+axis; it is `history_cost_s_per_pair` (the prior's `attention_s_per_pair`, 0 without a prior) times the
 pairs, added to the table's prediction and subtracted from an observation before it
 updates the table. It is not learned: learned with the corners (one more parameter of
 the same update) it traded off against cells not yet corrected and swung far from the
@@ -99,7 +99,7 @@ class LatencyTable:
             raise ValueError(f"learning_rate must be in (0, 1], got {learning_rate!r}")
         self.learning_rate = float(learning_rate)
         self._v: list[float] = list(_prior_values(prior)) if prior is not None else [0.0] * _SIZE
-        self.history_cost_s_per_pair = prior.prefill.c_attn if prior is not None else 0.0
+        self.history_cost_s_per_pair = prior.attention_s_per_pair if prior is not None else 0.0
         self.num_observations = 0
         self.prior_label = prior.label if prior is not None else ""
 
