@@ -7,6 +7,9 @@ capacity, the median per system and the median of the paired ratios to least-loa
 SLO-aware batching without a split; writes JSON.
 
     .venv/bin/python -u benchmarks/dynaserve_seeds.py --setup 14B --workloads "P8192/D32,Azure code" --seeds 5
+
+`--slo-aware-option NAME=VALUE` (repeatable) sets an `slo_aware` option on every system that
+batches with it, e.g. `kv_pressure_below=0.4` (the KV-pressure rule as it was on by default).
 """
 
 from __future__ import annotations
@@ -31,9 +34,21 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--perf-backend", default="auto")
+    ap.add_argument("--slo-aware-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an slo_aware batch-policy option for every system that uses it (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/dynaserve_seeds.json"))
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    extra = dict(option.split("=", 1) for option in args.slo_aware_option)
+    if extra:
+        base_options = de.system_options
+
+        def with_extra(system: str) -> dict:
+            options = base_options(system)
+            if options.get("batch_policy") == "slo_aware":
+                options["batch_policy_options"] = {**options["batch_policy_options"], **extra}
+            return options
+        de.system_options = with_extra
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     caps: dict[str, dict[str, list[float]]] = {}
     for seed in range(args.seeds):
@@ -55,7 +70,7 @@ def main() -> None:
                   f"| {ratio} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(sys.argv), "setup": args.setup, "perf_backend": args.perf_backend,
-                                    "capacity_rps": caps}, indent=1) + "\n")
+                                    "slo_aware_options": extra, "capacity_rps": caps}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

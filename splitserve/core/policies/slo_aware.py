@@ -28,15 +28,19 @@ Each step:
    tokens. First-come-first-served like fcfs: a waiting request that finds no KV memory
    (`add` returns 0) stops admission, nobody overtakes it.
 
-**KV pressure.** Filling every step to the objective stretches each decode token to ~90% of
-the ITL objective, so a request holds its KV up to twice as long as under fcfs with short
-chunks; when memory binds, that residency is what fills it (simulated A100 × Qwen2.5-14B,
-DynaServe on P2048/D512 at 2.8–4.2 req/s: 5–96 preemptions per probe, the misses they cause
-setting the capacity). Below `kv_pressure_below` (0.4) of the blocks free, after the step's
-decodes, the target shrinks in proportion to the free share, down to `kv_pressure_min_scale`
-(0.5) of it: decodes finish sooner and admission slows until memory frees (the same probes:
-no preemption). Blocks only idle session pins hold count as free (they go to other requests
-before any preemption). 0 turns it off.
+**KV pressure** (opt-in, `kv_pressure_below` > 0). Filling every step to the objective
+stretches each decode token to ~90% of the ITL objective, so a request holds its KV up to twice
+as long as under fcfs with short chunks; when memory binds, that residency is what fills it.
+Below `kv_pressure_below` of the blocks free, after the step's decodes, the target shrinks in
+proportion to the free share, down to `kv_pressure_min_scale` (0.5) of it: decodes finish
+sooner and admission slows until memory frees. Blocks only idle session pins hold count as
+free (they go to other requests before any preemption). It was on (0.4) until 2026-11-29: on
+the datasheet roofline it removed the preemptions of DynaServe on P2048/D512 (A100 ×
+Qwen2.5-14B, 5–96 per probe at 2.8–4.2 req/s); on measured A100 timing with vLLM's cost it
+costs capacity and buys none — DynaServe 3.13 → 3.49 req/s on P2048/D512 and 3.18 → 3.46 on
+P219/D1467 with it off (14B; 32B P219/D1467 3.28 → 3.40), the same on the other workloads
+(docs/benchmarks.md, "The KV-pressure rule"): the throttled admission queues prefill (TTFT
+grows) where recomputing a few preempted requests is cheaper. Default 0: off.
 
 **Starvation guard.** M is never below `min_prefill_tokens` (default 16, one block) while
 prefill work is queued, even when the decodes alone leave no room. Without it a loaded
@@ -83,7 +87,7 @@ class SloAwarePolicy:
 
     def __init__(self, perf_model: PerfModel | dict | str | None = None, itl_slo_ms: float | str | None = None,
                  target_fraction: float | str = 0.9, min_prefill_tokens: int | str = 16,
-                 learning_rate: float | str = 0.2, kv_pressure_below: float | str = 0.4,
+                 learning_rate: float | str = 0.2, kv_pressure_below: float | str = 0.0,
                  kv_pressure_min_scale: float | str = 0.5):
         self.kv_pressure_below: float = number_option("kv_pressure_below", kv_pressure_below, minimum=0.0,
                                                       maximum=1.0)
