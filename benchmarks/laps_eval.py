@@ -106,6 +106,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     "vanilla PD": dict(placement_policy="pd_disaggregated", policy_params={"prefill_routing": "round_robin"}),
     "LB router": dict(placement_policy="pd_disaggregated"),
     "LAPS": dict(placement_policy="laps", batch_policy="laps"),
+    # Alg. 2 with a check it lacks: no hill-climb move the donor pool cannot spare (docs/laps_measured.md §3).
+    "LAPS + donor guard": dict(placement_policy="laps", batch_policy="laps", policy_params={"max_donor_busy": 0.9}),
     "pools only": dict(placement_policy="laps"),
     "batching only": dict(placement_policy="pd_disaggregated", batch_policy="laps"),
     # Conversations only: the baselines keeping the session's history (see the module docstring).
