@@ -25,14 +25,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from splitserve.perf.model import PerfModel
-
-
-def compute_seconds(perf_model: PerfModel, prefill: int, history: int, decode: int) -> float:
-    """Work seconds of `prefill` tokens on `history` cached tokens, then `decode` tokens."""
-    return perf_model.work_seconds(prefill, history, decode)
-
-
 @dataclass(slots=True)
 class _Work:
     seconds: float

@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass
 
 from services.global_scheduler.baselines import colocated_candidates
-from services.global_scheduler.compute_clock import ComputeClock, compute_seconds
+from services.global_scheduler.compute_clock import ComputeClock
 from services.global_scheduler.length_predictor import OutputLengthPredictor, observe_completion, predicted_output_len
 from services.global_scheduler.policy import (ClusterView, CompletionReport, Placement, PlacementRequest,
                                               StagePlacement, WorkerView, worker_rank)
@@ -299,7 +299,7 @@ class DynaServePolicy:
                            pb.drain_time, first_token, gap, alpha, beta, not_before)
 
     def _work(self, micro: MicroRequest) -> float:
-        return compute_seconds(self.perf_model, micro.prefill, micro.history, micro.decode)
+        return self.perf_model.work_seconds(micro.prefill, micro.history, micro.decode)
 
     def _meets_slo(self, request: PlacementRequest, option: SplitOption, now: float) -> bool:
         if request.slo_ttft_ms and (option.first_token - now) * 1000 > request.slo_ttft_ms:

@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 __all__ = ["BATCH_GRID", "CHUNK_GRID", "LOGITS_GRID", "TABLES_FORMAT", "TOKEN_GRID", "StepTables", "check_step_cost",
-           "context_grid",
-           "history_grid", "monotone_grid"]
+           "context_grid", "history_grid", "monotone_grid"]
 
 TABLES_FORMAT = 1
 
@@ -321,15 +320,15 @@ class StepTables:
         attention as one chunk of `prefill` tokens, and per decode token its attention's
         marginal cost in a batch of 16-64 (the secant, where the measured per-sequence cost
         has settled) at the run's mean context, plus the framework's cost per sequence."""
+        slope = self.linear_slope_s()
         seconds = 0.0
         if prefill > 0:
-            seconds += (self.linear_slope_s() * prefill + self.per_seq_overhead_s
+            seconds += (slope * prefill + self.per_seq_overhead_s
                         + self.kernel_scale * self.prefill_attention_s(prefill, history))
         if decode > 0:
             mean_context = history + prefill + 1 + (decode - 1) / 2
             attention = (self.decode_attention_s(64, mean_context) - self.decode_attention_s(16, mean_context)) / 48
-            seconds += decode * (self.linear_slope_s() + self.per_seq_overhead_s
-                                 + self.kernel_scale * max(0.0, attention))
+            seconds += decode * (slope + self.per_seq_overhead_s + self.kernel_scale * max(0.0, attention))
         return seconds
 
     def prefill_boundary(self, l_hist: float) -> float:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.global_scheduler.compute_clock import ComputeClock, compute_seconds
+from services.global_scheduler.compute_clock import ComputeClock
 from splitserve.perf.presets import preset
 
 EPOCH = 1.79e9  # an epoch-sized scheduler clock: the sums must not lose its digits
@@ -60,9 +60,9 @@ def test_reset_and_unknown_keys():
 def test_compute_seconds_follow_the_compute_line():
     perf = preset("A100", "qwen2.5-14b")
     p, d = perf.prefill, perf.decode
-    assert compute_seconds(perf, 100, 50, 0) == pytest.approx(p.c_tok * 100 + p.c_attn * 100 * (50 + 50))
+    assert perf.work_seconds(100, 50, 0) == pytest.approx(p.c_tok * 100 + p.c_attn * 100 * (50 + 50))
     # two decode tokens read 151 then 152 positions
-    assert compute_seconds(perf, 100, 50, 2) - compute_seconds(perf, 100, 50, 0) == pytest.approx(
+    assert perf.work_seconds(100, 50, 2) - perf.work_seconds(100, 50, 0) == pytest.approx(
         2 * d.c_seq + d.c_ctx * (151 + 152))
     # a prompt costs far more compute than a decode token of the same request
-    assert compute_seconds(perf, 2048, 0, 0) > 50 * compute_seconds(perf, 0, 2048, 1)
+    assert perf.work_seconds(2048, 0, 0) > 50 * perf.work_seconds(0, 2048, 1)
