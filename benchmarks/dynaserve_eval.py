@@ -222,8 +222,16 @@ SETUPS = {"14B": Setup("Qwen2.5-14B, 2 x A100 (2 workers x TP1)", "Qwen2.5-14B",
 ABLATIONS = ("DynaServe+fcfs", "coloc+slo_aware", "least_loaded+slo_aware", "DynaServe+prompt_cuts")
 
 
-def system_options(system: str) -> dict[str, Any]:
-    """Simulator options of a system name: coloc-<chunk>, 1P1D, DynaServe and the `ABLATIONS`."""
+def system_options(system: str, slo_aware_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Simulator options of a system name: coloc-<chunk>, 1P1D, DynaServe and the `ABLATIONS`;
+    `slo_aware_options` are added to every system that batches with `slo_aware`."""
+    options = _system_options(system)
+    if slo_aware_options and options.get("batch_policy") == "slo_aware":
+        options["batch_policy_options"] = {**options["batch_policy_options"], **slo_aware_options}
+    return options
+
+
+def _system_options(system: str) -> dict[str, Any]:
     if system.startswith("coloc-"):
         return {"placement_policy": "round_robin", "max_num_batched_tokens": int(system.split("-")[1])}
     if system == "1P1D":
@@ -248,13 +256,14 @@ def system_options(system: str) -> dict[str, Any]:
 class Bench:
     args: argparse.Namespace
     setup: Setup
+    slo_aware_options: dict[str, Any] = field(default_factory=dict)  # see `system_options`
     sims: dict[str, Simulator] = field(default_factory=dict)
 
     def sim(self, system: str) -> Simulator:
         if system not in self.sims:
             self.sims[system] = Simulator.from_preset(self.setup.workers, GPU, self.setup.model, self.setup.tp,
                                                       link=LINK, perf_backend=self.args.perf_backend,
-                                                      **COMMON, **system_options(system))
+                                                      **COMMON, **system_options(system, self.slo_aware_options))
         return self.sims[system]
 
     def window_s(self, workload: Workload) -> float:

@@ -40,21 +40,12 @@ def main() -> None:
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     extra = dict(option.split("=", 1) for option in args.slo_aware_option)
-    if extra:
-        base_options = de.system_options
-
-        def with_extra(system: str) -> dict:
-            options = base_options(system)
-            if options.get("batch_policy") == "slo_aware":
-                options["batch_policy_options"] = {**options["batch_policy_options"], **extra}
-            return options
-        de.system_options = with_extra
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     caps: dict[str, dict[str, list[float]]] = {}
     for seed in range(args.seeds):
         run = argparse.Namespace(perf_backend=args.perf_backend, window_s=60.0, min_requests=100, seed=seed,
                                  ttft_growth_s=2.0, rate_tol=0.05, max_probes=7)
-        bench = de.Bench(run, de.SETUPS[args.setup])
+        bench = de.Bench(run, de.SETUPS[args.setup], slo_aware_options=extra)
         for workload in de.workloads(names, seed, lambda _: None):
             for system in systems:
                 cap = bench.capacity(system, workload)["capacity_rps"]

@@ -30,7 +30,6 @@ its L_m up, one whose compute is slower moves it down.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from splitserve.perf.model import PerfModel
 
@@ -44,7 +43,7 @@ class LengthBoundary:
     """L_m(H) from a performance model (or a fixed count), and the class of a (re-)prefill."""
 
     __slots__ = ("perf_model", "fixed_tokens", "learning_rate", "compute_scale", "memory_scale",
-                 "num_observed", "_scaled", "_scaled_at")
+                 "num_observed")
 
     def __init__(self, perf_model: PerfModel | None = None, fixed_tokens: int | None = None,
                  learning_rate: float = 0.05):
@@ -59,20 +58,15 @@ class LengthBoundary:
         # Measured / predicted time of compute-bound and of memory-bound prefill steps (EWMA).
         self.compute_scale = self.memory_scale = 1.0
         self.num_observed = 0
-        self._scaled = perf_model  # the model with both scales applied
-        self._scaled_at = (1.0, 1.0)
 
     def tokens(self, history: int = 0) -> float:
         """L_m(H): new tokens from which a prefill on `history` cached tokens is compute-bound
-        (inf when it never is)."""
+        (inf when it never is); a closed form or a table lookup, cheap per request."""
         if self.fixed_tokens is not None:
             return float(self.fixed_tokens)
-        assert self._scaled is not None
-        if self._scaled.tables is not None:
-            # Measured tables: L_m = (one-token prefill's cost) / (GEMM seconds per token), so a
-            # device whose memory is slower than measured moves it up, slower compute down.
-            return self._scaled.prefill_boundary(history) * self.memory_scale / self.compute_scale
-        return self._scaled.prefill_boundary(history)  # a closed form: cheap per request
+        assert self.perf_model is not None
+        return self.perf_model.prefill_boundary(history, compute_scale=self.compute_scale,
+                                                memory_scale=self.memory_scale)
 
     def observe(self, prefill_tokens: int, history: int, seconds: float) -> None:
         """A measured step that ran one prefill of `prefill_tokens` on `history` cached
@@ -81,34 +75,16 @@ class LengthBoundary:
         if model is None or self.fixed_tokens is not None or prefill_tokens <= 0 \
                 or not (math.isfinite(seconds) and seconds > 0):
             return
-        rate = self.learning_rate
-        if model.tables is not None:
-            # The tables' step is a sum, not a max: the whole predicted step is the term, and the
-            # (scaled) boundary says which regime it ran in.
-            predicted = model.prefill_time(history, prefill_tokens)
-            if predicted > 0:
-                if prefill_tokens >= self.tokens(history):
-                    self.compute_scale += rate * (seconds / predicted - self.compute_scale)
-                else:
-                    self.memory_scale += rate * (seconds / predicted - self.memory_scale)
-                self.num_observed += 1
+        regime, predicted = model.prefill_bounding_term(
+            history, prefill_tokens, compute_scale=self.compute_scale, memory_scale=self.memory_scale)
+        if predicted <= 0:
             return
-        compute, memory = model.prefill_terms(history, prefill_tokens)
-        # Which term bounds the step by the *scaled* model: the scales move the ridge.
-        if compute * self.compute_scale >= memory * self.memory_scale:
-            if compute > 0:
-                self.compute_scale += rate * (seconds / compute - self.compute_scale)
-        elif memory > 0:
-            self.memory_scale += rate * (seconds / memory - self.memory_scale)
+        rate = self.learning_rate
+        if regime == "compute":
+            self.compute_scale += rate * (seconds / predicted - self.compute_scale)
+        else:
+            self.memory_scale += rate * (seconds / predicted - self.memory_scale)
         self.num_observed += 1
-        c, m = self._scaled_at
-        if abs(self.compute_scale / c - 1) > 0.01 or abs(self.memory_scale / m - 1) > 0.01:
-            p = model.prefill
-            self._scaled = replace(model, prefill=replace(
-                p, c0=p.c0 * self.compute_scale, c_tok=p.c_tok * self.compute_scale,
-                c_attn=p.c_attn * self.compute_scale, m0=p.m0 * self.memory_scale,
-                m_tok=p.m_tok * self.memory_scale, m_hist=p.m_hist * self.memory_scale))
-            self._scaled_at = (self.compute_scale, self.memory_scale)
 
     def observe_step(self, prefill_chunks: tuple[tuple[int, int], ...], num_decodes: int, seconds: float) -> None:
         """`observe` for a step's shape ((l_hist, l_incr) per prefill): only one prefill alone counts."""

@@ -346,21 +346,41 @@ class PerfModel:
         """Seconds per (query, cached key) pair a prefill chunk pays to read its history."""
         return self.tables.attention_s_per_pair() if self.tables is not None else self.prefill.c_attn
 
-    def prefill_boundary(self, l_hist: int = 0) -> float:
+    def prefill_boundary(self, l_hist: int = 0, *, compute_scale: float = 1.0,
+                         memory_scale: float = 1.0) -> float:
         """LAPS' L_m: the smallest new-token count at which a prefill on `l_hist` cached
-        tokens is compute-bound (root of compute = memory); inf if never. With measured
-        tables, read off their curves (`StepTables.prefill_boundary`)."""
+        tokens is compute-bound (root of compute = memory); inf if never. The scales multiply
+        the compute and memory terms (LAPS' online refit, `core.length_class`). With measured
+        tables, read off their curves (`StepTables.prefill_boundary`: a one-token prefill's
+        cost over the GEMMs' seconds per token), so slower memory moves it up, slower compute
+        down, in the same proportion."""
         if self.tables is not None:
-            return self.tables.prefill_boundary(l_hist)
-        p = self.prefill
-        a = p.c_attn / 2
-        b = p.c_tok + p.c_attn * l_hist - p.m_tok
-        c = p.c0 - p.m0 - p.m_hist * l_hist
+            return self.tables.prefill_boundary(l_hist) * memory_scale / compute_scale
+        p, cs, ms = self.prefill, compute_scale, memory_scale
+        a = cs * p.c_attn / 2
+        b = cs * (p.c_tok + p.c_attn * l_hist) - ms * p.m_tok
+        c = cs * p.c0 - ms * (p.m0 + p.m_hist * l_hist)
         if c >= 0:
             return 0.0
         if a > 0:
             return 2 * -c / (b + math.sqrt(b * b - 4 * a * c))  # the positive root, stably
         return -c / b if b > 0 else math.inf
+
+    def prefill_bounding_term(self, l_hist: int, l_incr: int, *, compute_scale: float = 1.0,
+                              memory_scale: float = 1.0) -> tuple[str, float]:
+        """("compute" or "memory", unscaled seconds of that term) for one prefill alone, the
+        regime judged on the scaled model (the scales move the ridge). The closed form's term
+        is its compute or memory line; measured tables' step is a sum of kernel classes, not a
+        max, so their term is the whole predicted step and the regime the side of the scaled
+        L_m the prefill is on."""
+        if self.tables is not None:
+            regime = "compute" if l_incr >= self.prefill_boundary(
+                l_hist, compute_scale=compute_scale, memory_scale=memory_scale) else "memory"
+            return regime, self.prefill_time(l_hist, l_incr)
+        compute, memory = self.prefill_terms(l_hist, l_incr)
+        if compute * compute_scale >= memory * memory_scale:
+            return "compute", compute
+        return "memory", memory
 
     def decode_breakpoint(self, ctx: float) -> float:
         """Batch size at which a decode step of mean context `ctx` turns compute-bound."""

@@ -95,3 +95,16 @@ def test_ttft_growth_detects_a_growing_queue():
     growing = [result(i, 0.5 * i) for i in range(40)]
     assert de.ttft_growth_s(steady) == 0.0
     assert de.ttft_growth_s(growing) == pytest.approx(0.5 * 20)
+
+
+def test_slo_aware_options_reach_only_the_systems_that_batch_with_slo_aware():
+    extra = {"kv_pressure_below": "0.4"}
+    for system in ("DynaServe", "least_loaded+slo_aware", "coloc+slo_aware", "DynaServe+prompt_cuts"):
+        options = de.system_options(system, extra)
+        assert options["batch_policy_options"] == {"itl_slo_ms": de.ITL_SLO_MS, **extra}
+        assert de.system_options(system)["batch_policy_options"] == {"itl_slo_ms": de.ITL_SLO_MS}
+    for system in ("coloc-256", "1P1D", "DynaServe+fcfs"):
+        assert de.system_options(system, extra) == de.system_options(system)
+        assert "batch_policy_options" not in de.system_options(system, extra)
+    with pytest.raises(ValueError):
+        de.system_options("no-such-system")

@@ -102,6 +102,27 @@ def test_prefill_boundary_is_where_the_regime_changes():
             assert model.prefill_regime(h, math.ceil(lm) + 1) == "compute"
 
 
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(min_value=0, max_value=50_000),
+       compute_scale=st.floats(min_value=0.2, max_value=5.0),
+       memory_scale=st.floats(min_value=0.2, max_value=5.0))
+def test_a_scaled_boundary_is_the_boundary_of_the_model_with_its_terms_scaled(h, compute_scale, memory_scale):
+    # LAPS' online refit (core.length_class) scales the compute and memory terms; the scaled
+    # closed form must be the ridge of the model whose coefficients were scaled.
+    for model in (TOY, H100_8B):
+        p = model.prefill
+        scaled = dataclasses.replace(model, prefill=dataclasses.replace(
+            p, c0=p.c0 * compute_scale, c_tok=p.c_tok * compute_scale, c_attn=p.c_attn * compute_scale,
+            m0=p.m0 * memory_scale, m_tok=p.m_tok * memory_scale, m_hist=p.m_hist * memory_scale))
+        got = model.prefill_boundary(h, compute_scale=compute_scale, memory_scale=memory_scale)
+        assert got == pytest.approx(scaled.prefill_boundary(h), rel=1e-9)
+        n = max(1, math.ceil(got) + 1)
+        regime, seconds = model.prefill_bounding_term(h, n, compute_scale=compute_scale,
+                                                      memory_scale=memory_scale)
+        assert regime == scaled.prefill_regime(h, n)
+        assert seconds == model.prefill_terms(h, n)[0 if regime == "compute" else 1]
+
+
 def test_decode_breakpoint_small_batches_memory_bound_large_compute_bound():
     b_star = H100_8B.decode_breakpoint(128)
     assert 100 < b_star < 1000
