@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test test-unit lint run model bench protos clean constraints
+.PHONY: setup test test-all test-unit lint run model bench protos clean constraints
 
 setup: $(STAMP)
 
@@ -32,8 +32,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m workers.engine.kernels || echo "CPU kernels not built: decode attention runs in torch"
 	touch $(STAMP)
 
-# Layers first (the import-linter contracts in pyproject.toml), then every test.
+# Layers first (the import-linter contracts in pyproject.toml), then the default suite: every
+# test but the extended tier (marked `slow`: the Docker deployment, the long fault runs).
 test: setup
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q --durations=25 -m "not slow" tests
+
+# Every test, the extended tier included; Docker's engine and compose are started (installed
+# from Debian when missing) for the deployment test first, else it is skipped saying why.
+test-all: setup
+	bash scripts/docker_engine.sh
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=25 tests
 

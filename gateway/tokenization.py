@@ -50,6 +50,23 @@ def read_model_limits(model_dir: str | os.PathLike) -> tuple[int, int, str]:
     return max_len, int(vocab), str(config.get("model_type", ""))
 
 
+# tokenizer_config.json classes that are the generic tokenizers.json-backed tokenizer itself
+# (transformers 5 names it TokenizersBackend; PreTrainedTokenizerFast is the same class).
+_GENERIC_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _generic_fast_tokenizer(model_dir: str | os.PathLike) -> bool:
+    """Whether the directory's tokenizer is a plain tokenizer.json one, no model-specific class."""
+    path = Path(model_dir)
+    if not (path / "tokenizer.json").is_file():
+        return False
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return config.get("tokenizer_class") in _GENERIC_FAST_TOKENIZERS
+
+
 class Tokenization:
     """Prompt encoding, chat templating and token-id checks for the served model."""
 
@@ -75,19 +92,21 @@ class Tokenization:
 
         A `.gguf` file stands for its dequantized directory, the one the workers load.
         """
-        from transformers import AutoTokenizer
-
         from splitserve.gguf import resolve_model_path
 
         model_dir = resolve_model_path(model_dir)
         max_len, vocab, model_type = read_model_limits(model_dir)
-        if model_type in DIFFUSION_MODEL_TYPES:
-            # Not AutoTokenizer: it looks config.json's model_type up among transformers' models,
-            # which have no diffusion LLM.
+        if model_type in DIFFUSION_MODEL_TYPES or _generic_fast_tokenizer(model_dir):
+            # The class AutoTokenizer would pick anyway, without its import of torch (~3 s of
+            # every gateway's start, and ~400 MB): a gateway needs no tensors. A diffusion
+            # model's type is also unknown to AutoTokenizer, which looks config.json's
+            # model_type up among transformers' models.
             from transformers import PreTrainedTokenizerFast
 
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
         else:
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         mask = json.loads((Path(model_dir) / "config.json").read_text()).get("mask_token_id")
         return cls(tokenizer, max_len, vocab, model_type, mask if isinstance(mask, int) else None)

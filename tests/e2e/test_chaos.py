@@ -32,6 +32,9 @@ def _chaos_app() -> typer.Typer:
     return app
 
 
+# Extended tier (make test-all): tests/e2e/test_migration_under_kills.py[split] covers killed
+# workers with exact streams in the default suite.
+@pytest.mark.slow
 def test_killed_workers_lose_no_request_and_corrupt_no_output(tiny_model_dirs, tmp_path):
     with splitserve_up(tiny_model_dirs["llama"], tmp_path, "--workers", "3", "--kv-cache-memory-bytes",
                        str(16 << 20)) as up:

@@ -244,7 +244,9 @@ def _emulated_spec(tmp_path: Path, redis_url: str, **overrides) -> ClusterSpec:
 # ---- 1. Redis restarted -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("persist", [False, True], ids=["empty", "with-data"])
+# A restart that kept its data in the default suite; one that lost it in the extended tier
+# (make test-all; the fencing test below covers lost data too).
+@pytest.mark.parametrize("persist", [pytest.param(False, marks=pytest.mark.slow), True], ids=["empty", "with-data"])
 def test_redis_restart_loses_no_request_and_every_service_reconnects_within_5_s(tiny_model_dirs, tmp_path,
                                                                                   persist):
     server = RestartableRedis(tmp_path / "redis", persist)

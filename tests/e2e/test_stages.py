@@ -208,9 +208,11 @@ def test_pd_disaggregated_equals_colocated(transport_cluster, reference):
 # is flipped in flight, over NIXL each WRITE reads the wrong source blocks (a misaddressed DMA).
 # fail: the push fails at the sender, which tells the receiver at once. truncate: the last
 # chunk is never sent.
+# One corrupt and one truncated transfer (both transports, both reasons) in the default suite;
+# the rest in the extended tier (make test-all): each case starts a cluster of its own.
 @pytest.mark.parametrize("fault, transport, reason", [
-    ("corrupt", "grpc", "failed"), ("corrupt", "nixl", "failed"), ("fail", "nixl", "failed"),
-    ("truncate", "nixl", "timeout")])
+    ("corrupt", "grpc", "failed"), pytest.param("corrupt", "nixl", "failed", marks=pytest.mark.slow),
+    pytest.param("fail", "nixl", "failed", marks=pytest.mark.slow), ("truncate", "nixl", "timeout")])
 def test_bad_transfer_is_detected_and_recomputed(fault, transport, reason, tiny_model_dirs, tmp_path_factory,
                                                  reference):
     cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={
