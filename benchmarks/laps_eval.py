@@ -105,9 +105,12 @@ DEPLOYMENTS = {"temporal": (1, 2), "spatial": (8, 4)}  # (prefill instances, dec
 SYSTEMS: dict[str, dict[str, Any]] = {
     "vanilla PD": dict(placement_policy="pd_disaggregated", policy_params={"prefill_routing": "round_robin"}),
     "LB router": dict(placement_policy="pd_disaggregated"),
+    # LAPS as it ships: Alg. 2 with the donor guard, a check it lacks (no hill-climb move the
+    # donor pool cannot spare; on by default since 2026-11-29, docs/laps_measured.md). Runs
+    # before then named this "LAPS + donor guard" and the published Alg. 2 "LAPS".
     "LAPS": dict(placement_policy="laps", batch_policy="laps"),
-    # Alg. 2 with a check it lacks: no hill-climb move the donor pool cannot spare (docs/laps_measured.md §3).
-    "LAPS + donor guard": dict(placement_policy="laps", batch_policy="laps", policy_params={"max_donor_busy": 0.9}),
+    "LAPS (Alg. 2 as published)": dict(placement_policy="laps", batch_policy="laps",
+                                       policy_params={"max_donor_busy": "inf"}),
     "pools only": dict(placement_policy="laps"),
     "batching only": dict(placement_policy="pd_disaggregated", batch_policy="laps"),
     # Conversations only: the baselines keeping the session's history (see the module docstring).

@@ -37,7 +37,8 @@ Differences from the paper, and why:
   in time: temporal mode);
 * a pool found below n_min (its worker died or drains, an operator moved one) gets an
   instance from the other pool at once, cool-down or not;
-* optional, off by default (`max_donor_busy`, not in the paper): a hill-climb move is refused
+* the donor guard (`max_donor_busy`, not in the paper; off in this config, Alg. 2 as
+  published, on at 0.9 in the `laps` policy that builds the controller): a hill-climb move is refused
   when the donor pool's busy share, spread over one instance fewer, would exceed the bound.
   Measured on the multi-turn workload (docs/laps_measured.md §3): with 69% of turns short, the
   long pool's P90 pressure spikes (one long prefill queued) outweigh a short pool of two

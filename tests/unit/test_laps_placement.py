@@ -196,7 +196,7 @@ def test_hysteresis_min_gap_and_n_min_hold_moves_back():
 
 def test_the_donor_guard_refuses_a_move_its_pool_could_not_absorb():
     # Two short instances 60% busy each keep up; the long pool's pressure spike would take one
-    # (Alg. 2 as published), leaving one instance 120% busy. The guard (opt-in) refuses that.
+    # (Alg. 2 as published), leaving one instance 120% busy. The guard (the laps policy's default) refuses that.
     spike = view(worker("s0", pool="short", busy=0.6), worker("s1", pool="short", busy=0.6),
                  worker("l0", pool="long", queued=60_000, busy=1.0), worker("l1", pool="long", queued=60_000, busy=1.0))
     assert controller().step(spike, NOW).move.to_pool == "long"
@@ -206,6 +206,16 @@ def test_the_donor_guard_refuses_a_move_its_pool_could_not_absorb():
     assert controller(max_donor_busy=0.9).step(idle_short, NOW).move.to_pool == "long"  # 0.5 fits one instance
     with pytest.raises(ValueError, match="max_donor_busy"):
         PoolControllerConfig(max_donor_busy=0.0)
+
+
+def test_the_laps_policy_builds_its_controller_with_the_donor_guard_unless_told_inf():
+    assert make_policy("laps").pool_controller().config.max_donor_busy == 0.9
+    for off in ("inf", "none", "off", None, math.inf):
+        assert make_policy("laps", max_donor_busy=off).pool_controller().config.max_donor_busy == math.inf
+    assert make_policy("laps", max_donor_busy="0.75").pool_controller().config.max_donor_busy == 0.75
+    for bad in ("0", "-1", "busy", "nan", "-inf"):
+        with pytest.raises(ValueError, match="max_donor_busy"):
+            make_policy("laps", max_donor_busy=bad)
 
 
 @settings(max_examples=200, deadline=None)
