@@ -201,6 +201,10 @@ class CoordinatorConfig(CommonConfig):
     request_record_ttl_s: float = opt(600.0, "How long request records stay in Redis.")
     request_timeout_s: float = opt(600.0, "Deadline of a request when the caller sets none.")
     kv_chunk_tokens: int = opt(64, "Tokens per pushed KV chunk between stages (rounded up to whole blocks).")
+    kv_reserve_wait_s: float = opt(30.0, "How long a stage waits, in line, for the next stage's worker to have room "
+                                   "for its KV before it is sent anyway and the next stage recomputes that range "
+                                   "from tokens (a prefill worker's backlog holds decode KV only once it runs). "
+                                   "0: recompute at once.")
     migration_timeout_s: float = opt(20.0, "How long to keep re-placing a request whose worker died mid-stream.")
     placement: str = opt("scheduler", "Where plans come from: scheduler (the GlobalScheduler service; run-time "
                          "SetPolicy, one view for all coordinators) | local (the same policy in this process: one "

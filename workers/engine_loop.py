@@ -12,10 +12,11 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitserve.core import KvInBlocks, StageKey, StageKeyTaken, StageSpec, TokenEvent
+from splitserve.core import KvCapacityError, KvInBlocks, StageKey, StageKeyTaken, StageSpec, TokenEvent
 from splitserve.core.session_pins import SessionPinStats
 from splitserve.core.records import PrefillTask, WorkerLoad
 from workers.engine.engine import Engine
@@ -65,6 +66,9 @@ class EngineLoop:
         # stage -> callback(num_computed_tokens, block_table), called after steps that advance it
         self._watchers: dict[StageKey, Callable[[int, list[int]], None]] = {}
         self._watched_progress: dict[StageKey, int] = {}
+        # KV reservations waiting for room, first come first served (engine thread only):
+        # (num_tokens, future, undo), granted as steps and releases free blocks.
+        self._reservation_line: deque[tuple[int, asyncio.Future, Callable[[Engine, Any], Any] | None]] = deque()
         self.snapshot = self._take_snapshot()
         self.steps = 0
         self.busy_s = 0.0  # seconds spent in steps that ran tokens (the worker's busy_fraction)
@@ -208,6 +212,18 @@ class EngineLoop:
         self._send(("call", fn, fut, undo))
         return fut
 
+    def reserve_kv(self, num_tokens: int, wait: bool,
+                   undo: Callable[[Engine, Any], Any] | None = None) -> asyncio.Future:
+        """Reserve blocks for `num_tokens` of KV another worker will write. No room: fails with
+        KvCapacityError, or with `wait` joins the line of reservations waiting for room and
+        resolves when blocks free (the caller bounds the wait by cancelling; `undo` then frees
+        what a late grant took). Nobody overtakes the line: with anyone waiting, a reservation
+        that does not wait fails; and stages already in the engine that the last step left
+        short of blocks come before both (`Scheduler.kv_short`)."""
+        fut = self.loop.create_future()
+        self._send(("reserve", num_tokens, fut, undo, wait))
+        return fut
+
     # ---- engine thread ------------------------------------------------------------
     def _send(self, command) -> None:
         self._commands.put(command)
@@ -219,6 +235,8 @@ class EngineLoop:
             self.thread_init()
         while not self._stopping:
             self._apply_commands()
+            if self._reservation_line:
+                self._grant_reservations()
             if engine.has_unfinished():
                 started = time.perf_counter()
                 try:
@@ -264,6 +282,39 @@ class EngineLoop:
                 except Exception as err:
                     result, error = None, err
                 self.loop.call_soon_threadsafe(self._resolve, fut, result, error, undo)
+            elif command[0] == "reserve":
+                _, num_tokens, fut, undo, wait = command
+                if wait and num_tokens <= self.engine.kv_capacity_tokens:
+                    self._reservation_line.append((num_tokens, fut, undo))
+                    continue  # granted in line below (more than the whole cache never is: fails now)
+                try:
+                    if self._reservation_line:
+                        raise KvCapacityError(f"{len(self._reservation_line)} KV reservation(s) are waiting "
+                                              "for room first")
+                    if self.engine.kv_short:
+                        raise KvCapacityError("stages already here are waiting for KV blocks first")
+                    result, error = self.engine.reserve_kv(num_tokens), None
+                except Exception as err:
+                    result, error = None, err
+                self.loop.call_soon_threadsafe(self._resolve, fut, result, error, undo)
+
+    def _grant_reservations(self) -> None:
+        """Give waiting reservations their blocks, in line, while there is room — after the
+        stages already in the engine: none while the last step left one short of blocks."""
+        line = self._reservation_line
+        while line and not self.engine.kv_short:
+            num_tokens, fut, undo = line[0]
+            if fut.done():  # its caller stopped waiting (a read of a flag set on the event loop)
+                line.popleft()
+                continue
+            try:
+                result, error = self.engine.reserve_kv(num_tokens), None
+            except KvCapacityError:
+                return  # not yet: the head waits, and nobody overtakes it
+            except Exception as err:
+                result, error = None, err
+            line.popleft()
+            self.loop.call_soon_threadsafe(self._resolve, fut, result, error, undo)
 
     def _resolve(self, fut: asyncio.Future, result, error, undo) -> None:
         """On the event loop: hand a call's result to its caller, or undo it if the caller left."""

@@ -49,6 +49,12 @@ KV_INCOMING_TOKENS = Counter("splitserve_worker_kv_incoming_tokens_total",
 HISTORY_CACHED_TOKENS = Counter(
     "splitserve_worker_history_cached_tokens_total",
     "History tokens a lazy pull found in this worker's own prefix cache, so did not pull")
+KV_RESERVATIONS = Counter("splitserve_worker_kv_reservations_total",
+                          "KV reservations for another worker's push (PrepareKv): reserved, or no_room (none now, "
+                          "or within the caller's wait in line)", ["outcome"])
+KV_RESERVE_WAIT_SECONDS = Counter("splitserve_worker_kv_reserve_wait_seconds_total",
+                                  "Seconds from PrepareKv to its answer for reservations allowed to wait for room "
+                                  "(time in line plus the engine's answer between steps)")
 HISTORY_LEASES = Counter("splitserve_worker_session_history_leases_total",
                          "Pinned session histories lent to another worker's lazy pull (AMPD remote prefill)")
 
@@ -118,16 +124,34 @@ class KvStageManager:
             self.transport.incoming_done(chunk.transfer_id)  # all in (or failed): stop polling fast
 
     # ---- receiving ----------------------------------------------------------------
-    async def prepare(self, request_id: str, transfer_id: str, num_tokens: int, start: int = 0) -> list[int]:
-        """Reserve blocks for [start, num_tokens) of a request's KV; raises KvCapacityError, or
-        InvalidInput for a start that is not whole blocks below num_tokens."""
+    async def prepare(self, request_id: str, transfer_id: str, num_tokens: int, start: int = 0,
+                      wait_s: float = 0.0) -> list[int]:
+        """Reserve blocks for [start, num_tokens) of a request's KV, waiting in line up to
+        `wait_s` for room; raises KvCapacityError when none came, or InvalidInput for a start
+        that is not whole blocks below num_tokens."""
         self.reap_expired()
         if transfer_id in self._reservations:
             return self._reservations[transfer_id].block_ids
         if not 0 <= start < num_tokens or (start and start % self.memory.block_size):
             raise InvalidInput(f"start must be a multiple of the block size {self.memory.block_size} "
                                f"below num_tokens={num_tokens}, got {start}", param="start")
-        blocks = await self.loop.call(lambda engine: engine.reserve_kv(num_tokens - start), undo=_release_reserved)
+        reserved = self.loop.reserve_kv(num_tokens - start, wait=wait_s > 0, undo=_release_reserved)
+        asked = time.monotonic()
+        try:
+            blocks = await asyncio.wait_for(reserved, wait_s) if wait_s > 0 else await reserved
+        except TimeoutError:
+            KV_RESERVATIONS.labels("no_room").inc()
+            KV_RESERVE_WAIT_SECONDS.inc(wait_s)
+            raise KvCapacityError(f"no room for {num_tokens - start} tokens of KV within {wait_s:g} s") from None
+        except KvCapacityError:
+            KV_RESERVATIONS.labels("no_room").inc()
+            raise
+        KV_RESERVATIONS.labels("reserved").inc()
+        if wait_s > 0:
+            KV_RESERVE_WAIT_SECONDS.inc(time.monotonic() - asked)
+        if transfer_id in self._reservations:  # a retry of the same transfer got there while this one waited
+            await self.loop.call(lambda engine: engine.release_reserved(blocks))
+            return self._reservations[transfer_id].block_ids
         self._reservations[transfer_id] = _Reservation(request_id, blocks, num_tokens, time.monotonic(), start)
         self.tracker.expect(transfer_id, request_id, num_tokens - start, blocks, token_start=start)
         if self.transport is not None:

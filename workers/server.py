@@ -231,7 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                 "model: it takes no KV")
         try:
             blocks = await self.server.kv.prepare(request.request_id, request.transfer_id, request.num_tokens,
-                                                  request.start)
+                                                  request.start, wait_s=request.wait_ms / 1000)
         except KvCapacityError as err:
             return worker_pb2.PrepareKvResponse(ok=False, error=str(err))
         except InvalidInput as err:

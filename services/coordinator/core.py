@@ -46,11 +46,17 @@ E2E = Histogram("splitserve_coordinator_e2e_seconds", "Submit to last token", bu
 MAX_ATTEMPTS = 8
 
 
+_MAX_KV_RESERVE_WAIT_S = 3600.0  # PrepareKv's wait_ms is a uint32; an hour is already far past any deadline
+
+
 class Coordinator:
     """Owns each request's lifecycle: place, execute stages, stitch, migrate, record."""
 
     def __init__(self, config: CoordinatorConfig, placer: Placer, workers: WorkerDirectory,
                  records: RequestRecordWriter, sessions: SessionService | None = None):
+        if not 0 <= config.kv_reserve_wait_s <= _MAX_KV_RESERVE_WAIT_S:
+            raise ValueError(f"kv_reserve_wait_s: must be between 0 and {_MAX_KV_RESERVE_WAIT_S:g} s, "
+                             f"got {config.kv_reserve_wait_s!r}")
         self.config = config
         self.placer = placer
         self.workers = workers
@@ -244,15 +250,20 @@ class Coordinator:
 
     async def _wire_kv(self, request_id: str, stage: types_pb2.Stage, index: int, following: types_pb2.Stage,
                        deadline: float, calling: _Calling, start: int = 0) -> KvLink | None:
-        """Reserve KV on the next stage's worker for what stage `index` computes; None when that
-        worker has no room now (the next stage then recomputes the range from tokens).
+        """Reserve KV on the next stage's worker for what stage `index` computes, waiting in line
+        up to --kv-reserve-wait-s for room there; None when none came (the next stage then
+        recomputes the range from tokens, in that worker's own queue). Waiting rather than
+        recomputing at once: a recompute is a whole prefill on the worker that decodes, the
+        interference disaggregation exists to avoid, while waiting only delays this request —
+        and little, as the worker it is sent to is usually behind a backlog of its own.
         `start` > 0: that worker holds [0, start) already, so only the rest travels."""
         transfer_id = f"{request_id}:{index}"
         calling.worker_id = following.worker_id
         stub = await self.workers.stub(following.worker_id)
         try:
             reply = await stub.PrepareKv(worker_pb2.PrepareKvRequest(
-                request_id=request_id, transfer_id=transfer_id, num_tokens=stage.end, start=start),
+                request_id=request_id, transfer_id=transfer_id, num_tokens=stage.end, start=start,
+                wait_ms=round(self.config.kv_reserve_wait_s * 1000)),
                 timeout=_remaining(deadline))
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None

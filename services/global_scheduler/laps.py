@@ -45,8 +45,6 @@ controller's SLA term).
 
 from __future__ import annotations
 
-import math
-
 from services.global_scheduler.baselines import LeastLoadedPolicy, colocated_candidates
 from services.global_scheduler.disaggregated import two_stage
 from services.global_scheduler.policy import ClusterView, Placement, PlacementRequest, WorkerView
@@ -88,7 +86,7 @@ class LapsPlacementPolicy:
             min_per_pool=number_option("min_per_pool", min_per_pool, minimum=1, integer=True),
             alpha=number_option("alpha", alpha, minimum=0.0), beta=number_option("beta", beta, minimum=0.0),
             gamma=number_option("gamma", gamma, minimum=0.0), min_gap=number_option("min_gap", min_gap, minimum=0.0),
-            max_donor_busy=_donor_bound(max_donor_busy),
+            max_donor_busy=number_option("max_donor_busy", max_donor_busy, minimum=1e-3, allow_inf=True),
             ttft_slo_s=number_option("ttft_slo_ms", ttft_slo_ms, minimum=1e-3) / 1000)
         self.controller_enabled = flag_option("controller", controller)
         self.follow_workers = flag_option("follow_workers", follow_workers)
@@ -178,13 +176,3 @@ class LapsPlacementPolicy:
                               f"{wanted} prefill (L={request.prompt_len - history}, H={history}, L_m={l_m:.0f}) on "
                               f"{prefill.worker_id}, decode on {decode.worker_id}")
         return Placement(placement.stages, self.name, placement.reason, decision)
-
-
-def _donor_bound(value: float | str | None) -> float:
-    """`max_donor_busy` as the controller takes it: a number > 0, or inf ("inf", "none", "off",
-    None) to run Alg. 2 without the guard."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("inf", "none", "off", "")):
-        return math.inf
-    if isinstance(value, float) and math.isinf(value) and value > 0:
-        return math.inf
-    return number_option("max_donor_busy", value, minimum=1e-3)

@@ -224,7 +224,9 @@ def orient_kv_transfers(placement: Placement, view: ClusterView) -> Placement:
     wait for nothing but its own work, and by induction every worker's do. A stage
     boundary pointing down recomputes instead (no transfer); policies that want a
     transfer put their first stage on the lower-ranked worker. Applied where every plan
-    is made (the scheduler's view and the simulator), whatever the policy.
+    is made (the scheduler's view and the simulator), whatever the policy. (A second guard
+    since: a worker grants no reservation while its own stages are short of blocks,
+    `Scheduler.kv_short`, which alone breaks that cycle; tests/unit/test_kv_orientation.py.)
     """
     stages = placement.stages
     if len(stages) < 2:

@@ -74,6 +74,7 @@ class ClusterOptions:
     kv_blocks: int | None = None
     view_refresh_ms: float = 100.0
     kv_chunk_tokens: int = 64
+    kv_reserve_wait_s: float = 30.0
     prefix_caching: bool = True
     fast_forward: bool = True
     dispatch_ms: float = 1.0
@@ -113,6 +114,7 @@ def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: i
                      batch_policy_options=cluster.batch_policy_options, block_size=cluster.block_size, max_num_batched_tokens=cluster.max_num_batched_tokens,
                      max_num_seqs=cluster.max_num_seqs, roles=roles, view_refresh_s=cluster.view_refresh_ms / 1000,
                      latency=latency, kv_chunk_tokens=cluster.kv_chunk_tokens,
+                     kv_reserve_wait_s=cluster.kv_reserve_wait_s,
                      enable_prefix_caching=cluster.prefix_caching, fast_forward=cluster.fast_forward,
                      slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
 
@@ -216,6 +218,9 @@ def simulate(
     view_refresh_ms: float = typer.Option(100.0, "--view-refresh-ms", help="Staleness of the load view placement "
                                           "sees (the workers' load publishing interval)."),
     kv_chunk_tokens: int = typer.Option(64, "--kv-chunk-tokens", help="Tokens per pushed KV chunk between stages."),
+    kv_reserve_wait_s: float = typer.Option(30.0, "--kv-reserve-wait-s", help="How long a stage waits in line for "
+                                            "room for its KV on the next stage's worker before it is sent anyway "
+                                            "and that range recomputed there (the coordinator's option); 0: at once."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Engine prefix caching."),
     fast_forward: bool = typer.Option(True, "--fast-forward/--no-fast-forward", help="Apply runs of identical "
                                       "decode steps in bulk (same results, faster)."),
@@ -233,8 +238,8 @@ def simulate(
         policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
         batch_policy_options=_key_values(batch_policy_option, "--batch-policy-option"), prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,
-        kv_chunk_tokens=kv_chunk_tokens, prefix_caching=prefix_caching, fast_forward=fast_forward,
-        dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)
+        kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s, prefix_caching=prefix_caching,
+        fast_forward=fast_forward, dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)
     run_command(lambda: run_simulation(opts, cluster))
 
 

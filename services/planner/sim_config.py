@@ -57,6 +57,9 @@ class SimulatorConfig:
     view_refresh_s: float = 0.1
     latency: NetworkLatency = NetworkLatency()
     kv_chunk_tokens: int = 64
+    # How long a stage's KV reservation on the next worker waits for room, FIFO, before the
+    # next stage recomputes the range instead (the coordinator's --kv-reserve-wait-s).
+    kv_reserve_wait_s: float = 30.0
     enable_prefix_caching: bool = True
     fast_forward: bool = True
     slo_ttft_ms: int = 0
@@ -72,6 +75,8 @@ class SimulatorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if not (math.isfinite(self.kv_reserve_wait_s) and self.kv_reserve_wait_s >= 0):
+            raise ValueError(f"kv_reserve_wait_s must be a finite number >= 0, got {self.kv_reserve_wait_s!r}")
         if not (math.isfinite(self.view_refresh_s) and self.view_refresh_s > 0):
             raise ValueError(f"view_refresh_s must be a finite number > 0, got {self.view_refresh_s!r}")
         if self.roles is not None:

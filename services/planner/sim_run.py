@@ -38,7 +38,7 @@ __all__ = ["SimRun", "SimStats", "STALLED", "VirtualClock", "gc_paused"]
 
 STALLED = "simulation stalled: no event left that could finish the request"
 # Event kinds; ties in time run in push order.
-_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE, _CONTROL = range(7)
+_SEND, _SEND_WITH_SLOT, _STAGE_START, _STEP_DONE, _KV_DONE, _WAKE, _CONTROL, _KV_WAIT_OVER = range(8)
 # The services' defaults: the workers' TTFT/ITL window (`--latency-window-s`) and a session's
 # idle TTL (`--session-ttl-s`).
 LATENCY_WINDOW_S = 10.0
@@ -55,6 +55,8 @@ class SimStats:
     steps: int = 0
     kv_transfers: int = 0
     kv_recomputes: int = 0
+    kv_reserve_waits: int = 0  # stages sent only once the next worker had room for their KV
+    kv_reserve_wait_s: float = 0.0  # their summed wait
     kv_pulls: int = 0  # session histories read by a remote incremental prefill (AMPD)
     kv_pulled_tokens: int = 0
     history_cached_tokens: int = 0  # of those histories, found in the prefill worker's own cache
@@ -177,6 +179,9 @@ class SimRun:
         self._order = itertools.count()
         self._in_flight: dict[str, _Request] = {}
         self._waiting_for_slot: deque[tuple[_Item, int]] = deque()
+        # Stages waiting, in line per worker, for that worker to have room for the KV they will
+        # push to it (Worker.PrepareKv with a wait): sent when it has, FIFO.
+        self._kv_waiters: dict[str, deque[StageRun]] = {}
         self._next_item = 0
         self._closing = False  # cutting off: nothing new is sent
 
@@ -208,6 +213,8 @@ class SimRun:
         with gc_paused():
             while heap:
                 t, _, kind, payload, generation = pop(heap)
+                if kind == _KV_WAIT_OVER and payload.kv_wait_until != t:
+                    continue  # the stage got its reservation in time: not an event (nor the run's end)
                 if t > limit:
                     cut = True
                     break
@@ -241,6 +248,8 @@ class SimRun:
             self._kv_done(payload)
         elif kind == _CONTROL:
             self._control()
+        elif kind == _KV_WAIT_OVER:
+            self._kv_wait_over(payload)
         else:
             self._send(*payload, holds_slot=kind == _SEND_WITH_SLOT)
 
@@ -250,6 +259,8 @@ class SimRun:
     def _kick(self, worker: SimWorker) -> None:
         """After any change to a worker: start its next step unless one is running (the engine
         loop steps back to back), or reschedule the end of a fast-forwarded run cut short."""
+        if worker.worker_id in self._kv_waiters:
+            self._grant_kv_waiters(worker)
         if worker.stepping:
             if worker.step_moved:
                 worker.step_moved = False
@@ -361,14 +372,72 @@ class SimRun:
                     self.stats.kv_pulled_tokens += lent - local
                     self._push(bound.pull_out(lent - local, self.now), _STAGE_START, stage)
                     return
+        if not self._reserve_next(stage):
+            return  # sent once the next worker has room (or the wait is over)
+        self._run_stage(stage)
+
+    def _reserve_next(self, stage: StageRun) -> bool:
+        """The coordinator reserves the next stage's KV before sending this one. No room there:
+        the stage waits in line for it (False), up to `kv_reserve_wait_s`; then, or with no
+        push up the worker order, the next stage recomputes this range."""
+        request: _Request = stage.owner
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
-        if following is not None and stage.push_kv:
-            # The coordinator reserves the next stage's KV before running this one; with no
-            # room there (or no push up the worker order), the next stage recomputes this range.
-            start = stage.push_from if request.lent_blocks else 0  # what the session's worker lent it has
-            following.reserved_blocks = following.worker.reserve_kv(stage.end - start, self.now)
-            following.kv_start = start
-            self._kick(following.worker)
+        if following is None or not stage.push_kv:
+            return True
+        waiters = self._kv_waiters.get(following.worker.worker_id)
+        start = stage.push_from if request.lent_blocks else 0  # what the session's worker lent it has
+        # Stages already in line go first, and before them the stages already on that worker
+        # that its last step left short of blocks (as the worker's engine loop grants them).
+        worker = following.worker
+        blocks = worker.reserve_kv(stage.end - start, self.now) \
+            if not waiters and not worker.scheduler.kv_short else None
+        if blocks is None and stage.kv_wait_until is None and self.config.kv_reserve_wait_s > 0:
+            stage.kv_wait_until = self.now + self.config.kv_reserve_wait_s
+            self._kv_waiters.setdefault(following.worker.worker_id, deque()).append(stage)
+            self._push(stage.kv_wait_until, _KV_WAIT_OVER, stage)
+        else:
+            following.reserved_blocks, following.kv_start = blocks, start
+        self._kick(following.worker)  # (the reservation attempt brought a fast-forwarded run to now)
+        return stage.kv_wait_until is None
+
+    def _grant_kv_waiters(self, worker: SimWorker) -> None:
+        """Send the stages waiting for room on `worker`, in line, while it has room."""
+        waiters = self._kv_waiters[worker.worker_id]
+        while waiters and not worker.scheduler.kv_short:
+            stage = waiters[0]
+            request: _Request | None = stage.owner
+            if request is None or request.done or stage.kv_wait_until is None:
+                waiters.popleft()  # ended meanwhile, or its wait is over
+                continue
+            following = request.stages[stage.index + 1]
+            start = stage.push_from if request.lent_blocks else 0
+            blocks = worker.reserve_kv(stage.end - start, self.now)
+            if blocks is None:
+                break
+            waiters.popleft()
+            following.reserved_blocks, following.kv_start = blocks, start
+            self._waited(stage)
+            self._run_stage(stage)
+        if not waiters and self._kv_waiters.get(worker.worker_id) is waiters:
+            del self._kv_waiters[worker.worker_id]  # (a stage sent above may have sent the rest)
+
+    def _kv_wait_over(self, stage: StageRun) -> None:
+        """The wait for room is over: send the stage; the next one recomputes its range."""
+        request: _Request | None = stage.owner
+        if request is None or request.done or stage.kv_wait_until is None:
+            return  # ended, or sent, meanwhile
+        self._waited(stage)
+        self._run_stage(stage)
+
+    def _waited(self, stage: StageRun) -> None:
+        self.stats.kv_reserve_waits += 1
+        self.stats.kv_reserve_wait_s += self.now - (stage.kv_wait_until - self.config.kv_reserve_wait_s)
+        stage.kv_wait_until = None
+
+    def _run_stage(self, stage: StageRun) -> None:
+        request: _Request = stage.owner
+        worker = stage.worker
+        following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
         if stage.index == 0:
             tokens, prefix_len = request.prompt_ids, stage.pulled_tokens
         else:

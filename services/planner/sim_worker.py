@@ -68,6 +68,7 @@ class StageRun:
     held_blocks: list[int] | None = None  # own cached blocks held until the stage is added
     history_prepared: bool = False  # the lazy pull of its session's history was set up (or not needed)
     push_from: int = 0  # first token its push sends (the next worker holds the history before it)
+    kv_wait_until: float | None = None  # waiting in line for the next worker's KV reservation until then
 
     @property
     def index(self) -> int:

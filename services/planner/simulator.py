@@ -16,8 +16,9 @@ Only time is modelled:
   their stage's end, where `Engine.step` ends them;
 * a stage's KV goes to the next stage's worker in chunks pushed while it computes, over
   the sender's one link (`PerfModel.kv_transfer_time` per chunk), so only the last chunk
-  is on the critical path; the next stage's blocks are reserved before the stage runs,
-  and it recomputes from tokens when there was no room (as the coordinator does);
+  is on the critical path; the next stage's blocks are reserved before the stage is sent,
+  waiting in line for room up to `kv_reserve_wait_s`, and the next stage recomputes from
+  tokens when none came in time (as the coordinator and workers do);
 * fixed control-plane delays (`NetworkLatency`) around dispatch, stage handoff and
   token streaming; no failures, retries or migrations.
 """
@@ -82,7 +83,8 @@ class Simulator:
     fast_forward: apply runs of identical decode steps in bulk (same results, see `sim_worker`).
     Defaults: 16-token blocks and a 2,048-token step budget (the worker's defaults), 256
     running sequences (vLLM's; the worker's 64 suits a CPU), KV pushed in 64-token chunks
-    (the coordinator's default), loads 100 ms stale (the workers' publishing interval).
+    (the coordinator's default), KV reservations waiting up to 30 s for room (the coordinator's
+    default; 0: recompute at once), loads 100 ms stale (the workers' publishing interval).
     """
 
     def __init__(self, num_workers: int, perf_model: PerfModel, *, num_kv_blocks: int,
@@ -91,8 +93,8 @@ class Simulator:
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  roles: Sequence[str] | None = None, view_refresh_s: float = 0.1,
                  latency: NetworkLatency = NetworkLatency(), kv_chunk_tokens: int = 64,
-                 enable_prefix_caching: bool = True, fast_forward: bool = True, slo_ttft_ms: int = 0,
-                 slo_itl_ms: int = 0, worker_perf_models: Sequence[PerfModel] | None = None,
+                 kv_reserve_wait_s: float = 30.0, enable_prefix_caching: bool = True, fast_forward: bool = True,
+                 slo_ttft_ms: int = 0, slo_itl_ms: int = 0, worker_perf_models: Sequence[PerfModel] | None = None,
                  worker_kv_blocks: Sequence[int] | None = None):
         self.config = SimulatorConfig(
             num_workers=num_workers, perf_model=perf_model, num_kv_blocks=num_kv_blocks,
@@ -100,7 +102,8 @@ class Simulator:
             batch_policy_options=dict(batch_policy_options or {}), block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             roles=tuple(roles) if roles is not None else None, view_refresh_s=view_refresh_s, latency=latency,
-            kv_chunk_tokens=kv_chunk_tokens, enable_prefix_caching=enable_prefix_caching,
+            kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s,
+            enable_prefix_caching=enable_prefix_caching,
             fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
             worker_perf_models=tuple(worker_perf_models) if worker_perf_models is not None else None,
             worker_kv_blocks=tuple(worker_kv_blocks) if worker_kv_blocks is not None else None)

@@ -154,6 +154,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[StageKey, Sequence] = {}
         self.num_preemptions = 0
+        # The last step found too few free KV blocks for a stage already here (one waiting was
+        # refused admission, or a running one could not grow): blocks that free go to those
+        # stages before any reservation waiting in line for another worker's push.
+        self.kv_short = False
         self._seed_rng = random.Random(config.seed)
         # Prompt logprobs scored but not yet reported, by stage: (first position, logprobs).
         self._prompt_logprobs: dict[StageKey, tuple[int, list[TokenLogprobs]]] = {}
@@ -334,7 +338,10 @@ class Scheduler:
         now = self.clock()
         self.session_pins.expire(now)
         step = _Step(self)
+        self.kv_short = False
         self.policy.next_batch(step, now)
+        if step.preempted:
+            self.kv_short = True
         return SchedulerOutput.of(step.entries, step.preempted, step.held_until)
 
     def update_from_output(self, out: SchedulerOutput, sampled: Mapping[StageKey, int], latency_s: float,
@@ -648,6 +655,7 @@ class _Step:
                                       f"in this step's budget")
         if seq.status is SequenceStatus.RUNNING:
             if not scheduler._make_room(seq, num_tokens, self._scheduled, self.preempted):
+                scheduler.kv_short = True
                 return 0
             scheduler.block_manager.grow(seq, num_tokens)
         else:
@@ -655,9 +663,11 @@ class _Step:
                 raise PolicyContractError(f"stage {key}: admitting it exceeds max_num_seqs "
                                           f"({self.budget.max_num_seqs})")
             if self.preempted:
+                scheduler.kv_short = True
                 return 0  # memory is short this step: admitting now would only thrash
             admitted = scheduler._admit(seq, num_tokens)
             if admitted is None:
+                scheduler.kv_short = True
                 return 0
             num_tokens = admitted
         self.entries.append(ScheduledEntry(seq, seq.num_computed_tokens, num_tokens))

@@ -34,6 +34,11 @@ class _Loop:
         await asyncio.sleep(0)
         return fn(self.engine)
 
+    def reserve_kv(self, num_tokens, wait, undo=None):
+        """EngineLoop.reserve_kv without its line (tests/integration/test_kv_reserve_wait.py has it)."""
+        assert not wait, "this stand-in does not wait for room"
+        return self.call(lambda engine: engine.reserve_kv(num_tokens))
+
 
 def _manager(engine: Scheduler, timeout_s: float) -> KvStageManager:
     return KvStageManager("w", _Loop(engine), memory=None, tracker=TransferTracker(), transfer_timeout_s=timeout_s,

@@ -1093,3 +1093,25 @@ def test_a_decode_run_equals_stepping_block_for_block(block_size, data):
     stepped, fast = _stepped_and_fast_forwarded(make, steps)
     assert _block_state(fast) == _block_state(stepped)
     assert fast.policy.observed == stepped.policy.observed
+
+
+def test_kv_short_says_a_stage_already_here_was_left_without_blocks():
+    """`kv_short`: the last step refused a waiting stage admission, or preempted, for want of
+    blocks; the engine loop then grants no KV reservation for another worker's push, so
+    blocks that free go to the stages already here first."""
+    s = Sim(num_blocks=4, block_size=4, max_tokens_per_step=64, max_num_seqs=4)
+    s.add("a", list(range(12)), max_tokens=2)  # 3 blocks
+    s.step()
+    assert not s.sched.kv_short  # it fit
+    s.add("b", list(range(100, 112)), max_tokens=2)  # 3 more: 1 is free
+    s.step()
+    assert s.sched.kv_short and s.seqs["b"].status is SequenceStatus.WAITING
+    s.run()  # "a" finishes, "b" is admitted and finishes
+    assert not s.sched.kv_short and s.seqs["b"].num_output_tokens == 2
+
+    reserved = s.sched.reserve_kv(16)  # every block held for an incoming push
+    s.add("c", list(range(200, 204)), max_tokens=1)
+    assert s.sched.schedule().entries == [] and s.sched.kv_short  # (Sim.step's checks know no reservations)
+    s.sched.release_reserved(reserved)
+    s.run()
+    assert not s.sched.kv_short and s.seqs["c"].num_output_tokens == 1

@@ -311,15 +311,54 @@ def test_simulate_max_gap_slo_sees_decode_queueing_and_rate_max_caps_the_search(
 
 
 @pytest.mark.parametrize("num_kv_blocks,max_num_seqs", [(60, 2), (60, 4), (80, 3)])
-def test_overloaded_decode_pool_never_stalls(num_kv_blocks, max_num_seqs):
+@pytest.mark.parametrize("kv_reserve_wait_s", [0.0, 30.0])
+def test_overloaded_decode_pool_never_stalls(num_kv_blocks, max_num_seqs, kv_reserve_wait_s):
     """Later stages waiting with their KV on full decode workers once deadlocked the engine's
-    scheduler (the simulator ended with requests it could never finish); all must complete."""
+    scheduler (the simulator ended with requests it could never finish); all must complete,
+    whether prefills are sent at once (their KV then recomputed where there is no room) or
+    wait for room on the decode worker first."""
     sim = toy_sim(3, placement_policy="pd_disaggregated", roles=("prefill", "decode", "decode"),
-                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+                  num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                  kv_reserve_wait_s=kv_reserve_wait_s)
     items = [spec(i, 200 + 13 * (i % 9), 20 + 7 * (i % 5)) for i in range(40)]
     outcome = sim.run(items, arrivals.poisson(500.0), seed=2)
     assert [r.error for r in outcome.results if not r.ok] == []
-    assert outcome.stats.kv_transfers > 0 and outcome.stats.preemptions > 0
+    assert outcome.stats.kv_transfers > 0
+    if kv_reserve_wait_s:  # sent only with room for their KV: nothing recomputed
+        assert outcome.stats.kv_reserve_waits > 0 and outcome.stats.kv_recomputes == 0
+    else:
+        assert outcome.stats.preemptions > 0
+
+
+def _one_decode_slot_sim(kv_reserve_wait_s: float) -> Simulator:
+    """1P1D whose decode worker holds the KV of two 240-token requests (30 blocks of 16 tokens)."""
+    return toy_sim(2, placement_policy="pd_disaggregated", roles=pd_roles(2, 1), num_kv_blocks=30,
+                   kv_reserve_wait_s=kv_reserve_wait_s)
+
+
+def test_a_prefill_waits_in_line_for_room_for_its_kv_instead_of_recomputing_on_the_decode_worker():
+    items = [spec(i, 200, 40) for i in range(6)]  # all at once: the decode worker has room for 2
+    waited = _one_decode_slot_sim(30.0).run(items, [0.0] * 6)
+    at_once = _one_decode_slot_sim(0.0).run(items, [0.0] * 6)
+    for outcome in (waited, at_once):
+        assert all(r.ok and r.output_len == 40 for r in outcome.results)
+    assert waited.stats.kv_recomputes == 0 and waited.stats.kv_transfers == 6
+    assert waited.stats.kv_reserve_waits == 4 and waited.stats.kv_reserve_wait_s > 0
+    assert at_once.stats.kv_recomputes == 4 and at_once.stats.kv_reserve_waits == 0
+    # In line, first come first served: the prefills run (and the first tokens come) in arrival order.
+    firsts = [r.first_token_s for r in waited.results]
+    assert firsts == sorted(firsts)
+    # A decode worker that never recomputes a prompt: every gap after the first token is a decode step.
+    assert max(max(r.itls_s) for r in waited.results) < max(max(r.itls_s) for r in at_once.results)
+
+
+def test_a_wait_for_room_that_runs_out_sends_the_stage_and_the_next_one_recomputes():
+    items = [spec(i, 200, 40) for i in range(3)]  # the first two decode for ~90 ms: the third waits past 50 ms
+    outcome = _one_decode_slot_sim(0.05).run(items, [0.0] * 3)
+    assert all(r.ok and r.output_len == 40 for r in outcome.results)
+    assert outcome.stats.kv_reserve_waits == 1 and outcome.stats.kv_recomputes == 1
+    assert outcome.stats.kv_reserve_wait_s == pytest.approx(0.05)
+    assert outcome.stats.virtual_s == max(r.end_s for r in outcome.results) - NO_DELAY.stream_s
 
 
 def test_fast_forward_never_takes_a_one_token_recompute_chunk_for_a_decode():

@@ -93,6 +93,11 @@ class Engine:
         return self.scheduler.kv_capacity_tokens
 
     @property
+    def kv_short(self) -> bool:
+        """The last step had too few free KV blocks for a stage already here (`Scheduler.kv_short`)."""
+        return self.scheduler.kv_short
+
+    @property
     def num_kv_blocks(self) -> int:
         return self.scheduler.block_manager.num_blocks
 

@@ -14,7 +14,13 @@ __all__ = ["number_option", "perf_model_option"]
 
 
 def number_option(name: str, value: Any, *, minimum: float, maximum: float = math.inf, integer: bool = False,
-            allow_none: bool = False) -> Any:
+            allow_none: bool = False, allow_inf: bool = False) -> Any:
+    """A policy option as a number in [minimum, maximum]; `allow_none`: None or "none" / "" is
+    None (the caller's default); `allow_inf`: None, inf, "inf", "none", "off" or "" is inf (a
+    bound switched off)."""
+    if allow_inf and (value is None or (isinstance(value, str) and value.strip().lower() in ("inf", "none", "off", ""))
+                      or (isinstance(value, float) and value == math.inf)):
+        return math.inf
     if value is None or (allow_none and isinstance(value, str) and value.strip().lower() in ("", "none")):
         if allow_none:
             return None

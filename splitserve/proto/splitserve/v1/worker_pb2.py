@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.splitserve.v1 import types_pb2 as splitserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"S\n\x15LeaseSessionKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"?\n\x16LeaseSessionKvResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"^\n\x10PrepareKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\"A\n\x11PrepareKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"}\n\rPullKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\"\xe3\x01\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12\x0c\n\x04last\x18\t \x01(\x08\x12\x11\n\tblock_ids\x18\n \x03(\r\x12\x12\n\nsrc_worker\x18\x0b \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x0c \x01(\x08\x12\r\n\x05\x65rror\x18\r \x01(\t\"D\n\x0ePushKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0freceived_tokens\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x10\n\x0eGetLoadRequest\"C\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"[\n\x0fSetRoleResponse\x12\x15\n\rprevious_role\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rprevious_pool\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\"#\n\x0c\x44rainRequest\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x01 \x01(\r\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x83\x02\n\x0eProfileRequest\x12\x14\n\x0cprefill_lens\x18\x01 \x03(\r\x12\x14\n\x0chistory_lens\x18\x02 \x03(\r\x12\x1a\n\x12\x64\x65\x63ode_batch_sizes\x18\x03 \x03(\r\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x04 \x03(\r\x12\x0f\n\x07repeats\x18\x05 \x01(\r\x12\x1a\n\x12mixed_prefill_lens\x18\x06 \x03(\r\x12\x1a\n\x12mixed_history_lens\x18\x07 \x03(\r\x12 \n\x18mixed_decode_batch_sizes\x18\x08 \x03(\r\x12!\n\x19mixed_decode_context_lens\x18\t \x03(\r\"j\n\rProfileSample\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06l_hist\x18\x02 \x01(\r\x12\x0e\n\x06l_incr\x18\x03 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x0b\n\x03\x63tx\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"e\n\x0fProfileResponse\x12-\n\x07samples\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ProfileSample\x12\x13\n\x0b\x65ngine_kind\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t2\xbd\x06\n\x06Worker\x12<\n\x07\x45xecute\x12\x14.splitserve.v1.Stage\x1a\x19.splitserve.v1.TokenChunk0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.splitserve.v1.CancelRequest\x1a\x1d.splitserve.v1.CancelResponse\x12N\n\tPrepareKv\x12\x1f.splitserve.v1.PrepareKvRequest\x1a .splitserve.v1.PrepareKvResponse\x12@\n\x06PullKv\x12\x1c.splitserve.v1.PullKvRequest\x1a\x16.splitserve.v1.KvChunk0\x01\x12\x41\n\x06PushKv\x12\x16.splitserve.v1.KvChunk\x1a\x1d.splitserve.v1.PushKvResponse(\x01\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad\x12H\n\x07SetRole\x12\x1d.splitserve.v1.SetRoleRequest\x1a\x1e.splitserve.v1.SetRoleResponse\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse\x12H\n\x07Profile\x12\x1d.splitserve.v1.ProfileRequest\x1a\x1e.splitserve.v1.ProfileResponse\x12]\n\x0eReleaseSession\x12$.splitserve.v1.ReleaseSessionRequest\x1a%.splitserve.v1.ReleaseSessionResponse\x12]\n\x0eLeaseSessionKv\x12$.splitserve.v1.LeaseSessionKvRequest\x1a%.splitserve.v1.LeaseSessionKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x19splitserve/v1/types.proto\"S\n\x15LeaseSessionKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"?\n\x16LeaseSessionKvResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"+\n\x15ReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"o\n\x10PrepareKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\"A\n\x11PrepareKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"}\n\rPullKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\"\xe3\x01\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12\x0c\n\x04last\x18\t \x01(\x08\x12\x11\n\tblock_ids\x18\n \x03(\r\x12\x12\n\nsrc_worker\x18\x0b \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x0c \x01(\x08\x12\r\n\x05\x65rror\x18\r \x01(\t\"D\n\x0ePushKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0freceived_tokens\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x10\n\x0eGetLoadRequest\"C\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x04\"[\n\x0fSetRoleResponse\x12\x15\n\rprevious_role\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rprevious_pool\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\"#\n\x0c\x44rainRequest\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x01 \x01(\r\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\r\"\x83\x02\n\x0eProfileRequest\x12\x14\n\x0cprefill_lens\x18\x01 \x03(\r\x12\x14\n\x0chistory_lens\x18\x02 \x03(\r\x12\x1a\n\x12\x64\x65\x63ode_batch_sizes\x18\x03 \x03(\r\x12\x1b\n\x13\x64\x65\x63ode_context_lens\x18\x04 \x03(\r\x12\x0f\n\x07repeats\x18\x05 \x01(\r\x12\x1a\n\x12mixed_prefill_lens\x18\x06 \x03(\r\x12\x1a\n\x12mixed_history_lens\x18\x07 \x03(\r\x12 \n\x18mixed_decode_batch_sizes\x18\x08 \x03(\r\x12!\n\x19mixed_decode_context_lens\x18\t \x03(\r\"j\n\rProfileSample\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06l_hist\x18\x02 \x01(\r\x12\x0e\n\x06l_incr\x18\x03 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x0b\n\x03\x63tx\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"e\n\x0fProfileResponse\x12-\n\x07samples\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ProfileSample\x12\x13\n\x0b\x65ngine_kind\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t2\xbd\x06\n\x06Worker\x12<\n\x07\x45xecute\x12\x14.splitserve.v1.Stage\x1a\x19.splitserve.v1.TokenChunk0\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.splitserve.v1.CancelRequest\x1a\x1d.splitserve.v1.CancelResponse\x12N\n\tPrepareKv\x12\x1f.splitserve.v1.PrepareKvRequest\x1a .splitserve.v1.PrepareKvResponse\x12@\n\x06PullKv\x12\x1c.splitserve.v1.PullKvRequest\x1a\x16.splitserve.v1.KvChunk0\x01\x12\x41\n\x06PushKv\x12\x16.splitserve.v1.KvChunk\x1a\x1d.splitserve.v1.PushKvResponse(\x01\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad\x12H\n\x07SetRole\x12\x1d.splitserve.v1.SetRoleRequest\x1a\x1e.splitserve.v1.SetRoleResponse\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse\x12H\n\x07Profile\x12\x1d.splitserve.v1.ProfileRequest\x1a\x1e.splitserve.v1.ProfileResponse\x12]\n\x0eReleaseSession\x12$.splitserve.v1.ReleaseSessionRequest\x1a%.splitserve.v1.ReleaseSessionResponse\x12]\n\x0eLeaseSessionKv\x12$.splitserve.v1.LeaseSessionKvRequest\x1a%.splitserve.v1.LeaseSessionKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASESESSIONRESPONSE']._serialized_start=267
   _globals['_RELEASESESSIONRESPONSE']._serialized_end=309
   _globals['_PREPAREKVREQUEST']._serialized_start=311
-  _globals['_PREPAREKVREQUEST']._serialized_end=405
-  _globals['_PREPAREKVRESPONSE']._serialized_start=407
-  _globals['_PREPAREKVRESPONSE']._serialized_end=472
-  _globals['_PULLKVREQUEST']._serialized_start=474
-  _globals['_PULLKVREQUEST']._serialized_end=599
-  _globals['_KVCHUNK']._serialized_start=602
-  _globals['_KVCHUNK']._serialized_end=829
-  _globals['_PUSHKVRESPONSE']._serialized_start=831
-  _globals['_PUSHKVRESPONSE']._serialized_end=899
-  _globals['_GETLOADREQUEST']._serialized_start=901
-  _globals['_GETLOADREQUEST']._serialized_end=917
-  _globals['_SETROLEREQUEST']._serialized_start=919
-  _globals['_SETROLEREQUEST']._serialized_end=986
-  _globals['_SETROLERESPONSE']._serialized_start=988
-  _globals['_SETROLERESPONSE']._serialized_end=1079
-  _globals['_DRAINREQUEST']._serialized_start=1081
-  _globals['_DRAINREQUEST']._serialized_end=1116
-  _globals['_DRAINRESPONSE']._serialized_start=1118
-  _globals['_DRAINRESPONSE']._serialized_end=1152
-  _globals['_PROFILEREQUEST']._serialized_start=1155
-  _globals['_PROFILEREQUEST']._serialized_end=1414
-  _globals['_PROFILESAMPLE']._serialized_start=1416
-  _globals['_PROFILESAMPLE']._serialized_end=1522
-  _globals['_PROFILERESPONSE']._serialized_start=1524
-  _globals['_PROFILERESPONSE']._serialized_end=1625
-  _globals['_WORKER']._serialized_start=1628
-  _globals['_WORKER']._serialized_end=2457
+  _globals['_PREPAREKVREQUEST']._serialized_end=422
+  _globals['_PREPAREKVRESPONSE']._serialized_start=424
+  _globals['_PREPAREKVRESPONSE']._serialized_end=489
+  _globals['_PULLKVREQUEST']._serialized_start=491
+  _globals['_PULLKVREQUEST']._serialized_end=616
+  _globals['_KVCHUNK']._serialized_start=619
+  _globals['_KVCHUNK']._serialized_end=846
+  _globals['_PUSHKVRESPONSE']._serialized_start=848
+  _globals['_PUSHKVRESPONSE']._serialized_end=916
+  _globals['_GETLOADREQUEST']._serialized_start=918
+  _globals['_GETLOADREQUEST']._serialized_end=934
+  _globals['_SETROLEREQUEST']._serialized_start=936
+  _globals['_SETROLEREQUEST']._serialized_end=1003
+  _globals['_SETROLERESPONSE']._serialized_start=1005
+  _globals['_SETROLERESPONSE']._serialized_end=1096
+  _globals['_DRAINREQUEST']._serialized_start=1098
+  _globals['_DRAINREQUEST']._serialized_end=1133
+  _globals['_DRAINRESPONSE']._serialized_start=1135
+  _globals['_DRAINRESPONSE']._serialized_end=1169
+  _globals['_PROFILEREQUEST']._serialized_start=1172
+  _globals['_PROFILEREQUEST']._serialized_end=1431
+  _globals['_PROFILESAMPLE']._serialized_start=1433
+  _globals['_PROFILESAMPLE']._serialized_end=1539
+  _globals['_PROFILERESPONSE']._serialized_start=1541
+  _globals['_PROFILERESPONSE']._serialized_end=1642
+  _globals['_WORKER']._serialized_start=1645
+  _globals['_WORKER']._serialized_end=2474
 # @@protoc_insertion_point(module_scope)

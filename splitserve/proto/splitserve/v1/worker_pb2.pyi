@@ -38,16 +38,18 @@ class ReleaseSessionResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PrepareKvRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "num_tokens", "start")
+    __slots__ = ("request_id", "transfer_id", "num_tokens", "start", "wait_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     num_tokens: int
     start: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., start: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class PrepareKvResponse(_message.Message):
     __slots__ = ("ok", "block_ids", "error")
