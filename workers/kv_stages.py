@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from splitserve.core import InvalidInput, KvCapacityError, KvInBlocks, KvPushPlan, KvSink, StageKey, whole_block_chunk
 from splitserve.telemetry import percentile_buckets
@@ -52,6 +52,9 @@ HISTORY_CACHED_TOKENS = Counter(
 KV_RESERVATIONS = Counter("splitserve_worker_kv_reservations_total",
                           "KV reservations for another worker's push (PrepareKv): reserved, or no_room (none now, "
                           "or within the caller's wait in line)", ["outcome"])
+KV_RESERVATIONS_WAITING = Gauge("splitserve_worker_kv_reservations_waiting",
+                                "KV reservations (PrepareKv) allowed to wait for room and not yet answered: "
+                                "a line here means prefills elsewhere are held back for want of this worker's KV")
 KV_RESERVE_WAIT_SECONDS = Counter("splitserve_worker_kv_reserve_wait_seconds_total",
                                   "Seconds from PrepareKv to its answer for reservations allowed to wait for room "
                                   "(time in line plus the engine's answer between steps)")
@@ -138,7 +141,11 @@ class KvStageManager:
         reserved = self.loop.reserve_kv(num_tokens - start, wait=wait_s > 0, undo=_release_reserved)
         asked = time.monotonic()
         try:
-            blocks = await asyncio.wait_for(reserved, wait_s) if wait_s > 0 else await reserved
+            if wait_s > 0:
+                with KV_RESERVATIONS_WAITING.track_inprogress():
+                    blocks = await asyncio.wait_for(reserved, wait_s)
+            else:
+                blocks = await reserved
         except TimeoutError:
             KV_RESERVATIONS.labels("no_room").inc()
             KV_RESERVE_WAIT_SECONDS.inc(wait_s)

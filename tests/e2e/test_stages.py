@@ -8,6 +8,7 @@ import re
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -395,3 +396,69 @@ def test_a_history_lease_is_freed_by_cancel_and_a_bad_start_is_refused(transport
                            timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start" in err.value.details()
     _assert_all_kv_freed(transport_cluster, timeout_s=5.0)
+
+
+def test_a_stage_waits_in_line_for_room_on_the_next_worker_and_recomputes_nothing(tiny_model_dirs, reference,
+                                                                                    tmp_path_factory):
+    """The next worker's KV is full (a reservation holds every block): the coordinator's
+    reservation waits in line there, the first stage is not sent meanwhile, and once room frees
+    the request runs with its KV pushed, not recomputed; with a short wait and no room ever, it
+    runs anyway and the second stage recomputes (the fallback), both token-exact."""
+    cluster = _start(tiny_model_dirs, tmp_path_factory, worker_args={"kv_transport": "grpc"},
+                     coordinator_args={"kv_chunk_tokens": 8, "kv_reserve_wait_s": 2.0})
+    try:
+        _set_split(cluster, P + 4)
+        _, beta_address = cluster.worker_addresses
+        with grpc.insecure_channel(beta_address) as channel:
+            beta = worker_pb2_grpc.WorkerStub(channel)
+            load = beta.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            blocks_per_stage = -(-(P + 4) // 4)
+
+            def fill() -> None:  # leave fewer free blocks than the first stage's KV needs
+                filler = beta.PrepareKv(worker_pb2.PrepareKvRequest(
+                    request_id="filler", transfer_id="filler:0", num_tokens=4 * (load.total_blocks - 1)), timeout=5)
+                assert filler.ok
+
+            def waiting() -> float:
+                return _metric(cluster, "worker-1", "splitserve_worker_kv_reservations_waiting")
+
+            def free_the_filler() -> None:
+                from splitserve.proto import types_pb2
+
+                assert beta.Cancel(types_pb2.CancelRequest(request_id="filler"), timeout=5).cancelled
+
+            assert blocks_per_stage > 1
+            for i, case in enumerate(CASES):
+                fill()
+                used, recomputed = _kv_used(cluster), _kv_recomputed(cluster)
+                with ThreadPoolExecutor(1) as pool:
+                    result = pool.submit(_generate, cluster, case, f"wait-{i}-{uuid.uuid4().hex[:6]}")
+                    deadline = time.monotonic() + 10
+                    while waiting() < 1:  # the coordinator's reservation is in line on worker-1
+                        assert time.monotonic() < deadline, "no reservation waited on the full worker"
+                        time.sleep(0.02)  # polling the worker's gauge, bounded by the deadline
+                    assert not result.done()  # the first stage was not sent meanwhile
+                    free_the_filler()
+                    assert result.result(timeout=60).token_ids == reference[i]
+                assert _kv_used(cluster) == used + 1 and _kv_recomputed(cluster) == recomputed
+
+            fill()  # freed only once the 2 s wait ran out: the stage is sent without a reservation
+            used = _kv_used(cluster)
+
+            def no_room() -> float:
+                return _metric(cluster, "worker-1", "splitserve_worker_kv_reservations_total", outcome="no_room")
+
+            refused = no_room()
+            with ThreadPoolExecutor(1) as pool:
+                started = time.monotonic()
+                result = pool.submit(_generate, cluster, CASES[0], f"nowait-{uuid.uuid4().hex[:6]}")
+                while no_room() < refused + 1:
+                    assert time.monotonic() < started + 10, "the reservation's wait never ran out"
+                    time.sleep(0.05)  # polling the worker's counter, bounded by the deadline
+                assert time.monotonic() - started >= 2.0
+                free_the_filler()  # room for the second stage to recompute the range
+                assert result.result(timeout=60).token_ids == reference[0]
+            assert _kv_used(cluster) == used  # no KV came: the second stage computed the range itself
+        _assert_all_kv_freed(cluster, timeout_s=5.0)
+    finally:
+        cluster.stop()
