@@ -284,10 +284,10 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(self._resolve, fut, result, error, undo)
             elif command[0] == "reserve":
                 _, num_tokens, fut, undo, wait = command
-                if wait and num_tokens <= self.engine.kv_capacity_tokens:
-                    self._reservation_line.append((num_tokens, fut, undo))
-                    continue  # granted in line below (more than the whole cache never is: fails now)
                 try:
+                    if wait and num_tokens <= self.engine.kv_capacity_tokens:
+                        self._reservation_line.append((num_tokens, fut, undo))
+                        continue  # granted in line below (more than the whole cache never is: fails now)
                     if self._reservation_line:
                         raise KvCapacityError(f"{len(self._reservation_line)} KV reservation(s) are waiting "
                                               "for room first")
