@@ -384,21 +384,27 @@ class SimRun:
         following = request.stages[stage.index + 1] if stage.index + 1 < len(request.stages) else None
         if following is None or not stage.push_kv:
             return True
-        waiters = self._kv_waiters.get(following.worker.worker_id)
-        start = stage.push_from if request.lent_blocks else 0  # what the session's worker lent it has
+        worker = following.worker
         # Stages already in line go first, and before them the stages already on that worker
         # that its last step left short of blocks (as the worker's engine loop grants them).
-        worker = following.worker
-        blocks = worker.reserve_kv(stage.end - start, self.now) \
-            if not waiters and not worker.scheduler.kv_short else None
-        if blocks is None and stage.kv_wait_until is None and self.config.kv_reserve_wait_s > 0:
+        reserved = worker.worker_id not in self._kv_waiters and not worker.scheduler.kv_short and self._reserved(stage)
+        if not reserved and self.config.kv_reserve_wait_s > 0:
             stage.kv_wait_until = self.now + self.config.kv_reserve_wait_s
-            self._kv_waiters.setdefault(following.worker.worker_id, deque()).append(stage)
+            self._kv_waiters.setdefault(worker.worker_id, deque()).append(stage)
             self._push(stage.kv_wait_until, _KV_WAIT_OVER, stage)
-        else:
-            following.reserved_blocks, following.kv_start = blocks, start
-        self._kick(following.worker)  # (the reservation attempt brought a fast-forwarded run to now)
+        self._kick(worker)  # (the reservation attempt brought a fast-forwarded run to now)
         return stage.kv_wait_until is None
+
+    def _reserved(self, stage: StageRun) -> bool:
+        """Reserve the next stage's blocks for what `stage` pushes; False when there is no room."""
+        request: _Request = stage.owner
+        following = request.stages[stage.index + 1]
+        start = stage.push_from if request.lent_blocks else 0  # what the session's worker lent it has
+        blocks = following.worker.reserve_kv(stage.end - start, self.now)
+        if blocks is None:
+            return False
+        following.reserved_blocks, following.kv_start = blocks, start
+        return True
 
     def _grant_kv_waiters(self, worker: SimWorker) -> None:
         """Send the stages waiting for room on `worker`, in line, while it has room."""
@@ -409,13 +415,9 @@ class SimRun:
             if request is None or request.done or stage.kv_wait_until is None:
                 waiters.popleft()  # ended meanwhile, or its wait is over
                 continue
-            following = request.stages[stage.index + 1]
-            start = stage.push_from if request.lent_blocks else 0
-            blocks = worker.reserve_kv(stage.end - start, self.now)
-            if blocks is None:
+            if not self._reserved(stage):
                 break
             waiters.popleft()
-            following.reserved_blocks, following.kv_start = blocks, start
             self._waited(stage)
             self._run_stage(stage)
         if not waiters and self._kv_waiters.get(worker.worker_id) is waiters:
