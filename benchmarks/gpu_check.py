@@ -22,10 +22,17 @@ out-of-memory or a hang in one is recorded and the rest still run), in this orde
   `Engine.step` runs after `Scheduler.schedule`, and what `workers/profiling.py` times),
   CUDA-synchronised, warm-up first, median of repeats; written to `grid.json`, which
   `benchmarks/gpu_check_compare.py` compares with aiconfigurator and the perf model.
+* `profile`: where one step's time goes on the 8B-shaped model, for a few grid points: the
+  step split into its phases (`ModelRunner.prepare`, the model's forward, sampling), each
+  timed between syncs, and `torch.profiler` over whole steps: the kernels' summed device time
+  against the wall time (how busy the GPU is), the number of kernels launched, and the ops
+  that cost the most host and device time; decode-only points also timed with decode graphs
+  off. The first GPU run (2026-11-29) found a decode step of batch 1 at 36 ms, ten times the
+  weights' read time: launch-bound, 1,565 kernels for 6.6 ms of device work.
 * `captured_shapes`: LAPS captured shapes with the CUDA-graph executor against the plain
   engine (same tokens, tiny float32 model), then on the 8B-shaped model the time of a
   short-prefill step replayed as a CUDA graph, run as the eager bucket and run unpadded,
-  and the time of a decode step (never captured: a step with a decode has no bucket).
+  and the time of a decode step as a decode graph (`EngineConfig.decode_graphs`) and eagerly.
 
 Everything goes to JSON under --out ($OUT): `gpu_check.json` (all of it), one
 `<sub-check>.json` each (written as it goes: a sub-check killed at its time limit keeps
@@ -52,17 +59,17 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SUBCHECKS = ("env", "token_exact", "kv_digest", "grid", "captured_shapes")
+SUBCHECKS = ("env", "token_exact", "kv_digest", "grid", "captured_shapes", "profile")
 PROJECT_PACKAGES = {"workers", "splitserve", "services", "gateway", "loadgen", "benchmarks"}
 
 # Hard limits per sub-check (s), and the whole run's; later sub-checks keep `RESERVE_S` each.
 TIMEOUT_S = {
-    "full": {"env": 60, "token_exact": 100, "kv_digest": 60, "grid": 240, "captured_shapes": 150},
-    "smoke": {"env": 20, "token_exact": 45, "kv_digest": 25, "grid": 30, "captured_shapes": 40},
+    "full": {"env": 60, "token_exact": 100, "kv_digest": 60, "grid": 240, "captured_shapes": 150, "profile": 120},
+    "smoke": {"env": 20, "token_exact": 45, "kv_digest": 25, "grid": 30, "captured_shapes": 40, "profile": 30},
 }
 RESERVE_S = {
-    "full": {"env": 10, "token_exact": 30, "kv_digest": 15, "grid": 60, "captured_shapes": 90},
-    "smoke": {"env": 5, "token_exact": 10, "kv_digest": 5, "grid": 10, "captured_shapes": 10},
+    "full": {"env": 10, "token_exact": 30, "kv_digest": 15, "grid": 60, "captured_shapes": 60, "profile": 60},
+    "smoke": {"env": 5, "token_exact": 10, "kv_digest": 5, "grid": 10, "captured_shapes": 10, "profile": 10},
 }
 TOTAL_S = {"full": 560, "smoke": 90}
 
@@ -506,6 +513,8 @@ def shaped_engine(ctx: Ctx, kv_blocks: int, max_seqs: int, max_tokens: int, **op
             "weights": "random N(0, 0.02), built on the device (loader.load_model replaced for this engine only; "
                        "ModelRunner, attention, KV cache, sampler are the engine's own)",
             "attention": "flash" if engine.runner.use_flash else "sdpa",
+            "decode_graph_batches": list(engine.runner.decode_batches),
+            "decode_kernel": engine.runner.decode_kernel_name or "sdpa over gathered KV",
             "block_size": block_size, "kv_blocks": engine.runner.num_blocks, "kv_bytes_per_block": bytes_per_block,
             "build_s": round(time.perf_counter() - t, 2)}
     if engine.runner.device.type == "cuda":
@@ -651,6 +660,180 @@ def check_grid(ctx: Ctx) -> None:
         r["status"] = "ok"
 
 
+# ---- profile -----------------------------------------------------------------------------------
+PROFILE_POINTS = {"full": [(0, 0, 1, 512), (0, 0, 64, 4096), (512, 0, 0, 0), (2048, 0, 64, 4096)],
+                  "smoke": [(0, 0, 1, 16), (32, 0, 4, 64)]}
+
+
+def check_profile(ctx: Ctx) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from splitserve.core import SchedulerOutput
+
+    r = ctx.result
+    points = PROFILE_POINTS[ctx.mode]
+    bs = 16
+    need = sum((-(-(h + c) // bs) if c else 0) + b * -(-x // bs) for c, h, b, x in points) + 8
+    engine, info = shaped_engine(ctx, kv_blocks=need, max_seqs=max(p[2] for p in points) + 1,
+                                 max_tokens=max(p[0] + p[2] for p in points), decode_graphs="on")
+    r.update(device=ctx.device, model=info, torch=torch.__version__, points=[])
+    runner = engine.runner
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def timed(fn, repeats=5):
+        ctx.sync()
+        runs = []
+        value = None
+        for _ in range(repeats):
+            t = time.perf_counter()
+            value = fn()
+            ctx.sync()
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs), value
+
+    for n, (chunk, history, batch, context) in enumerate(points):
+        point = {"chunk_tokens": chunk, "chunk_history": history, "decode_batch": batch, "decode_context": context}
+        taken = []
+        try:
+            entries, taken = mixed_entries(engine, chunk, history, batch, context, salt=100 + n)
+            out = SchedulerOutput.of(entries)
+            with torch.inference_mode():
+                for _ in range(2):
+                    runner.execute(out)
+                before = runner.num_padded_steps
+                step_s, _ = timed(lambda: runner.execute(out))  # as the engine runs it (decode graphs on CUDA)
+                bucketed = runner.num_padded_steps > before
+                graphs = runner.buckets
+                runner.buckets = None
+                try:
+                    runner.execute(out)
+                    eager_s, _ = timed(lambda: runner.execute(out))
+                finally:
+                    runner.buckets = graphs
+                prepare_s, prepared = timed(lambda: runner.prepare(out.entries))
+                forward_s, logits = timed(lambda: runner.model(prepared.input_ids, prepared.positions,
+                                                               runner.layer_caches, prepared.meta,
+                                                               prepared.logits_indices))
+                sampling = len(prepared.sampling_entries)
+                seqs = [e.seq for e in prepared.sampling_entries]
+                sample_s, _ = timed(lambda: runner._sample(logits[:sampling], seqs))
+                steps = 3
+                ctx.sync()
+                t = time.perf_counter()
+                with profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        runner.execute(out)
+                    ctx.sync()
+                wall = (time.perf_counter() - t) / steps
+            averages = prof.key_averages()
+
+            def device_us(e):
+                return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+            # Kernels as the profiler attaches them to their launching ops; else its device-side events.
+            events = prof.events()
+            kernel_us_list = [k.duration for e in events for k in (getattr(e, "kernels", None) or [])]
+            if not kernel_us_list:
+                kernel_us_list = [e.time_range.elapsed_us() for e in events
+                                  if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            kernels, kernel_us = kernel_us_list, sum(kernel_us_list)
+            top_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+            top_dev = sorted(averages, key=device_us, reverse=True)[:12] if cuda else []
+            point.update(
+                step_ms=round(step_s * 1e3, 3), step_eager_ms=round(eager_s * 1e3, 3),
+                decode_graph=bucketed, prepare_ms=round(prepare_s * 1e3, 3),
+                forward_ms=round(forward_s * 1e3, 3), sample_ms=round(sample_s * 1e3, 3),
+                profiled_step_ms=round(wall * 1e3, 3),
+                kernels_per_step=round(len(kernels) / steps, 1),
+                kernel_ms_per_step=round(kernel_us / 1e3 / steps, 3),
+                gpu_busy_fraction=round(kernel_us / 1e6 / steps / wall, 3) if cuda and wall > 0 else None,
+                top_host_ops=[{"op": e.key, "calls_per_step": round(e.count / steps, 1),
+                               "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)} for e in top_cpu],
+                top_device_ops=[{"op": e.key[:120], "calls_per_step": round(e.count / steps, 1),
+                                 "device_ms_per_step": round(device_us(e) / 1e3 / steps, 3)} for e in top_dev],
+            )
+            if cuda:
+                try:
+                    point["sm_clock_mhz_after"] = torch.cuda.clock_rate()
+                except Exception as err:  # pynvml absent or refused: recorded, not fatal
+                    point["sm_clock_mhz_after"] = repr(err)
+        except Exception as err:
+            point.update(status="error", error=repr(err), traceback=traceback.format_exc())
+        finally:
+            if taken:
+                engine.scheduler.release_reserved(taken)
+        r["points"].append(point)
+        ctx.save()
+    del engine, runner
+    _part(ctx, "decode_attention", lambda: _decode_attention(ctx))
+    failed = any(p.get("status") == "error" for p in r["points"]) or r["decode_attention"].get("status") == "error"
+    r["status"] = "error" if failed else "ok"
+
+
+DECODE_ATTENTION_CASES = {"full": [(1, 512), (16, 4096), (64, 4096), (256, 1024)], "smoke": [(2, 40), (4, 64)]}
+
+
+def _decode_attention(ctx: Ctx) -> dict:
+    """One layer's decode attention, Llama-3-8B heads (32 query, 8 KV, dim 128; bf16 on the GPU):
+    the Triton paged kernel (workers/engine/triton_attention.py) against SDPA over the gathered
+    KV (`attention._sdpa_decode`, the path without it), same inputs: max difference and time."""
+    import torch
+
+    from workers.engine.attention import AttentionMetadata, _sdpa_decode
+
+    cuda = ctx.device.startswith("cuda")
+    try:
+        from workers.engine.triton_attention import paged_decode_attention
+    except ImportError as err:
+        return {"status": "skipped", "reason": f"triton not importable here ({err})"}
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"status": "skipped", "reason": "the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1)"}
+    heads, kv_heads, dim = (32, 8, 128) if not ctx.smoke else (4, 2, 16)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bs, iters = 16, (50 if cuda else 2)
+    cases = []
+    for batch, context in DECODE_ATTENTION_CASES[ctx.mode]:
+        case = {"batch": batch, "context": context}
+        try:
+            per_seq = -(-context // bs)
+            blocks = batch * per_seq + 1
+            gen = torch.Generator(device=ctx.device).manual_seed(batch + context)
+            cache = torch.randn(blocks, 2, 2, bs, kv_heads, dim, device=ctx.device, dtype=dtype, generator=gen)
+            k_cache, v_cache = cache[:, 1].unbind(1)  # a layer's strided views, as the engine passes them
+            tables = torch.randperm(blocks - 1, device=ctx.device, generator=gen)[:batch * per_seq].view(batch, per_seq)
+            lens = torch.full((batch,), context, dtype=torch.long, device=ctx.device)
+            q = torch.randn(batch, heads, dim, device=ctx.device, dtype=dtype, generator=gen)
+            meta = AttentionMetadata(slot_mapping=None, slot_blocks=None, slot_offsets=None, num_decode_tokens=batch,
+                                     decode_block_tables=tables, decode_context_lens=lens, prefills=[], block_size=bs)
+            scale = dim ** -0.5
+            runs = {"triton": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, 0),
+                    "triton_sum": lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, 0, False),
+                    "sdpa_gathered": lambda: _sdpa_decode(q, k_cache, v_cache, meta, None, scale)}
+            outs = {}
+            for name, fn in runs.items():
+                outs[name] = fn()
+                ctx.sync()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                ctx.sync()
+                case[f"{name}_ms"] = round((time.perf_counter() - t) / iters * 1e3, 4)
+            case["max_abs_diff"] = float((outs["triton"].float() - outs["sdpa_gathered"].float()).abs().max())
+            case["max_abs_diff_sum"] = float((outs["triton_sum"].float() - outs["sdpa_gathered"].float()).abs().max())
+            case["kv_gib"] = round(2 * batch * context * kv_heads * dim * cache.element_size() / 2**30, 3)
+            case["triton_gib_per_s"] = round(case["kv_gib"] / (case["triton_ms"] / 1e3), 1)
+            case["speedup"] = round(case["sdpa_gathered_ms"] / case["triton_ms"], 2)
+            del cache, k_cache, v_cache, outs
+        except Exception as err:
+            case.update(status="error", error=repr(err), traceback=traceback.format_exc())
+        cases.append(case)
+    limit = 2e-2 if cuda else 1e-5
+    bad = [c for c in cases if c.get("status") == "error" or max(c.get("max_abs_diff", 0), c.get("max_abs_diff_sum", 0)) > limit]
+    return {"status": "error" if bad else "ok", "dtype": str(dtype), "heads": [heads, kv_heads, dim], "cases": cases}
+
+
 # ---- captured_shapes ---------------------------------------------------------------------------
 def check_captured_shapes(ctx: Ctx) -> None:
     import torch
@@ -715,7 +898,8 @@ def _captured_timing(ctx: Ctx) -> dict:
 
     tokens_grid, batch_grid = ("16,32,64,128", "1,2,4,8,16") if not ctx.smoke else ("8,16,32", "1,2,4")
     engine, info = shaped_engine(ctx, kv_blocks=640 if not ctx.smoke else 256, max_seqs=32, max_tokens=2048,
-                                 captured_shapes=True, shape_tokens=tokens_grid, shape_batches=batch_grid)
+                                 captured_shapes=True, shape_tokens=tokens_grid, shape_batches=batch_grid,
+                                 decode_graphs="on")
     runner = engine.runner
     graph_runner = runner.buckets
     eager_runner = BucketRunner(runner._bucket_forward, runner.block_size, runner.device, "eager")
@@ -784,21 +968,25 @@ def _captured_timing(ctx: Ctx) -> dict:
         out["cases"].append(case)
         ctx.result["timing"] = out
         ctx.save()
-    # A decode step: never a bucket (build_bucket_step returns None for any single-token entry).
+    # A decode step as a decode graph (EngineConfig.decode_graphs: bucket (1, B)) and eagerly.
     batch, context = (16, 512) if not ctx.smoke else (4, 64)
     decode = {"decode_batch": batch, "decode_context": context}
     taken = []
     try:
         entries, taken = mixed_entries(engine, 0, 0, batch, context, salt=99)
         sched_out = SchedulerOutput.of(entries)
-        for name, bucket_runner in (("captured_shapes_on", graph_runner), ("captured_shapes_off", None)):
+        tokens = {}
+        for name, bucket_runner in (("decode_graph_on", graph_runner), ("decode_graph_off", None)):
             runner.buckets = bucket_runner
             before = runner.num_padded_steps
-            runs, _ = timed_execute(ctx, runner, sched_out, repeats, 1)
+            runs, sampled = timed_execute(ctx, runner, sched_out, repeats, 1)
             decode[f"{name}_s"] = statistics.median(runs)
             decode[f"{name}_bucketed"] = runner.num_padded_steps > before
-        decode["note"] = ("decode steps are not captured by this engine (a step with a single-token entry has no "
-                          "bucket): both run the same eager path")
+            tokens[name] = [sampled[e.seq.key] for e in entries]
+        # Random bf16 weights: near-tied logits may round to another argmax when the row
+        # count of a GEMM changes; token_exact checks exactness on float32 models.
+        decode["same_tokens"] = tokens["decode_graph_on"] == tokens["decode_graph_off"]
+        decode["speedup"] = round(decode["decode_graph_off_s"] / decode["decode_graph_on_s"], 3)
         decode["status"] = "ok"
     except Exception as err:
         decode.update(status="error", error=repr(err), traceback=traceback.format_exc())
@@ -814,7 +1002,7 @@ def _captured_timing(ctx: Ctx) -> dict:
 
 
 CHECKS = {"env": check_env, "token_exact": check_token_exact, "kv_digest": check_kv_digest, "grid": check_grid,
-          "captured_shapes": check_captured_shapes}
+          "captured_shapes": check_captured_shapes, "profile": check_profile}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,9 +1113,24 @@ def _line(name: str, r: dict) -> str:
                 if "bucket_cuda_graph_s" in case:
                     text += f", graph {case['bucket_cuda_graph_s'] * 1e3:.3f} ms"
         d = r.get("timing", {}).get("decode_step", {})
-        if "captured_shapes_on_s" in d:
-            text += (f"\n      decode B{d['decode_batch']} C{d['decode_context']}: {d['captured_shapes_on_s'] * 1e3:.3f} ms "
-                     f"(captured shapes on), {d['captured_shapes_off_s'] * 1e3:.3f} ms (off)")
+        if "decode_graph_on_s" in d:
+            text += (f"\n      decode B{d['decode_batch']} C{d['decode_context']}: {d['decode_graph_on_s'] * 1e3:.3f} ms "
+                     f"(decode graph), {d['decode_graph_off_s'] * 1e3:.3f} ms (eager); same tokens {d['same_tokens']}")
+    elif name == "profile" and "points" in r:
+        for pt in r["points"]:
+            if "step_ms" not in pt:
+                continue
+            text += (f"\n      chunk {pt['chunk_tokens']:5d} B {pt['decode_batch']:3d} C {pt['decode_context']:5d}: "
+                     f"step {pt['step_ms']:.2f} ms (decode graph: {pt['decode_graph']}); eager {pt['step_eager_ms']:.2f} ms "
+                     f"= prepare {pt['prepare_ms']:.2f} + forward {pt['forward_ms']:.2f} "
+                     f"+ sample {pt['sample_ms']:.2f}; {pt['kernels_per_step']:.0f} kernels, "
+                     f"{pt['kernel_ms_per_step']:.2f} ms on the device (busy {pt['gpu_busy_fraction']})")
+        for case in r.get("decode_attention", {}).get("cases", []):
+            if "triton_ms" in case:
+                text += (f"\n      decode attention B {case['batch']:3d} C {case['context']:5d}: triton {case['triton_ms']:.3f} ms, "
+                         f"(sums: {case['triton_sum_ms']:.3f} ms), "
+                         f"sdpa over gathered KV {case['sdpa_gathered_ms']:.3f} ms (x{case['speedup']}), "
+                         f"max diff {case['max_abs_diff']:.2e}")
     return text
 
 

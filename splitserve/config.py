@@ -100,9 +100,9 @@ class WorkerConfig(CommonConfig):
                                      "(emulated: the preset GPU's memory beside the weights; never allocated).")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the worker may use (CUDA).")
     enable_prefix_caching: bool = opt(True, "Reuse KV of identical prompt prefixes.")
-    attention_backend: str = opt("auto", "Attention kernels: auto (flash-attn on CUDA where it fits; on the CPU the "
-                                 "paged decode kernel compiled for this machine, else torch SDPA) | sdpa | flash | "
-                                 "cpu_kernel.")
+    attention_backend: str = opt("auto", "Attention kernels: auto (flash-attn on CUDA where it fits, else the Triton "
+                                 "paged decode kernel where triton imports; on the CPU the paged decode kernel "
+                                 "compiled for this machine; else torch SDPA) | sdpa | flash | cpu_kernel | triton.")
     cpu_linear: str = opt("auto", "CPU linear layers: auto/onednn (oneDNN over weights reordered once; 1.3-1.9x "
                           "torch's default here) | torch (F.linear).")
     captured_shapes: bool = opt(False, "LAPS captured shapes: pad each step of short prefills to a (tokens, batch) "
@@ -113,6 +113,11 @@ class WorkerConfig(CommonConfig):
                                         "CPU) | cuda_graph (captured once per bucket, replayed) | eager | compile "
                                         "(torch.compile per bucket).")
     max_captured_buckets: int = opt(64, "Most captured buckets (CUDA graphs) kept; a step of another runs unpadded.")
+    decode_graphs: str = opt("auto", "Decode steps as CUDA graphs: a step of decodes only padded to the next of "
+                             "--decode-graph-batches and replayed (vLLM's decode graphs; exact). auto: on CUDA | on "
+                             "(the CPU too: the padded layout, run eagerly) | off.")
+    decode_graph_batches: str = opt("1,2,4,8,16,24,32,48,64,96,128,192,256",
+                                    "Decode batch sizes captured (with --decode-graphs); a larger step runs eagerly.")
     structured_output_cache_size: int = opt(256, "Compiled structured-output grammars kept (LRU by the request's "
                                             "schema, regex, choices or grammar); a request for another compiles it.")
     design: str = opt("", "A research design: dynaserve | laps | ampd, or '' (none). Selects the design's local "

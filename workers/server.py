@@ -129,6 +129,7 @@ def engine_config_from(config: WorkerConfig) -> EngineConfig:
         attention_backend=config.attention_backend, cpu_linear=config.cpu_linear,
         captured_shapes=config.captured_shapes, shape_tokens=config.shape_tokens, shape_batches=config.shape_batches,
         captured_shapes_executor=config.captured_shapes_executor, max_captured_buckets=config.max_captured_buckets,
+        decode_graphs=config.decode_graphs, decode_graph_batches=config.decode_graph_batches,
         structured_output_cache_size=config.structured_output_cache_size,
         dllm_cache=config.dllm_cache, max_num_logits=config.max_num_logits, sparse_kv=config.sparse_kv,
         diffusion_policy=config.diffusion_policy, static_batch_size=config.static_batch_size,

@@ -176,3 +176,47 @@ def test_a_bucket_that_ends_a_prefill_reports_every_layer_kv_after_the_step(tiny
     assert runner.num_padded_steps == 1
     assert layers == list(range(runner.spec.num_layers))
     assert [sampled[e.seq.key] for e in out.entries] == plain
+
+
+def test_a_step_of_decodes_only_takes_the_next_decode_batch_size():
+    """Decode graphs (EngineConfig.decode_graphs): one token per row, the batch padded to
+    the next captured decode size; a step mixing decodes and chunks has no bucket."""
+    class Seq:
+        def __init__(self, n):
+            self.token_ids, self.block_table = list(range(3, 3 + n)), list(range(8))
+
+    class Entry:
+        def __init__(self, n, start=0):
+            self.seq, self.start, self.num_new_tokens, self.samples = Seq(start + n), start, n, True
+
+    sizes = (1, 2, 4, 8)
+    build = lambda entries, grid=None: build_bucket_step(entries, grid, 16, 99, 8, sizes)  # noqa: E731
+    step = build([Entry(1, start=20), Entry(1, start=40), Entry(1, start=3)])
+    assert step.key == BucketKey(1, 4, 4)  # 41 tokens: 3 blocks -> 4
+    assert step.positions.tolist() == [20, 40, 3, 0]
+    assert step.slot_blocks.tolist() == [1, 2, 0, 99] and step.slot_offsets.tolist() == [4, 8, 3, 0]
+    assert step.context_lens.tolist() == [21, 41, 4, 1] and step.sample_rows == [0, 1, 2]
+    assert build([Entry(1, start=5)] * 9) is None  # more than the largest decode size
+    assert build([Entry(1, start=5), Entry(4)], ShapeGrid((8,), (1, 2))) is None  # mixed: none
+    assert build_bucket_step([Entry(1, start=5)], None, 16, 99, 8) is None  # decode graphs off
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generation_with_decode_graphs_is_token_exact_and_runs_its_decode_steps_as_buckets(tiny_model_dirs, arch):
+    prompts = _prompts(11, [5, 12, 9, 3, 20])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_model_dirs[arch]))
+    assert plain.engine.runner.decode_batches == ()  # auto: off on the CPU (nothing to save)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    graphs = LLM(str(tiny_model_dirs[arch]), decode_graphs="on", decode_graph_batches="1,2,4,8")
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == expected
+    runner = graphs.engine.runner
+    assert runner.num_padded_steps >= 11  # the decode steps (each of 5 sequences' last 11 tokens)
+    assert {key.tokens for key in runner.buckets.buckets} == {1}  # no prefill step was bucketed
+
+
+def test_decode_graph_options_are_checked(tiny_model_dirs):
+    with pytest.raises(ValueError, match="decode_graphs must be auto, on or off"):
+        LLM(str(tiny_model_dirs["llama"]), decode_graphs="yes")
+    with pytest.raises(ValueError, match="decode_graph_batches"):
+        LLM(str(tiny_model_dirs["llama"]), decode_graphs="on", decode_graph_batches="1,x")

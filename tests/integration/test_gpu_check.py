@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SUBCHECKS = ("env", "token_exact", "kv_digest", "grid", "captured_shapes")
+SUBCHECKS = ("env", "token_exact", "kv_digest", "grid", "captured_shapes", "profile")
 GRID_KEYS = {"chunk_tokens", "chunk_history", "decode_batch", "decode_context", "seconds_median", "repeats"}
 
 
@@ -84,6 +84,22 @@ def test_kv_digests_and_captured_shapes_in_the_smoke(smoke_run):
     captured = json.loads((out / "captured_shapes.json").read_text())
     assert all(v["same_tokens"] and v["padded_steps"] >= 1 for v in captured["tokens"]["variants"].values())
     assert all(case["status"] == "ok" for case in captured["timing"]["cases"])
+    decode = captured["timing"]["decode_step"]
+    assert decode["status"] == "ok" and decode["decode_graph_on_bucketed"] and not decode["decode_graph_off_bucketed"]
+
+
+def test_the_profile_splits_each_step_and_runs_decode_steps_as_decode_graphs(smoke_run):
+    out, _ = smoke_run
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["status"] == "ok"
+    by_shape = {(p["chunk_tokens"], p["decode_batch"]): p for p in profile["points"]}
+    assert by_shape[(0, 1)]["decode_graph"] and not by_shape[(32, 4)]["decode_graph"]  # a mixed step has none
+    for point in profile["points"]:
+        assert min(point["step_ms"], point["step_eager_ms"], point["forward_ms"]) > 0
+        assert point["top_host_ops"] and point["prepare_ms"] + point["sample_ms"] < point["step_eager_ms"]
+    attention = profile["decode_attention"]
+    if importlib.util.find_spec("triton") is None:
+        assert attention["status"] == "skipped" and "triton" in attention["reason"]
 
 
 def test_a_sub_check_past_its_time_limit_is_recorded_and_the_run_goes_on(tmp_path):

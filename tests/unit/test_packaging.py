@@ -30,7 +30,7 @@ PACKAGES = ("splitserve", "workers", "services", "gateway", "loadgen")
 # responses are pydantic's and starlette's).
 PROVIDED_BY = {"starlette": "fastapi", "pydantic": "fastapi"}
 # Not installed here (so not in packages_distributions()): the distribution that provides them.
-NOT_INSTALLED_HERE = {"flash_attn": "flash-attn"}
+NOT_INSTALLED_HERE = {"flash_attn": "flash-attn", "triton": "triton"}
 
 
 def _names(requirements: list[str]) -> set[str]:

@@ -2,7 +2,10 @@
 
 Two backends: flash-attn varlen with a block table (CUDA, when `flash_attn` imports and
 the block size suits it) and torch `scaled_dot_product_attention` (CPU, or CUDA
-without flash-attn). The flattened batch puts decode tokens first, then prefill chunks.
+without flash-attn). Decode tokens may instead go to a paged decode kernel that reads the
+cache in place (`decode_kernel`: the compiled CPU one, or the Triton one on CUDA,
+`workers/engine/triton_attention.py`). The flattened batch puts decode tokens first, then
+prefill chunks.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_context_len: int = 0
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, batch order
-    # The compiled CPU decode kernel (workers/engine/kernels), or None: torch SDPA over gathered KV.
+    # The paged decode kernel (CPU: workers/engine/kernels; CUDA: triton_attention), or None:
+    # torch SDPA over gathered KV.
     decode_kernel: Callable | None = None
 
 
@@ -73,6 +77,10 @@ class BucketMetadata:
     context_lens: torch.Tensor  # [B] int64: keys with KV after this step, per row
     query_starts: torch.Tensor  # [B] int64: position of each row's first query token
     block_size: int
+    # A bucket of one token per row (a decode graph) runs this paged decode kernel when set
+    # (as `AttentionMetadata.decode_kernel`): no gathered copy of the KV, and it reads no
+    # value on the host, so a graph records it.
+    decode_kernel: Callable | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -136,6 +144,8 @@ def bucket_attention(q, k, v, k_cache, v_cache, meta: BucketMetadata, scale: flo
     _write_bucket_kv(k_cache, v_cache, k, v, meta)
     batch, blocks = meta.block_tables.shape
     tokens = q.shape[0] // batch
+    if tokens == 1 and meta.decode_kernel is not None:
+        return meta.decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, sliding_window or 0)
     _, num_heads, head_dim = q.shape
     keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, K*bs, D]
     values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)

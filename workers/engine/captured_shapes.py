@@ -41,6 +41,7 @@ tokens' compute; captured shapes are off by default (`captured_shapes`).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -99,14 +100,24 @@ def context_blocks_bucket(needed_blocks: int, min_blocks: int, max_blocks: int) 
     return min(blocks, max(max_blocks, min_blocks))
 
 
-def build_bucket_step(entries: Sequence, grid: ShapeGrid, block_size: int, scratch_block: int,
-                      max_blocks: int) -> BucketStep | None:
-    """`entries` (the step's `ScheduledEntry`s) laid out as their bucket; None when the step
-    has a decode (a single-token entry), no entry, or fits no captured shape."""
+def build_bucket_step(entries: Sequence, grid: ShapeGrid | None, block_size: int, scratch_block: int,
+                      max_blocks: int, decode_batches: tuple[int, ...] = ()) -> BucketStep | None:
+    """`entries` (the step's `ScheduledEntry`s) laid out as their bucket; None when none fits.
+
+    A step of single-token entries only (decodes) takes the bucket `(1, B)`, B the smallest of
+    `decode_batches` holding it (vLLM's decode CUDA graphs: on a GPU a decode step is hundreds
+    of small kernels whose launches cost more than their work); a step of prefill chunks a
+    bucket of `grid` (LAPS §3.1); a step mixing both, or one with no fitting size, none."""
     lengths = [e.num_new_tokens for e in entries]
-    if not lengths or any(n == 1 for n in lengths):
+    if not lengths:
         return None
-    shape = grid.padded(lengths)
+    if all(n == 1 for n in lengths):
+        i = bisect.bisect_left(decode_batches, len(lengths))
+        shape = (1, decode_batches[i]) if i < len(decode_batches) else None
+    elif grid is None or any(n == 1 for n in lengths):
+        shape = None
+    else:
+        shape = grid.padded(lengths)
     if shape is None:
         return None
     length, batch = shape
@@ -114,33 +125,37 @@ def build_bucket_step(entries: Sequence, grid: ShapeGrid, block_size: int, scrat
     blocks = context_blocks_bucket(-(-max(contexts) // block_size), -(-length // block_size), max_blocks)
     if blocks is None:
         return None
-    key = BucketKey(length, batch, blocks)
-    input_ids = torch.full((batch, length), PAD_TOKEN_ID, dtype=torch.long)
-    positions = torch.zeros((batch, length), dtype=torch.long)
-    slot_blocks = torch.full((batch, length), scratch_block, dtype=torch.long)
-    slot_offsets = torch.arange(length).remainder(block_size).repeat(batch, 1)
-    block_tables = torch.full((batch, blocks), scratch_block, dtype=torch.long)
-    context_lens = torch.ones(batch, dtype=torch.long)  # empty rows see one scratch key
-    query_starts = torch.zeros(batch, dtype=torch.long)
-    logits_indices = torch.arange(batch) * length
+    # Laid out in Python lists, one tensor each at the end: a step of 64 decodes as 64 rows of
+    # small tensor ops cost milliseconds of host time on the GPU machine.
+    input_ids = [PAD_TOKEN_ID] * (batch * length)
+    positions = [0] * (batch * length)
+    slot_blocks = [scratch_block] * (batch * length)
+    slot_offsets = [i % block_size for i in range(length)] * batch
+    block_tables = [[scratch_block] * blocks for _ in range(batch)]
+    context_lens = [1] * batch  # empty rows see one scratch key
+    query_starts = [0] * batch
+    logits_indices = [row * length for row in range(batch)]
     sample_rows = []
     for row, (e, n, ctx) in enumerate(zip(entries, lengths, contexts)):
-        seq = e.seq
-        table = torch.tensor(seq.block_table[: -(-ctx // block_size)], dtype=torch.long)
-        pos = torch.arange(e.start, ctx)
-        input_ids[row, :n] = torch.tensor(seq.token_ids[e.start:ctx], dtype=torch.long)
-        positions[row, :n] = pos
-        positions[row, n:] = ctx - 1  # pads: a valid rotary position, outputs unread
-        slot_blocks[row, :n] = table[pos // block_size]
-        slot_offsets[row, :n] = pos % block_size
-        block_tables[row, : table.numel()] = table
+        seq, base = e.seq, row * length
+        table = seq.block_table[: -(-ctx // block_size)]
+        input_ids[base:base + n] = seq.token_ids[e.start:ctx]
+        positions[base:base + length] = list(range(e.start, ctx)) + [ctx - 1] * (length - n)  # pads: a valid position
+        slot_blocks[base:base + n] = [table[pos // block_size] for pos in range(e.start, ctx)]
+        slot_offsets[base:base + n] = [pos % block_size for pos in range(e.start, ctx)]
+        block_tables[row][: len(table)] = table
         context_lens[row] = ctx
         query_starts[row] = e.start
-        logits_indices[row] = row * length + n - 1
+        logits_indices[row] = base + n - 1
         if e.samples:
             sample_rows.append(row)
-    return BucketStep(key, input_ids.flatten(), positions.flatten(), slot_blocks.flatten(), slot_offsets.flatten(),
-                      block_tables, context_lens, query_starts, logits_indices, sample_rows)
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    return BucketStep(BucketKey(length, batch, blocks), tensor(input_ids), tensor(positions), tensor(slot_blocks),
+                      tensor(slot_offsets), tensor(block_tables), tensor(context_lens), tensor(query_starts),
+                      tensor(logits_indices), sample_rows)
 
 
 BucketForward = Callable[[torch.Tensor, torch.Tensor, BucketMetadata, torch.Tensor], torch.Tensor]
@@ -149,7 +164,7 @@ BucketForward = Callable[[torch.Tensor, torch.Tensor, BucketMetadata, torch.Tens
 class _StaticBucket:
     """One bucket's static input buffers and its runnable forward over them."""
 
-    def __init__(self, key: BucketKey, block_size: int, device: torch.device):
+    def __init__(self, key: BucketKey, block_size: int, device: torch.device, decode_kernel: Callable | None = None):
         tokens = key.tokens * key.batch
 
         def buffer(*shape: int) -> torch.Tensor:
@@ -160,7 +175,7 @@ class _StaticBucket:
         self.meta = BucketMetadata(slot_blocks=buffer(tokens), slot_offsets=buffer(tokens),
                                    block_tables=buffer(key.batch, key.context_blocks),
                                    context_lens=buffer(key.batch), query_starts=buffer(key.batch),
-                                   block_size=block_size)
+                                   block_size=block_size, decode_kernel=decode_kernel)
         self.run: Callable[[], torch.Tensor] | None = None
 
     def load(self, step: BucketStep) -> None:
@@ -186,7 +201,7 @@ class BucketRunner:
     buckets), the caller then runs the step unpadded."""
 
     def __init__(self, forward: BucketForward, block_size: int, device: torch.device, executor: str = "eager",
-                 max_buckets: int = 64):
+                 max_buckets: int = 64, decode_kernel: Callable | None = None):
         if executor not in EXECUTORS:
             raise ValueError(f"captured shapes executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
         if executor == "cuda_graph" and device.type != "cuda":
@@ -198,6 +213,7 @@ class BucketRunner:
         self.device = device
         self.executor = executor
         self.max_buckets = max_buckets
+        self.decode_kernel = decode_kernel  # the paged decode kernel a bucket of one token per row runs
         self.buckets: dict[BucketKey, _StaticBucket] = {}
         self.graph_pool = None  # one CUDA memory pool shared by every captured graph
         self.hits = 0
@@ -213,7 +229,7 @@ class BucketRunner:
             if len(self.buckets) >= self.max_buckets:
                 self.misses += 1
                 return None
-            bucket = self.buckets[step.key] = _StaticBucket(step.key, self.block_size, self.device)
+            bucket = self.buckets[step.key] = _StaticBucket(step.key, self.block_size, self.device, self.decode_kernel)
             bucket.load(step)
             return self._first_run(bucket)
         self.hits += 1

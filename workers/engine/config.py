@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitserve.core import make_batch_policy
+from splitserve.core.shapes import parse_sizes
 
 if TYPE_CHECKING:  # torch is imported on use: the emulated backend never loads it
     import torch
@@ -66,8 +67,10 @@ class EngineConfig:
     # that predicts step latency (slo_aware); the emulated engine gives its own model without one.
     perf_model: str = ""
     # auto: flash-attn on CUDA where it fits, else on the CPU the compiled paged decode kernel
-    # (workers/engine/kernels) where it builds, else torch SDPA; sdpa: torch only;
-    # cpu_kernel: the CPU kernel or an error; flash: flash-attn or an error.
+    # (workers/engine/kernels) where it builds, and on CUDA without flash-attn the Triton paged
+    # decode kernel (workers/engine/triton_attention.py) where triton imports, else torch SDPA;
+    # sdpa: torch only; cpu_kernel: the CPU kernel or an error; flash: flash-attn or an error;
+    # triton: the Triton decode kernel on CUDA or an error.
     attention_backend: str = "auto"
     # CPU linear layers: auto/onednn run them on oneDNN over weights reordered once
     # (workers/engine/cpu_linear.py, 1.3-1.9x faster than torch's default here); torch keeps F.linear.
@@ -81,6 +84,13 @@ class EngineConfig:
     # per bucket); auto: cuda_graph on CUDA, eager on the CPU.
     captured_shapes_executor: str = "auto"
     max_captured_buckets: int = 64  # buckets (and CUDA graphs) kept; a step of another bucket runs unpadded
+    # Decode steps as captured shapes (vLLM's decode CUDA graphs): a step of decodes only is
+    # padded to the next of `decode_graph_batches` and run as a bucket (1 token per row), a
+    # graph replay on CUDA. auto: on a CUDA device; on: on the CPU too (eager: the layout only,
+    # what the CPU tests run); off. On the GPU check's H200 a batch-1 decode of an 8B model was
+    # 1,565 kernel launches, 31 ms of host time for 6.6 ms of device work.
+    decode_graphs: str = "auto"
+    decode_graph_batches: str = "1,2,4,8,16,24,32,48,64,96,128,192,256"
     # Compiled structured-output grammars kept (workers/engine/structured.py), LRU by the constraint.
     structured_output_cache_size: int = 256
     # Diffusion models (LLaDA; workers/diffusion): dual = Refresh at each block start, Reuse
@@ -100,6 +110,9 @@ class EngineConfig:
                      "max_num_logits", "static_batch_size", "structured_output_cache_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
+        parse_sizes("decode_graph_batches", self.decode_graph_batches)
         if self.captured_shapes_executor not in ("auto", "eager", "compile", "cuda_graph"):
             raise ValueError("captured_shapes_executor must be one of auto, eager, compile, cuda_graph, "
                              f"got {self.captured_shapes_executor!r}")
@@ -110,8 +123,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "sdpa", "flash", "cpu_kernel"):
-            raise ValueError("attention_backend must be auto, sdpa, flash or cpu_kernel, "
+        if self.attention_backend not in ("auto", "sdpa", "flash", "cpu_kernel", "triton"):
+            raise ValueError("attention_backend must be auto, sdpa, flash, cpu_kernel or triton, "
                              f"got {self.attention_backend!r}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")

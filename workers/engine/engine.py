@@ -68,7 +68,8 @@ class Engine:
             "elementwise=%s",
             self.spec.architecture, runner.device, runner.dtype, runner.num_blocks, config.block_size,
             runner.num_blocks * runner.bytes_per_block / 2**20,
-            "flash" if runner.use_flash else "cpu_kernel" if getattr(runner, "decode_kernel", None) else "sdpa",
+            "flash" if runner.use_flash else ("sdpa, decode: " + runner.decode_kernel_name)
+            if getattr(runner, "decode_kernel", None) else "sdpa",
             "onednn" if getattr(runner, "onednn_linears", 0) else "torch",
             "fused" if getattr(runner, "fused_ops", False) else "torch",
         )

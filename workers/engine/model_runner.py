@@ -15,7 +15,7 @@ from workers.engine.attention import (
     AttentionMetadata,
     PrefillChunk,
 )
-from splitserve.core.shapes import ShapeGrid
+from splitserve.core.shapes import ShapeGrid, parse_sizes
 from workers.engine.captured_shapes import BucketRunner, build_bucket_step
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.cpu_linear import onednn_available, pack_linears
@@ -56,8 +56,13 @@ class ModelRunner:
         else:
             self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
+        decode_graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
+        # Decode steps as buckets (1, B): see EngineConfig.decode_graphs. () keeps them unpadded.
+        self.decode_batches = parse_sizes("decode_graph_batches", config.decode_graph_batches) if decode_graphs else ()
         self.use_flash = self._choose_flash()
         self.decode_kernel = self._choose_decode_kernel()
+        self.decode_kernel_name = "" if self.decode_kernel is None else (
+            "triton" if self.device.type == "cuda" else "cpu_kernel")
         self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
         self.onednn_linears = self._pack_linears()
         self.fused_ops = self.set_fused_ops(True)
@@ -73,13 +78,13 @@ class ModelRunner:
         # ... and the prompt logprobs it scored (SamplingParams.prompt_logprobs): (first position, logprobs).
         self.step_prompt_logprobs: dict[StageKey, tuple[int, list[TokenLogprobs]]] = {}
         self.buckets: BucketRunner | None = None
-        if self.shapes is not None:
+        if self.shapes is not None or self.decode_batches:
             executor = config.captured_shapes_executor
             if executor == "auto":
                 executor = "cuda_graph" if self.device.type == "cuda" else "eager"
             self.buckets = BucketRunner(self._bucket_forward, self.block_size, self.device, executor,
-                                        config.max_captured_buckets)
-        scratch = 1 if self.shapes is not None else 0
+                                        config.max_captured_buckets, self.decode_kernel)
+        scratch = 1 if self.buckets is not None else 0
         # Block-major layout [blocks, layers, k/v, block_size, kv_heads, head_dim]: one
         # block's KV for every layer is contiguous, so moving a block list between
         # workers is one region per block.
@@ -152,6 +157,11 @@ class ModelRunner:
             )
         return ok and backend != "sdpa"
 
+    def _buckets_compiled(self) -> bool:
+        """Whether buckets (captured shapes, decode graphs) run torch.compile'd."""
+        config = self.config
+        return (config.captured_shapes or bool(self.decode_batches)) and config.captured_shapes_executor == "compile"
+
     def _pack_linears(self) -> int:
         """oneDNN linears on the CPU (cpu_linear auto/onednn); how many layers were packed."""
         choice = self.config.cpu_linear
@@ -160,7 +170,7 @@ class ModelRunner:
         available = onednn_available(self.device, self.dtype)
         # A torch.compile'd bucket (captured shapes, executor compile) traces the model: keep
         # plain weights there rather than opaque oneDNN tensors.
-        compiled = self.config.captured_shapes and self.config.captured_shapes_executor == "compile"
+        compiled = self._buckets_compiled()
         if choice == "onednn" and (not available or compiled):
             raise ValueError("cpu_linear=onednn needs a CPU device, float32 or bfloat16, torch with oneDNN, "
                              "and no compiled captured shapes")
@@ -172,7 +182,7 @@ class ModelRunner:
         with the decode kernel; SPLITSERVE_CPU_KERNELS=0 turns both off), and not inside
         torch.compile'd captured shapes, which trace torch ops. The one place that sets both
         the model's modules and `fused_ops`."""
-        compiled = self.config.captured_shapes and self.config.captured_shapes_executor == "compile"
+        compiled = self._buckets_compiled()
         use = getattr(self.model, "use_fused_ops", None)
         module = None
         if enabled and self.device.type == "cpu" and not compiled and use is not None:
@@ -183,8 +193,23 @@ class ModelRunner:
         return self.fused_ops
 
     def _choose_decode_kernel(self):
-        """The compiled paged decode-attention kernel on the CPU (auto, cpu_kernel), else None."""
+        """The paged decode-attention kernel: on the CPU the compiled one (auto, cpu_kernel); on
+        CUDA without flash-attn the Triton one (auto where triton imports, triton); else None."""
         backend = self.config.attention_backend
+        if self.device.type == "cuda" and backend in ("auto", "triton") and not self.use_flash:
+            dim = self.spec.head_dim
+            why = None if dim >= 16 and not dim & (dim - 1) else f"a power-of-two head_dim of at least 16, not {dim}"
+            try:
+                from workers.engine import triton_attention
+            except ImportError as err:
+                why = why or f"triton installed ({err})"
+            if why is None:
+                return triton_attention.paged_decode_attention
+            if backend == "triton":
+                raise ValueError(f"attention_backend=triton needs {why}")
+            return None
+        if backend == "triton":
+            raise ValueError("attention_backend=triton runs on CUDA only (and not beside flash-attn)")
         if self.device.type != "cpu" or backend not in ("auto", "cpu_kernel"):
             if backend == "cpu_kernel":
                 raise ValueError("attention_backend=cpu_kernel runs on the CPU only")
@@ -237,8 +262,10 @@ class ModelRunner:
             row += count
 
     def _execute_bucket(self, out: SchedulerOutput) -> dict[StageKey, int] | None:
-        """The step run as its captured shape (LAPS §3.1), or None when it has none."""
-        step = build_bucket_step(out.entries, self.shapes, self.block_size, self.num_blocks, self.max_blocks_per_seq)
+        """The step run as its captured shape (LAPS §3.1; decode steps: `decode_batches`), or
+        None when it has none."""
+        step = build_bucket_step(out.entries, self.shapes, self.block_size, self.num_blocks, self.max_blocks_per_seq,
+                                 self.decode_batches)
         if step is None:
             return None
         logits = self.buckets.run(step)
@@ -286,19 +313,23 @@ class ModelRunner:
         prompt_rows: list[tuple[ScheduledEntry, int, int]] = []
         starts: dict[StageKey, int] = {}  # each entry's first row in the flattened step
         offset = 0
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
         for e in ordered:
             seq, n = e.seq, e.num_new_tokens
             ctx = e.start + n
             starts[seq.key] = offset
             input_ids.extend(seq.token_ids[e.start : ctx])
-            pos = torch.arange(e.start, ctx)
-            table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
+            if n == 1:  # plain ints: per-decode tensor ops cost milliseconds of host time at batch 64
+                decode_positions.append(e.start)
+                decode_slots.append(seq.block_table[e.start // bs] * bs + e.start % bs)
                 decode_tables.append(seq.block_table[: -(-ctx // bs)])
                 decode_lens.append(ctx)
             else:
+                pos = torch.arange(e.start, ctx)
+                table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
                 prefills.append(PrefillChunk(offset, n, ctx, table.to(self.device)))
             offset += n
             if e.samples:
@@ -313,6 +344,9 @@ class ModelRunner:
             row = starts[e.seq.key] + first - 1 - e.start
             logits_indices.extend(range(row, row + count))
         dev = self.device
+        if decode_positions:  # decodes come first in the flattened step
+            positions.insert(0, torch.tensor(decode_positions, dtype=torch.long))
+            slots.insert(0, torch.tensor(decode_slots, dtype=torch.long))
         slot_mapping = torch.cat(slots).to(dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
