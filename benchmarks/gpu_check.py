@@ -768,8 +768,74 @@ def check_profile(ctx: Ctx) -> None:
         ctx.save()
     del engine, runner
     _part(ctx, "decode_attention", lambda: _decode_attention(ctx))
-    failed = any(p.get("status") == "error" for p in r["points"]) or r["decode_attention"].get("status") == "error"
+    _part(ctx, "elementwise", lambda: _elementwise(ctx))
+    failed = any(p.get("status") == "error" for p in r["points"]) or any(
+        r[k].get("status") == "error" for k in ("decode_attention", "elementwise"))
     r["status"] = "error" if failed else "ok"
+
+
+def _elementwise(ctx: Ctx) -> dict:
+    """The Triton RMSNorm (with residual) and rotary (workers/engine/triton_elementwise.py)
+    against the model's torch path on the 8B shape's rows (bf16 on the GPU): elements that
+    differ (bit for bit: the rounding is torch's, only the mean's summation order is not)
+    and the time of each."""
+    import torch
+
+    from workers.engine.models.llama import RMSNorm, apply_rotary
+
+    cuda = ctx.device.startswith("cuda")
+    try:
+        from workers.engine import triton_elementwise
+    except ImportError as err:
+        return {"status": "skipped", "reason": f"triton not importable here ({err})"}
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"status": "skipped", "reason": "the Triton kernels run on CUDA (or under TRITON_INTERPRET=1)"}
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens, hidden, heads, kv_heads, dim = (512, 4096, 32, 8, 128) if not ctx.smoke else (8, 64, 4, 2, 16)
+    iters = 50 if cuda else 2
+    gen = torch.Generator(device=ctx.device).manual_seed(7)
+    out: dict = {"status": "ok", "dtype": str(dtype), "tokens": tokens, "hidden": hidden}
+
+    def timed(fn):
+        fn()
+        ctx.sync()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        ctx.sync()
+        return round((time.perf_counter() - t) / iters * 1e3, 4)
+
+    with torch.inference_mode():
+        norm = RMSNorm(hidden, 1e-5).to(device=ctx.device, dtype=dtype)
+        norm.weight.copy_(torch.randn(hidden, device=ctx.device, generator=gen).to(dtype))
+        x = torch.randn(tokens, hidden, device=ctx.device, generator=gen).to(dtype)
+        residual = torch.randn(tokens, hidden, device=ctx.device, generator=gen).to(dtype)
+        r_torch, r_triton = residual.clone(), residual.clone()
+        a = norm(x, r_torch)
+        b = triton_elementwise.rms_norm(x, norm.weight, 1e-5, r_triton)
+        out["rms_norm"] = {"differing_elements": int((a != b).sum()), "residual_differing": int((r_torch != r_triton).sum()),
+                           "max_abs_diff": float((a.float() - b.float()).abs().max()),
+                           "torch_ms": timed(lambda: norm(x, residual.clone())),
+                           "triton_ms": timed(lambda: triton_elementwise.rms_norm(x, norm.weight, 1e-5, residual.clone()))}
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=ctx.device, generator=gen).to(dtype)
+        angles = torch.randn(tokens, dim // 2, device=ctx.device, generator=gen)
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+        def views(t):
+            q, k, _ = t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+
+        q_ref, k_ref = apply_rotary(*views(qkv.clone()), (cos, sin))
+        q, k = views(qkv.clone())
+        triton_elementwise.rotary_inplace(q, k, cos, sin)
+        out["rotary"] = {"differing_elements": int((q != q_ref).sum() + (k != k_ref).sum()),
+                         "torch_ms": timed(lambda: apply_rotary(*views(qkv), (cos, sin))),
+                         "triton_ms": timed(lambda: triton_elementwise.rotary_inplace(*views(qkv.clone()), cos, sin))}
+    if out["rotary"]["differing_elements"] or out["rms_norm"]["residual_differing"]:
+        out["status"] = "error"
+        out["reason"] = "rotary or the residual sum not bit for bit torch's"
+    return out
 
 
 DECODE_ATTENTION_CASES = {"full": [(1, 512), (16, 4096), (64, 4096), (256, 1024)], "smoke": [(2, 40), (4, 64)]}
@@ -1131,6 +1197,12 @@ def _line(name: str, r: dict) -> str:
                          f"(sums: {case['triton_sum_ms']:.3f} ms), "
                          f"sdpa over gathered KV {case['sdpa_gathered_ms']:.3f} ms (x{case['speedup']}), "
                          f"max diff {case['max_abs_diff']:.2e}")
+        e = r.get("elementwise", {})
+        if "rms_norm" in e:
+            text += (f"\n      rms_norm {e['rms_norm']['torch_ms']:.3f} -> {e['rms_norm']['triton_ms']:.3f} ms "
+                     f"({e['rms_norm']['differing_elements']} elements differ, max {e['rms_norm']['max_abs_diff']:.2e}); "
+                     f"rotary {e['rotary']['torch_ms']:.3f} -> {e['rotary']['triton_ms']:.3f} ms "
+                     f"({e['rotary']['differing_elements']} differ)")
     return text
 
 

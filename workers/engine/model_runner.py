@@ -178,17 +178,24 @@ class ModelRunner:
 
     def set_fused_ops(self, enabled: bool) -> bool:
         """Switch the fused elementwise ops (RMSNorm with its residual add, rotary) on or off;
-        whether they now run. On only on the CPU, when the compiled kernels built (they come
-        with the decode kernel; SPLITSERVE_CPU_KERNELS=0 turns both off), and not inside
-        torch.compile'd captured shapes, which trace torch ops. The one place that sets both
-        the model's modules and `fused_ops`."""
+        whether they now run. On the CPU the compiled kernels, when they built (they come with
+        the decode kernel; SPLITSERVE_CPU_KERNELS=0 turns both off); on CUDA the Triton ones
+        (`triton_elementwise.py`), where triton imports; never inside torch.compile'd captured
+        shapes, which trace torch ops. The one place that sets both the model's modules and
+        `fused_ops`."""
         compiled = self._buckets_compiled()
         use = getattr(self.model, "use_fused_ops", None)
         module = None
-        if enabled and self.device.type == "cpu" and not compiled and use is not None:
-            from workers.engine import kernels
+        if enabled and not compiled and use is not None:
+            if self.device.type == "cpu":
+                from workers.engine import kernels
 
-            module = kernels.load()
+                module = kernels.load()
+            elif self.device.type == "cuda":
+                try:
+                    from workers.engine import triton_elementwise as module
+                except ImportError:
+                    module = None
         self.fused_ops = use is not None and use(module) > 0 and module is not None
         return self.fused_ops
 

@@ -20,8 +20,8 @@ class RMSNorm(nn.Module):
     """RMS norm computed in float32, as the reference implementation does.
 
     With `residual`, `residual += x` first (in place) and the sum is normalised: the "add,
-    then norm" between two sub-layers. `fused` (the compiled CPU kernels, set by the model
-    runner) does either in one pass; without it, the same in torch ops."""
+    then norm" between two sub-layers. `fused` (the compiled CPU kernels, or the Triton ones on
+    CUDA; set by the model runner) does either in one pass; without it, the same in torch ops."""
 
     fused = None
 
@@ -85,7 +85,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    fused = None  # the compiled CPU kernels (rotary), set by the model runner
+    fused = None  # the compiled CPU kernels or the Triton ones (rotary), set by the model runner
 
     def __init__(self, spec: ModelSpec, layer_idx: int, use_flash: bool):
         super().__init__()
@@ -215,8 +215,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def use_fused_ops(self, fused) -> int:
-        """Run RMSNorm (with its residual add) and rotary by `fused` (the compiled CPU kernels;
-        None: torch ops again). Returns how many modules took them."""
+        """Run RMSNorm (with its residual add) and rotary by `fused` (the compiled CPU kernels,
+        or the Triton ones on CUDA; None: torch ops again). Returns how many modules took them."""
         taken = 0
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention)):
