@@ -774,6 +774,19 @@ def check_profile(ctx: Ctx) -> None:
     r["status"] = "error" if failed else "ok"
 
 
+def _triton_module(ctx: Ctx, name: str):
+    """`workers.engine.<name>` (a Triton module), or the skip record saying why it cannot run here."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"workers.engine.{name}")
+    except ImportError as err:
+        return {"status": "skipped", "reason": f"triton not importable here ({err})"}
+    if not ctx.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"status": "skipped", "reason": "Triton kernels run on CUDA (or under TRITON_INTERPRET=1)"}
+    return module
+
+
 def _elementwise(ctx: Ctx) -> dict:
     """The Triton RMSNorm (with residual) and rotary (workers/engine/triton_elementwise.py)
     against the model's torch path on the 8B shape's rows (bf16 on the GPU): elements that
@@ -784,12 +797,9 @@ def _elementwise(ctx: Ctx) -> dict:
     from workers.engine.models.llama import RMSNorm, apply_rotary
 
     cuda = ctx.device.startswith("cuda")
-    try:
-        from workers.engine import triton_elementwise
-    except ImportError as err:
-        return {"status": "skipped", "reason": f"triton not importable here ({err})"}
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"status": "skipped", "reason": "the Triton kernels run on CUDA (or under TRITON_INTERPRET=1)"}
+    triton_elementwise = _triton_module(ctx, "triton_elementwise")
+    if isinstance(triton_elementwise, dict):
+        return triton_elementwise
     dtype = torch.bfloat16 if cuda else torch.float32
     tokens, hidden, heads, kv_heads, dim = (512, 4096, 32, 8, 128) if not ctx.smoke else (8, 64, 4, 2, 16)
     iters = 50 if cuda else 2
@@ -850,12 +860,10 @@ def _decode_attention(ctx: Ctx) -> dict:
     from workers.engine.attention import AttentionMetadata, _sdpa_decode
 
     cuda = ctx.device.startswith("cuda")
-    try:
-        from workers.engine.triton_attention import paged_decode_attention
-    except ImportError as err:
-        return {"status": "skipped", "reason": f"triton not importable here ({err})"}
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"status": "skipped", "reason": "the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1)"}
+    triton_attention = _triton_module(ctx, "triton_attention")
+    if isinstance(triton_attention, dict):
+        return triton_attention
+    paged_decode_attention = triton_attention.paged_decode_attention
     heads, kv_heads, dim = (32, 8, 128) if not ctx.smoke else (4, 2, 16)
     dtype = torch.bfloat16 if cuda else torch.float32
     bs, iters = 16, (50 if cuda else 2)

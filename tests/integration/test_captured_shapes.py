@@ -22,6 +22,20 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 200) -> list[list[int]]
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+class _Seq:
+    """The fields of a `Sequence` that `build_bucket_step` reads."""
+
+    def __init__(self, n):
+        self.token_ids, self.block_table = list(range(3, 3 + n)), list(range(8))
+
+
+class _Entry:
+    """The fields of a `ScheduledEntry` that `build_bucket_step` reads: n new tokens after `start`."""
+
+    def __init__(self, n, start=0):
+        self.seq, self.start, self.num_new_tokens, self.samples = _Seq(start + n), start, n, True
+
+
 def _unpadded_logits(runner, entries) -> torch.Tensor:
     batch = runner.prepare(entries)
     with torch.inference_mode():
@@ -125,23 +139,15 @@ def test_generation_with_captured_shapes_is_token_exact_and_runs_the_short_prefi
 
 
 def test_only_prefill_steps_that_fit_a_bucket_are_laid_out_as_one():
-    class Seq:
-        def __init__(self, n):
-            self.token_ids, self.block_table = list(range(3, 3 + n)), list(range(8))
-
-    class Entry:
-        def __init__(self, n, start=0):
-            self.seq, self.start, self.num_new_tokens, self.samples = Seq(start + n), start, n, True
-
     grid = ShapeGrid((8, 16), (1, 2, 4))
     build = lambda entries: build_bucket_step(entries, grid, 16, 99, 8)  # noqa: E731
-    assert build([Entry(3), Entry(9)]).key == BucketKey(16, 2, 1)
-    assert build([Entry(3), Entry(1)]) is None  # a decode in the step: no captured shape
-    assert build([Entry(17)]) is None  # longer than every length bucket
-    assert build([Entry(2)] * 5) is None  # more requests than the largest batch
+    assert build([_Entry(3), _Entry(9)]).key == BucketKey(16, 2, 1)
+    assert build([_Entry(3), _Entry(1)]) is None  # a decode in the step: no captured shape
+    assert build([_Entry(17)]) is None  # longer than every length bucket
+    assert build([_Entry(2)] * 5) is None  # more requests than the largest batch
     assert build([]) is None
-    assert build([Entry(4, start=100)]).key == BucketKey(8, 1, 8)  # 104 tokens: 7 blocks -> 8
-    assert build([Entry(4, start=200)]) is None  # past a sequence's most blocks
+    assert build([_Entry(4, start=100)]).key == BucketKey(8, 1, 8)  # 104 tokens: 7 blocks -> 8
+    assert build([_Entry(4, start=200)]) is None  # past a sequence's most blocks
 
 
 def test_the_context_bucket_is_the_next_power_of_two_within_a_sequence():
@@ -181,24 +187,16 @@ def test_a_bucket_that_ends_a_prefill_reports_every_layer_kv_after_the_step(tiny
 def test_a_step_of_decodes_only_takes_the_next_decode_batch_size():
     """Decode graphs (EngineConfig.decode_graphs): one token per row, the batch padded to
     the next captured decode size; a step mixing decodes and chunks has no bucket."""
-    class Seq:
-        def __init__(self, n):
-            self.token_ids, self.block_table = list(range(3, 3 + n)), list(range(8))
-
-    class Entry:
-        def __init__(self, n, start=0):
-            self.seq, self.start, self.num_new_tokens, self.samples = Seq(start + n), start, n, True
-
     sizes = (1, 2, 4, 8)
     build = lambda entries, grid=None: build_bucket_step(entries, grid, 16, 99, 8, sizes)  # noqa: E731
-    step = build([Entry(1, start=20), Entry(1, start=40), Entry(1, start=3)])
+    step = build([_Entry(1, start=20), _Entry(1, start=40), _Entry(1, start=3)])
     assert step.key == BucketKey(1, 4, 4)  # 41 tokens: 3 blocks -> 4
     assert step.positions.tolist() == [20, 40, 3, 0]
     assert step.slot_blocks.tolist() == [1, 2, 0, 99] and step.slot_offsets.tolist() == [4, 8, 3, 0]
     assert step.context_lens.tolist() == [21, 41, 4, 1] and step.sample_rows == [0, 1, 2]
-    assert build([Entry(1, start=5)] * 9) is None  # more than the largest decode size
-    assert build([Entry(1, start=5), Entry(4)], ShapeGrid((8,), (1, 2))) is None  # mixed: none
-    assert build_bucket_step([Entry(1, start=5)], None, 16, 99, 8) is None  # decode graphs off
+    assert build([_Entry(1, start=5)] * 9) is None  # more than the largest decode size
+    assert build([_Entry(1, start=5), _Entry(4)], ShapeGrid((8,), (1, 2))) is None  # mixed: none
+    assert build_bucket_step([_Entry(1, start=5)], None, 16, 99, 8) is None  # decode graphs off
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
