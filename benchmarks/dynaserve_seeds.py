@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="P8192/D32,Azure conversation,Azure code")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="seeds first-seed .. first-seed + seeds - 1 (to split a long run over processes)")
     ap.add_argument("--perf-backend", default="auto")
     ap.add_argument("--slo-aware-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an slo_aware batch-policy option for every system that uses it (repeatable)")
@@ -42,7 +44,7 @@ def main() -> None:
     extra = dict(option.split("=", 1) for option in args.slo_aware_option)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     caps: dict[str, dict[str, list[float]]] = {}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         run = argparse.Namespace(perf_backend=args.perf_backend, window_s=60.0, min_requests=100, seed=seed,
                                  ttft_growth_s=2.0, rate_tol=0.05, max_probes=7)
         bench = de.Bench(run, de.SETUPS[args.setup], slo_aware_options=extra)
