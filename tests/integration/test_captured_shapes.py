@@ -187,7 +187,7 @@ def test_a_bucket_that_ends_a_prefill_reports_every_layer_kv_after_the_step(tiny
 def test_a_step_of_decodes_only_takes_the_next_decode_batch_size():
     """Decode graphs (EngineConfig.decode_graphs): one token per row, the batch padded to
     the next captured decode size; a step mixing decodes and chunks has no bucket."""
-    sizes = (1, 2, 4, 8)
+    sizes = ShapeGrid((1,), (1, 2, 4, 8))
     build = lambda entries, grid=None: build_bucket_step(entries, grid, 16, 99, 8, sizes)  # noqa: E731
     step = build([_Entry(1, start=20), _Entry(1, start=40), _Entry(1, start=3)])
     assert step.key == BucketKey(1, 4, 4)  # 41 tokens: 3 blocks -> 4

@@ -41,7 +41,6 @@ tokens' compute; captured shapes are off by default (`captured_shapes`).
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -101,23 +100,17 @@ def context_blocks_bucket(needed_blocks: int, min_blocks: int, max_blocks: int) 
 
 
 def build_bucket_step(entries: Sequence, grid: ShapeGrid | None, block_size: int, scratch_block: int,
-                      max_blocks: int, decode_batches: tuple[int, ...] = ()) -> BucketStep | None:
+                      max_blocks: int, decode_grid: ShapeGrid | None = None) -> BucketStep | None:
     """`entries` (the step's `ScheduledEntry`s) laid out as their bucket; None when none fits.
 
-    A step of single-token entries only (decodes) takes the bucket `(1, B)`, B the smallest of
-    `decode_batches` holding it (vLLM's decode CUDA graphs: on a GPU a decode step is hundreds
-    of small kernels whose launches cost more than their work); a step of prefill chunks a
-    bucket of `grid` (LAPS §3.1); a step mixing both, or one with no fitting size, none."""
+    A step of single-token entries only (decodes) takes a bucket of `decode_grid` (one token
+    length, 1, and the decode batch sizes: vLLM's decode CUDA graphs; on a GPU a decode step is
+    hundreds of small kernels whose launches cost more than their work); a step of prefill
+    chunks a bucket of `grid` (LAPS §3.1); a step mixing both, or one with no fitting size, none."""
     lengths = [e.num_new_tokens for e in entries]
-    if not lengths:
-        return None
-    if all(n == 1 for n in lengths):
-        i = bisect.bisect_left(decode_batches, len(lengths))
-        shape = (1, decode_batches[i]) if i < len(decode_batches) else None
-    elif grid is None or any(n == 1 for n in lengths):
-        shape = None
-    else:
-        shape = grid.padded(lengths)
+    decodes = sum(n == 1 for n in lengths)
+    chosen = decode_grid if decodes == len(lengths) else grid if not decodes else None
+    shape = chosen.padded(lengths) if chosen is not None else None
     if shape is None:
         return None
     length, batch = shape

@@ -15,7 +15,7 @@ from workers.engine.attention import (
     AttentionMetadata,
     PrefillChunk,
 )
-from splitserve.core.shapes import ShapeGrid, parse_sizes
+from splitserve.core.shapes import ShapeGrid
 from workers.engine.captured_shapes import BucketRunner, build_bucket_step
 from workers.engine.config import EngineConfig, ModelSpec, parse_dtype
 from workers.engine.cpu_linear import onednn_available, pack_linears
@@ -57,12 +57,10 @@ class ModelRunner:
             self.dtype = parse_dtype(config.dtype)
         self.block_size = config.block_size
         decode_graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
-        # Decode steps as buckets (1, B): see EngineConfig.decode_graphs. () keeps them unpadded.
-        self.decode_batches = parse_sizes("decode_graph_batches", config.decode_graph_batches) if decode_graphs else ()
+        # Decode steps as buckets (1, B): see EngineConfig.decode_graphs. None keeps them unpadded.
+        self.decode_grid = ShapeGrid((1,), config.decode_graph_batches) if decode_graphs else None
         self.use_flash = self._choose_flash()
         self.decode_kernel = self._choose_decode_kernel()
-        self.decode_kernel_name = "" if self.decode_kernel is None else (
-            "triton" if self.device.type == "cuda" else "cpu_kernel")
         self.model = load_model(spec, self.dtype, self.device, max_model_len, self.use_flash)
         self.onednn_linears = self._pack_linears()
         self.fused_ops = self.set_fused_ops(True)
@@ -78,7 +76,7 @@ class ModelRunner:
         # ... and the prompt logprobs it scored (SamplingParams.prompt_logprobs): (first position, logprobs).
         self.step_prompt_logprobs: dict[StageKey, tuple[int, list[TokenLogprobs]]] = {}
         self.buckets: BucketRunner | None = None
-        if self.shapes is not None or self.decode_batches:
+        if self.shapes is not None or self.decode_grid is not None:
             executor = config.captured_shapes_executor
             if executor == "auto":
                 executor = "cuda_graph" if self.device.type == "cuda" else "eager"
@@ -157,10 +155,22 @@ class ModelRunner:
             )
         return ok and backend != "sdpa"
 
+    @property
+    def decode_batches(self) -> tuple[int, ...]:
+        """The decode batch sizes run as buckets; () when decode graphs are off."""
+        return self.decode_grid.batches if self.decode_grid is not None else ()
+
+    @property
+    def decode_kernel_name(self) -> str:
+        """Which paged decode kernel runs ("" when none: SDPA over gathered KV)."""
+        if self.decode_kernel is None:
+            return ""
+        return "triton" if self.device.type == "cuda" else "cpu_kernel"
+
     def _buckets_compiled(self) -> bool:
         """Whether buckets (captured shapes, decode graphs) run torch.compile'd."""
         config = self.config
-        return (config.captured_shapes or bool(self.decode_batches)) and config.captured_shapes_executor == "compile"
+        return (config.captured_shapes or self.decode_grid is not None) and config.captured_shapes_executor == "compile"
 
     def _pack_linears(self) -> int:
         """oneDNN linears on the CPU (cpu_linear auto/onednn); how many layers were packed."""
@@ -204,12 +214,12 @@ class ModelRunner:
         CUDA without flash-attn the Triton one (auto where triton imports, triton); else None."""
         backend = self.config.attention_backend
         if self.device.type == "cuda" and backend in ("auto", "triton") and not self.use_flash:
-            dim = self.spec.head_dim
-            why = None if dim >= 16 and not dim & (dim - 1) else f"a power-of-two head_dim of at least 16, not {dim}"
             try:
                 from workers.engine import triton_attention
+
+                why = triton_attention.unsupported(self.spec.head_dim)
             except ImportError as err:
-                why = why or f"triton installed ({err})"
+                why = f"triton installed ({err})"
             if why is None:
                 return triton_attention.paged_decode_attention
             if backend == "triton":
@@ -269,10 +279,10 @@ class ModelRunner:
             row += count
 
     def _execute_bucket(self, out: SchedulerOutput) -> dict[StageKey, int] | None:
-        """The step run as its captured shape (LAPS §3.1; decode steps: `decode_batches`), or
+        """The step run as its captured shape (LAPS §3.1; decode steps: `decode_grid`), or
         None when it has none."""
         step = build_bucket_step(out.entries, self.shapes, self.block_size, self.num_blocks, self.max_blocks_per_seq,
-                                 self.decode_batches)
+                                 self.decode_grid)
         if step is None:
             return None
         logits = self.buckets.run(step)

@@ -26,14 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_decode_attention", "available"]
+__all__ = ["paged_decode_attention", "unsupported"]
 
 TILE = 64  # context tokens per loop iteration (several cache blocks)
 
 
-def available() -> bool:
-    """Whether the kernel can run on a CUDA device here (triton imported: it is)."""
-    return torch.cuda.is_available()
+def unsupported(head_dim: int, use_dot: bool = True) -> str | None:
+    """What this kernel needs that a head_dim lacks (tl.arange: a power of two; tl.dot: >= 16), or None."""
+    if head_dim & (head_dim - 1) or (use_dot and head_dim < 16):
+        return f"a power-of-two head_dim of at least 16, not {head_dim}" if use_dot else \
+            f"a power-of-two head_dim, not {head_dim}"
+    return None
 
 
 @triton.jit
@@ -110,8 +113,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if head_dim & (head_dim - 1) or (use_dot and head_dim < 16):
-        raise ValueError(f"triton decode attention needs a power-of-two head_dim (at least 16), got {head_dim}")
+    why = unsupported(head_dim, use_dot)
+    if why is not None:
+        raise ValueError(f"triton decode attention needs {why}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("triton decode attention needs the head dimension contiguous")
     out = torch.empty_like(q)
