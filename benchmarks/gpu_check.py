@@ -564,20 +564,37 @@ def mixed_entries(engine, chunk: int, history: int, batch: int, context: int, sa
     return entries, taken
 
 
-def timed_execute(ctx: Ctx, runner, out, repeats: int, warmup: int) -> tuple[list[float], dict]:
-    """`runner.execute(out)` `warmup` times, then `repeats` times timed between CUDA syncs."""
-    sampled = None
+def timed_calls(ctx: Ctx, fn, repeats: int, warmup: int = 0) -> tuple[list[float], object]:
+    """`fn()` `warmup` times, then `repeats` times each timed between device syncs: (the wall
+    seconds of each timed call, the last call's value). For steps (milliseconds and up)."""
+    value = None
     for _ in range(warmup):
-        sampled = runner.execute(out)
-    ctx.sync()
+        value = fn()
     runs = []
     for _ in range(repeats):
         ctx.sync()
         t = time.perf_counter()
-        sampled = runner.execute(out)
+        value = fn()
         ctx.sync()
         runs.append(time.perf_counter() - t)
-    return runs, sampled
+    return runs, value
+
+
+def mean_call_ms(ctx: Ctx, fn, iters: int) -> float:
+    """Milliseconds per call of `fn` over `iters` back-to-back calls between two device syncs,
+    after one warm call: for kernels too short to time one at a time (a sync costs more)."""
+    fn()
+    ctx.sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    ctx.sync()
+    return round((time.perf_counter() - t) / iters * 1e3, 4)
+
+
+def timed_execute(ctx: Ctx, runner, out, repeats: int, warmup: int) -> tuple[list[float], dict]:
+    """`runner.execute(out)` `warmup` times, then `repeats` times timed between device syncs."""
+    return timed_calls(ctx, lambda: runner.execute(out), repeats, warmup)
 
 
 def grid_points(mode: str) -> list[tuple[int, int, int, int]]:
@@ -683,14 +700,7 @@ def check_profile(ctx: Ctx) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
     def timed(fn, repeats=5):
-        ctx.sync()
-        runs = []
-        value = None
-        for _ in range(repeats):
-            t = time.perf_counter()
-            value = fn()
-            ctx.sync()
-            runs.append(time.perf_counter() - t)
+        runs, value = timed_calls(ctx, fn, repeats)
         return statistics.median(runs), value
 
     for n, (chunk, history, batch, context) in enumerate(points):
@@ -806,15 +816,6 @@ def _elementwise(ctx: Ctx) -> dict:
     gen = torch.Generator(device=ctx.device).manual_seed(7)
     out: dict = {"status": "ok", "dtype": str(dtype), "tokens": tokens, "hidden": hidden}
 
-    def timed(fn):
-        fn()
-        ctx.sync()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        ctx.sync()
-        return round((time.perf_counter() - t) / iters * 1e3, 4)
-
     with torch.inference_mode():
         norm = RMSNorm(hidden, 1e-5).to(device=ctx.device, dtype=dtype)
         norm.weight.copy_(torch.randn(hidden, device=ctx.device, generator=gen).to(dtype))
@@ -825,8 +826,8 @@ def _elementwise(ctx: Ctx) -> dict:
         b = triton_elementwise.rms_norm(x, norm.weight, 1e-5, r_triton)
         out["rms_norm"] = {"differing_elements": int((a != b).sum()), "residual_differing": int((r_torch != r_triton).sum()),
                            "max_abs_diff": float((a.float() - b.float()).abs().max()),
-                           "torch_ms": timed(lambda: norm(x, residual.clone())),
-                           "triton_ms": timed(lambda: triton_elementwise.rms_norm(x, norm.weight, 1e-5, residual.clone()))}
+                           "torch_ms": mean_call_ms(ctx, lambda: norm(x, residual.clone()), iters),
+                           "triton_ms": mean_call_ms(ctx, lambda: triton_elementwise.rms_norm(x, norm.weight, 1e-5, residual.clone()), iters)}
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=ctx.device, generator=gen).to(dtype)
         angles = torch.randn(tokens, dim // 2, device=ctx.device, generator=gen)
         emb = torch.cat((angles, angles), dim=-1)
@@ -840,8 +841,8 @@ def _elementwise(ctx: Ctx) -> dict:
         q, k = views(qkv.clone())
         triton_elementwise.rotary_inplace(q, k, cos, sin)
         out["rotary"] = {"differing_elements": int((q != q_ref).sum() + (k != k_ref).sum()),
-                         "torch_ms": timed(lambda: apply_rotary(*views(qkv), (cos, sin))),
-                         "triton_ms": timed(lambda: triton_elementwise.rotary_inplace(*views(qkv.clone()), cos, sin))}
+                         "torch_ms": mean_call_ms(ctx, lambda: apply_rotary(*views(qkv), (cos, sin)), iters),
+                         "triton_ms": mean_call_ms(ctx, lambda: triton_elementwise.rotary_inplace(*views(qkv.clone()), cos, sin), iters)}
     if out["rotary"]["differing_elements"] or out["rms_norm"]["residual_differing"]:
         out["status"] = "error"
         out["reason"] = "rotary or the residual sum not bit for bit torch's"
@@ -888,12 +889,7 @@ def _decode_attention(ctx: Ctx) -> dict:
             outs = {}
             for name, fn in runs.items():
                 outs[name] = fn()
-                ctx.sync()
-                t = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                ctx.sync()
-                case[f"{name}_ms"] = round((time.perf_counter() - t) / iters * 1e3, 4)
+                case[f"{name}_ms"] = mean_call_ms(ctx, fn, iters)
             case["max_abs_diff"] = float((outs["triton"].float() - outs["sdpa_gathered"].float()).abs().max())
             case["max_abs_diff_sum"] = float((outs["triton_sum"].float() - outs["sdpa_gathered"].float()).abs().max())
             case["kv_gib"] = round(2 * batch * context * kv_heads * dim * cache.element_size() / 2**30, 3)
