@@ -46,7 +46,11 @@ per-replica session rate, measured by simulating one replica with the real core
 (`Simulator`, the session preset's lengths and tool delays): a prefill replica beside
 enough TP-8 decode workers that they never run out of KV (TTFT P95), a decode replica fed
 by enough TP-8 prefill workers that its remote prefills never queue (ITL P95, the
-per-request mean gap; TTFT P95 of its local prefills). The points are rates some candidate
+per-request mean gap; TTFT P95 of its local prefills). Each point is the replica's steady
+state: a session lifetime under that load of arrivals first fills it (not measured), then at
+least another lifetime and `STEADY_MIN_ROUNDS` rounds are; a load with no steady state (a
+running batch past `max_num_seqs`, prefills past the whole worker: `loaded_lifetime_s`) or a
+queue that grows through the measured window is infeasible. The points are rates some candidate
 runs at (`initial_points`: among rate x (1 - s) / k for the pool sizes k the budget allows,
 at most 3 per prefill curve and 2 per decode curve), then a refinement pass measures the exact rates of the top candidates + `REFINE_TOP` where
 the interpolation could be off by more than 10% on the side that sets Z
@@ -54,7 +58,7 @@ the interpolation could be off by more than 10% on the side that sets Z
 (the curve made non-decreasing); past the highest rate a replica keeps up with, it is
 infeasible. The number of simulations is bounded per TP degree and share (the refinement
 by 2 x (top + `REFINE_TOP`)), so the plan's cost does not grow with N: at 256 GPUs ~19
-simulations, and the ILP (one per share, ~190 binaries each) solves in ~0.3 s.
+simulations of at most `MAX_POINT_SESSIONS` sessions, and the ILP (one per share, ~190 binaries each) solves in ~0.3 s.
 
 `check_plan` simulates the top configurations as whole clusters at the planned rate and
 ranks them by SLO attainment, a tie going to the lower simulated Z (the paper's Table 2:
@@ -74,6 +78,7 @@ import numpy as np
 from loadgen import arrivals
 from loadgen.sessions import PRESETS, ToolDelay, generate_sessions
 from services.global_scheduler.ampd import runs_locally
+from services.planner.sim_config import MAX_NUM_SEQS
 from services.planner.simulator import Simulator
 from splitserve.core import known_batch_policies
 from splitserve.core.designs import DesignChoice, resolve_design
@@ -92,7 +97,19 @@ TIE_BREAK = 1e-4  # weight of the secondary objective (see solve_plan)
 # up, a replica counts as not keeping up.
 PREFILL_POINTS, PREFILL_MAX_LOAD = 3, 0.9
 DECODE_POINTS, DECODE_MAX_LOAD = 2, 0.85
-MAX_DECODE_SESSIONS = 150  # a decode point simulates ~2 session lifetimes of arrivals, at most this many
+# A point is measured at the replica's steady state (`steady_window`): the rounds arriving in the
+# first session lifetime under the point's load (the replica filling up) are not measured, then at
+# least a lifetime and `STEADY_MIN_ROUNDS` rounds are; a point whose later half of that window is
+# `GROWTH_LIMIT` x slower than its earlier half did not keep up (its queue grows; the structural
+# overloads, a batch past `max_num_seqs` or prefills past the whole worker, are found before any
+# simulation by `loaded_lifetime_s`). Before these, a
+# point simulated ~2 light-load lifetimes of arrivals at most 150 sessions and measured every round:
+# at 71 sessions/s on one TP-8 decode worker (256 H100s, ToolBench) that was 2 s of arrivals, all
+# ramp-up — P95 ITL 18.6 ms there, > 100 ms at steady state — and the plan's top deployment had one
+# decode worker for 31 prefill workers.
+STEADY_MIN_ROUNDS = 240
+MAX_POINT_SESSIONS = 1500  # per point (the plan's time); past it the measured window is shorter
+GROWTH_LIMIT = 2.0  # a queue that grows; the halves of a stable one at high load differ by up to ~1.4x
 PREFILL_HELPER_TP = 8  # the fastest workers serve the other side of the replica under test
 # Shares of the session rounds whose prefill runs locally on the decode worker (adaptive
 # routing's overflow, see "Coupling"): a level of the ILP, one decode curve each.
@@ -267,9 +284,9 @@ def _simulate_point(job: tuple[PlanInputs, PointKey]) -> tuple[float, float]:
         helpers = max(1, math.ceil(remote_rate / (0.75 * prefill_capacity(inputs, PREFILL_HELPER_TP))))
         pools = [("prefill", PREFILL_HELPER_TP, helpers), ("decode", tp, 1)]
     sim = pool_simulator(inputs, pools, policy_params={"routing": "share", "local_share": share})
-    count = inputs.sim_sessions
-    if side == "decode":  # enough arrivals for the worker to fill up to its steady-state session count
-        count = max(count, min(MAX_DECODE_SESSIONS, math.ceil(2 * rate * session_lifetime_s(inputs, tp))))
+    warmup_s, count = steady_window(inputs, side, tp, share, rate)
+    if count is None:  # the replica cannot hold the load at any steady state
+        return INFEASIBLE, INFEASIBLE
     sessions = generate_sessions(inputs.sessions, count, np.random.default_rng([inputs.seed, tp]),
                                  tool_delay=ToolDelay("exponential", inputs.tool_delay_s))
     window = count / rate
@@ -277,10 +294,87 @@ def _simulate_point(job: tuple[PlanInputs, PointKey]) -> tuple[float, float]:
     results = [r for r in outcome.results if r.ok]
     if len(results) < len(outcome.results) * 0.99:
         return INFEASIBLE, INFEASIBLE  # requests still queued when the run was cut: it did not keep up
+    steady = steady_rounds(results, warmup_s)
+    latency = (lambda r: r.ttft_s) if side == "prefill" else (lambda r: r.tpot_s)
+    if grows(steady, latency):
+        return INFEASIBLE, INFEASIBLE
     if side == "prefill":
-        return _p95([r.ttft_s for r in results]), 0.0
-    local = [r.ttft_s for r in results if runs_locally(r.request_id, share)]
-    return _p95([r.tpot_s for r in results if r.tpot_s is not None]), _p95(local) if local else 0.0
+        return _p95([r.ttft_s for r in steady]), 0.0
+    local = [r.ttft_s for r in steady if runs_locally(r.request_id, share)]
+    return _p95([r.tpot_s for r in steady if r.tpot_s is not None]), _p95(local) if local else 0.0
+
+
+def loaded_lifetime_s(inputs: PlanInputs, side: str, tp: int, share: float, rate: float) -> float | None:
+    """A session's mean lifetime (s) on the replica under test at `rate` sessions/s, or None when no
+    steady state exists. Decode side: its running batch B solves B = rate x rounds x out x t(B),
+    t = the decode step at B over the mean context, stretched by the share of the worker's time its
+    local prefills take (`share` of the rounds); no solution with B within the worker's
+    `max_num_seqs`, or local prefills that need the whole worker: None. Prefill side: the decode
+    part on an unloaded helper, and each round's prefill queued at utilisation rho (M/D/1's mean wait,
+    rho / (2 (1 - rho)) prefills); rho >= 1: None."""
+    rounds, new, out, history = _session_means(inputs)
+    model = step_model(inputs, tp)
+    prefill_s = model.prefill_time(int(history), int(new))
+    if side == "prefill":
+        rho = rate * rounds * prefill_s
+        if rho >= 1:
+            return None
+        light = session_lifetime_s(inputs, PREFILL_HELPER_TP)
+        return light + rounds * prefill_s * (1 + rho / (2 * (1 - rho)))
+    busy_local = share * rate * rounds * prefill_s  # the worker's time share on local prefills
+    if busy_local >= 1:
+        return None
+    context = int(history + new + out / 2)
+    batch = 1.0
+    for _ in range(100):  # B -> rate x rounds x out x t(B): increasing and convex-ish in B; converges or escapes
+        step_s = model.decode_time(max(1, round(batch)), context) / (1 - busy_local)
+        following = rate * rounds * out * step_s
+        if following > MAX_NUM_SEQS:
+            return None
+        if abs(following - batch) <= 0.01 * batch:
+            batch = following
+            break
+        batch = following
+    else:
+        return None
+    step_s = model.decode_time(max(1, round(batch)), context) / (1 - busy_local)
+    return rounds * (out * step_s + inputs.tool_delay_s + prefill_s)
+
+
+def steady_window(inputs: PlanInputs, side: str, tp: int, share: float, rate: float) -> tuple[float, int | None]:
+    """(warm-up seconds, sessions to simulate) for one point: a loaded lifetime of arrivals to fill
+    the replica, then at least a lifetime and `STEADY_MIN_ROUNDS` rounds measured, at least
+    `inputs.sim_sessions` and at most `MAX_POINT_SESSIONS` sessions (then the window is what fits:
+    the warm-up at most half of it). (0, None): no steady state (`loaded_lifetime_s`)."""
+    lifetime = loaded_lifetime_s(inputs, side, tp, share, rate)
+    if lifetime is None:
+        return 0.0, None
+    rounds = _session_means(inputs)[0]
+    measured_s = max(lifetime, STEADY_MIN_ROUNDS / (rate * rounds))
+    count = min(MAX_POINT_SESSIONS, max(inputs.sim_sessions, math.ceil(rate * (lifetime + measured_s))))
+    return min(lifetime, 0.5 * count / rate), count
+
+
+def steady_rounds(results: Sequence[Any], warmup_s: float) -> list[Any]:
+    """The rounds that arrived after the warm-up and no later than the last session's first round
+    (after it, the replica empties), in arrival order."""
+    first = [r.arrival_s for r in results if r.round_index == 0]
+    if not first:
+        return []
+    start, end = min(first) + warmup_s, max(first)
+    return sorted((r for r in results if start <= r.arrival_s <= end), key=lambda r: r.arrival_s)
+
+
+def grows(rounds: Sequence[Any], latency: Callable[[Any], float | None], limit: float = GROWTH_LIMIT,
+          min_half: int = 20) -> bool:
+    """Whether the later half of `rounds` (in arrival order) is `limit` x slower on mean `latency`
+    than the earlier half: a queue that grows, a replica that does not keep up."""
+    values = [v for v in (latency(r) for r in rounds) if v is not None]
+    half = len(values) // 2
+    if half < min_half:
+        return False
+    early, late = float(np.mean(values[:half])), float(np.mean(values[half:]))
+    return late > limit * early
 
 
 def reachable_rates(rate: float, max_count: int) -> list[float]:

@@ -10,6 +10,8 @@ from services.global_scheduler.policy import ROLES
 from splitserve.core.designs import resolve_design
 from splitserve.perf.model import PerfModel
 
+MAX_NUM_SEQS = 256  # running sequences per simulated worker (vLLM's default); the planner's limit too
+
 __all__ = ["NetworkLatency", "SimulatorConfig", "worker_id"]
 
 
@@ -52,7 +54,7 @@ class SimulatorConfig:
     batch_policy_options: dict[str, Any] = field(default_factory=dict)
     block_size: int = 16
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = MAX_NUM_SEQS
     roles: tuple[str, ...] | None = None
     view_refresh_s: float = 0.1
     latency: NetworkLatency = NetworkLatency()

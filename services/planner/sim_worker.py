@@ -33,6 +33,7 @@ from splitserve.core import (BlockManager, DecodeRun, FinishReason, KvCapacityEr
                              build_batch_policy, step_time, whole_block_chunk)
 from splitserve.core.sequence import SessionHold
 from splitserve.perf.model import PerfModel
+from services.planner.sim_config import MAX_NUM_SEQS
 from splitserve.core.records import WorkerLoad
 
 __all__ = ["FAKE_TOKEN_ID", "StageRun", "SimWorker"]
@@ -80,7 +81,7 @@ class SimWorker:
     """The engine of one worker, stepped in virtual time by the simulator."""
 
     def __init__(self, worker_id: str, perf_model: PerfModel, *, clock: Callable[[], float], num_kv_blocks: int,
-                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = MAX_NUM_SEQS,
                  batch_policy: str = "fcfs", batch_policy_options: dict | None = None,
                  enable_prefix_caching: bool = True, role: str = "both", kv_chunk_tokens: int = 64,
                  view_refresh_s: float = 0.1, fast_forward: bool = True, signals_window_s: float | None = None):

@@ -36,6 +36,7 @@ from loadgen.runner import arrival_offsets
 from services.global_scheduler.policy import make_policy
 from services.planner.sim_config import NetworkLatency, SimulatorConfig
 from services.planner.sim_run import SimRun, SimStats, gc_paused
+from services.planner.sim_config import MAX_NUM_SEQS
 from services.planner.sim_workload import SimItem
 from splitserve.core import build_batch_policy
 from splitserve.perf.model import PerfModel
@@ -90,7 +91,7 @@ class Simulator:
     def __init__(self, num_workers: int, perf_model: PerfModel, *, num_kv_blocks: int,
                  placement_policy: str = "least_loaded", policy_params: dict[str, Any] | None = None,
                  batch_policy: str = "fcfs", batch_policy_options: dict[str, Any] | None = None,
-                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = MAX_NUM_SEQS,
                  roles: Sequence[str] | None = None, view_refresh_s: float = 0.1,
                  latency: NetworkLatency = NetworkLatency(), kv_chunk_tokens: int = 64,
                  kv_reserve_wait_s: float = 30.0, enable_prefix_caching: bool = True, fast_forward: bool = True,
