@@ -109,6 +109,7 @@ DECODE_POINTS, DECODE_MAX_LOAD = 2, 0.85
 # decode worker for 31 prefill workers.
 STEADY_MIN_ROUNDS = 240
 MAX_POINT_SESSIONS = 1500  # per point (the plan's time); past it the measured window is shorter
+CHECK_MAX_SESSIONS = 4000  # a whole-cluster check's sessions, at most
 GROWTH_LIMIT = 2.0  # a queue that grows; the halves of a stable one at high load differ by up to ~1.4x
 PREFILL_HELPER_TP = 8  # the fastest workers serve the other side of the replica under test
 # Shares of the session rounds whose prefill runs locally on the decode worker (adaptive
@@ -722,17 +723,22 @@ def _check_one(job: tuple[PlanInputs, float, Candidate, int]) -> dict[str, Any]:
     inputs, rate, cand, sessions = job
     sim = pool_simulator(inputs, [("prefill", cand.prefill_tp, cand.prefill_count),
                                   ("decode", cand.decode_tp, cand.decode_count)])
+    # Measured at steady state as the load curves are: a decode worker's loaded session lifetime
+    # of warm-up, then at least two more (a light-load lifetime where that load has none).
+    lifetime = (loaded_lifetime_s(inputs, "decode", cand.decode_tp, 0.0, rate / cand.decode_count)
+                or session_lifetime_s(inputs, cand.decode_tp))
+    sessions = min(CHECK_MAX_SESSIONS, max(sessions, math.ceil(3 * rate * lifetime)))
     items = generate_sessions(inputs.sessions, sessions, np.random.default_rng([inputs.seed, 99]),
                               tool_delay=ToolDelay("exponential", inputs.tool_delay_s))
     outcome = sim.run(items, arrivals.poisson(rate), seed=inputs.seed)
     ttft_s, itl_s = inputs.ttft_slo_ms / 1000, inputs.itl_slo_ms / 1000
-    results = outcome.results
+    results = steady_rounds(outcome.results, min(lifetime, 0.5 * sessions / rate)) or outcome.results
     met = sum(1 for r in results if r.ok and r.ttft_s <= ttft_s and (r.tpot_s is None or r.tpot_s <= itl_s))
     ok = [r for r in results if r.ok]
     ttft_p95 = _p95([r.ttft_s for r in ok])
     itl_p95 = _p95([r.tpot_s for r in ok if r.tpot_s is not None])
     return {"label": cand.label, "gpus": cand.gpus, "attainment": met / len(results) if results else 0.0,
-            "requests": len(results), "ttft_p95_ms": ttft_p95 * 1000, "itl_p95_ms": itl_p95 * 1000,
+            "requests": len(results), "sessions": sessions, "ttft_p95_ms": ttft_p95 * 1000, "itl_p95_ms": itl_p95 * 1000,
             "z": max(ttft_p95 / ttft_s, itl_p95 / itl_s),
             "local_share": outcome.stats.incremental_prefills_local
             / max(1, outcome.stats.incremental_prefills_local + outcome.stats.incremental_prefills_remote)}
@@ -747,7 +753,9 @@ def rank_checks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def check_plan(result: PlanResult, candidates: Sequence[Candidate], sessions: int = 200,
                processes: int = 2) -> list[dict[str, Any]]:
     """Whole-cluster simulations (the `ampd` policy, adaptive routing) of `candidates` at the
-    planned rate, ranked by `rank_checks`, best first."""
+    planned rate, ranked by `rank_checks`, best first. Each simulates at least `sessions`
+    sessions, and three loaded session lifetimes of its decode workers' (`CHECK_MAX_SESSIONS` at
+    most), and measures the rounds after the first lifetime (`steady_rounds`)."""
     jobs = [(result.inputs, result.rate, cand, sessions) for cand in candidates]
     if processes > 1:
         with ProcessPoolExecutor(processes) as pool:

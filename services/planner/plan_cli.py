@@ -36,10 +36,12 @@ def plan_command(
     perf_framework: str = _option("vllm", "--perf-framework", help=PERF_FRAMEWORK_HELP),
     perf_database_version: Optional[str] = _option(None, "--perf-database-version", help=PERF_DATABASE_VERSION_HELP),
     top: int = _option(3, "--top", help="Configurations to list."),
-    sim_sessions: int = _option(48, "--sim-sessions", help="Sessions per load-curve simulation (resolution vs "
-                                                            "planning time)."),
-    check: int = _option(0, "--check", help="> 0: also simulate the top configurations as whole clusters with that "
-                                            "many sessions and rank them by SLO attainment (the paper's Table 2)."),
+    sim_sessions: int = _option(48, "--sim-sessions", help="Sessions per load-curve simulation, at least "
+                                                            "(more where its steady state needs them)."),
+    check: int = _option(0, "--check", help="> 0: also simulate the top configurations as whole clusters with at "
+                                            "least that many sessions (more where their steady state needs them; "
+                                            "the warm-up not measured) and rank them by SLO attainment (the paper's "
+                                            "Table 2)."),
     processes: int = _option(2, "--processes", help="Simulation processes."),
     seed: int = _option(0, "--seed"),
     out: Optional[Path] = _option(None, "--out", help="Write the plan (and checks) as JSON here."),

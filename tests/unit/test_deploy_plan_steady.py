@@ -88,3 +88,15 @@ def test_the_old_top_deployments_decode_point_is_infeasible_and_a_light_one_is_m
     assert deploy_plan._simulate_point((inputs, ("decode", 8, 0.0, rate))) == (math.inf, math.inf)
     itl, local = deploy_plan._simulate_point((inputs, ("decode", 8, 0.0, 2.0)))
     assert 0 < itl < inputs.itl_slo_ms / 1000 and local == 0.0
+
+
+def test_a_whole_cluster_check_runs_three_loaded_lifetimes_and_measures_after_the_first():
+    rate = 1.0
+    candidate = deploy_plan.Candidate(8, 1, 8, 1, z=0.0, ttft_p95_ms=0.0, itl_p95_ms=0.0)
+    result = deploy_plan.PlanResult(SMALL, rate, [candidate], {}, 0.0, 0.0)
+    (row,) = deploy_plan.check_plan(result, [candidate], sessions=8, processes=1)
+    lifetime = loaded_lifetime_s(SMALL, "decode", 8, 0.0, rate)
+    assert row["sessions"] == math.ceil(3 * rate * lifetime) > 8
+    rounds = deploy_plan._session_means(SMALL)[0]
+    assert 0 < row["requests"] < 0.9 * row["sessions"] * rounds  # the warm-up's rounds and the drain's are not counted
+    assert row["attainment"] > 0.9
