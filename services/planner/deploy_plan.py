@@ -327,7 +327,9 @@ def loaded_lifetime_s(inputs: PlanInputs, side: str, tp: int, share: float, rate
         return None
     context = int(history + new + out / 2)
     batch = 1.0
-    for _ in range(100):  # B -> rate x rounds x out x t(B): increasing and convex-ish in B; converges or escapes
+    # From B = 1 up, B -> rate x rounds x out x t(B) rises to the smallest fixed point, or escapes
+    # past max_num_seqs; no convergence in 100 steps is the edge of stability, counted as none.
+    for _ in range(100):
         step_s = model.decode_time(max(1, round(batch)), context) / (1 - busy_local)
         following = rate * rounds * out * step_s
         if following > MAX_NUM_SEQS:
