@@ -57,7 +57,8 @@ def test_registered_and_parameters_are_checked_by_name():
     for bad, field in ((dict(alpha=0), "alpha"), (dict(beta=1.5), "beta"), (dict(ttft_slo_ms=-1), "ttft_slo_ms"),
                        (dict(routing="sometimes"), "routing"), (dict(itl_slo_ms="x"), "itl_slo_ms"),
                        (dict(routing="share", local_share=1.5), "local_share"),
-                       (dict(routing="adaptive", local_share=0.5), "local_share")):
+                       (dict(routing="adaptive", local_share=0.5), "local_share"),
+                       (dict(slack_choice="first"), "slack_choice")):
         with pytest.raises(ValueError, match=field):
             policy(**bad)
 
@@ -80,6 +81,22 @@ def test_rule_1_a_prefill_worker_with_ttft_slack_runs_it_remotely():
     # Eq. 2: T_pre(600, 400) + T_kv(600) + T_kv(400), nothing queued.
     expected = TOY.prefill_time(600, 400) + TOY.kv_transfer_time(600) + TOY.kv_transfer_time(400)
     assert placement.decision["t_remote_s"] == pytest.approx(expected)
+
+
+def test_among_workers_with_slack_the_cheapest_takes_it_or_a_random_one_as_the_paper():
+    # Both have TTFT slack; p1 has a prefill queued, so its Eq. 2 cost is higher.
+    workers = [worker("p0", "prefill", ttft=0.1), worker("p1", "prefill", ttft=0.1, queue=(3000,)),
+               worker("d0", "decode")]
+    for seed in range(8):
+        placement = place(policy(seed=seed), workers, request(history=600, bound="d0"))
+        assert placement.worker_ids == ("p0", "d0") and placement.decision["rule"] == RULE_TTFT_SLACK
+    chosen = {place(policy(seed=seed, slack_choice="random"), workers, request(history=600, bound="d0")).worker_ids[0]
+              for seed in range(8)}
+    assert chosen == {"p0", "p1"}  # the paper's line 1: any worker with slack, in random order
+    # A cheaper worker without slack is still passed over.
+    workers = [worker("p0", "prefill", ttft=0.34), worker("p1", "prefill", ttft=0.1, queue=(3000,)),
+               worker("d0", "decode")]
+    assert place(policy(), workers, request(history=600, bound="d0")).worker_ids == ("p1", "d0")
 
 
 def test_rule_2_no_prefill_slack_but_decode_itl_slack_runs_it_locally():
