@@ -30,8 +30,8 @@ capacity too and pays for it in ITL. Curves measured with remote prefills only c
 this: they ranked a single small decode worker beside many prefill workers first, where
 whole-cluster simulation (and the paper's Table 2) put larger decode workers first. So the
 ILP gets one more dimension, the share s of rounds prefilled locally (`LOCAL_SHARES`: none,
-half, three quarters; whole-cluster simulations of the paper's workloads at half their
-prefill capacity run 26-79% of later rounds locally): u[n, k, s], v[m, j, s], with
+a quarter, half, three quarters; whole-cluster simulations of the paper's workloads at half
+their prefill capacity at steady state run 0-46% of later rounds locally): u[n, k, s], v[m, j, s], with
 Σ_n,k u[n, k, s] = Σ_m,j v[m, j, s] for each s (both pools at the same level; solved as
 one ILP per level, merged, see `solve_plan`). At level s the prefill pool gets rate x (1 - s),
 and the decode replica's cost is the larger of its P95 ITL / ITL SLO and its local prefills'
@@ -48,9 +48,9 @@ enough TP-8 decode workers that they never run out of KV (TTFT P95), a decode re
 by enough TP-8 prefill workers that its remote prefills never queue (ITL P95, the
 per-request mean gap; TTFT P95 of its local prefills). Each point is the replica's steady
 state: a session lifetime under that load of arrivals first fills it (not measured), then at
-least another lifetime and `STEADY_MIN_ROUNDS` rounds are; a load with no steady state (a
-running batch past `max_num_seqs`, prefills past the whole worker: `loaded_lifetime_s`) or a
-queue that grows through the measured window is infeasible. The points are rates some candidate
+least another lifetime and `STEADY_MIN_ROUNDS` rounds are (the later half alone where the
+queue still rises); a load with no steady state (a running batch past `max_num_seqs`,
+prefills past the whole worker: `loaded_lifetime_s`) is infeasible. The points are rates some candidate
 runs at (`initial_points`: among rate x (1 - s) / k for the pool sizes k the budget allows,
 at most 3 per prefill curve and 2 per decode curve), then a refinement pass measures the exact rates of the top candidates + `REFINE_TOP` where
 the interpolation could be off by more than 10% on the side that sets Z
@@ -99,10 +99,10 @@ PREFILL_POINTS, PREFILL_MAX_LOAD = 3, 0.9
 DECODE_POINTS, DECODE_MAX_LOAD = 2, 0.85
 # A point is measured at the replica's steady state (`steady_window`): the rounds arriving in the
 # first session lifetime under the point's load (the replica filling up) are not measured, then at
-# least a lifetime and `STEADY_MIN_ROUNDS` rounds are; a point whose later half of that window is
-# `GROWTH_LIMIT` x slower than its earlier half did not keep up (its queue grows; the structural
-# overloads, a batch past `max_num_seqs` or prefills past the whole worker, are found before any
-# simulation by `loaded_lifetime_s`). Before these, a
+# least a lifetime and `STEADY_MIN_ROUNDS` rounds are; where the later half of that window is
+# `GROWTH_LIMIT` x slower than its earlier half (a queue still rising, or slow to settle near
+# saturation), only the later half is (the structural overloads, a batch past `max_num_seqs` or
+# prefills past the whole worker, are infeasible before any simulation: `loaded_lifetime_s`). Before these, a
 # point simulated ~2 light-load lifetimes of arrivals at most 150 sessions and measured every round:
 # at 71 sessions/s on one TP-8 decode worker (256 H100s, ToolBench) that was 2 s of arrivals, all
 # ramp-up — P95 ITL 18.6 ms there, > 100 ms at steady state — and the plan's top deployment had one
@@ -110,11 +110,14 @@ DECODE_POINTS, DECODE_MAX_LOAD = 2, 0.85
 STEADY_MIN_ROUNDS = 240
 MAX_POINT_SESSIONS = 1500  # per point (the plan's time); past it the measured window is shorter
 CHECK_MAX_SESSIONS = 4000  # a whole-cluster check's sessions, at most
+# A prefill curve's first point is the replica nearly idle (this share of its capacity): the P95
+# of its service alone, the part of TTFT a pool of replicas cannot shorten (`pooled_prefill_p95`).
+UNLOADED_LOAD = 0.05
 GROWTH_LIMIT = 2.0  # a queue that grows; the halves of a stable one at high load differ by up to ~1.4x
 PREFILL_HELPER_TP = 8  # the fastest workers serve the other side of the replica under test
 # Shares of the session rounds whose prefill runs locally on the decode worker (adaptive
 # routing's overflow, see "Coupling"): a level of the ILP, one decode curve each.
-LOCAL_SHARES = (0.0, 0.5, 0.75)
+LOCAL_SHARES = (0.0, 0.25, 0.5, 0.75)
 REFINE_TOP = 2  # the refinement pass measures the rates of the top + this many candidates
 REFINE_TOLERANCE = 0.1  # a measured point within this relative distance of a rate needs no new one
 REFINE_SPREAD = 0.1  # ... nor a rate whose interpolation can be off by at most this share of its value
@@ -297,8 +300,8 @@ def _simulate_point(job: tuple[PlanInputs, PointKey]) -> tuple[float, float]:
         return INFEASIBLE, INFEASIBLE  # requests still queued when the run was cut: it did not keep up
     steady = steady_rounds(results, warmup_s)
     latency = (lambda r: r.ttft_s) if side == "prefill" else (lambda r: r.tpot_s)
-    if grows(steady, latency):
-        return INFEASIBLE, INFEASIBLE
+    if grows(steady, latency):  # still rising (or slow to settle near saturation): its later state
+        steady = steady[len(steady) // 2:]
     if side == "prefill":
         return _p95([r.ttft_s for r in steady]), 0.0
     local = [r.ttft_s for r in steady if runs_locally(r.request_id, share)]
@@ -402,7 +405,7 @@ def initial_points(inputs: PlanInputs, rate: float) -> list[PointKey]:
     reachable rates up to `PREFILL_MAX_LOAD` x its prefill capacity; per TP and local share, up
     to `DECODE_POINTS` decode points up to `DECODE_MAX_LOAD` x what a decode replica can hold —
     its KV memory, and with local prefills also its compute for them (`share` of the rounds
-    at its prefill capacity)."""
+    at its prefill capacity). Per TP also one prefill point nearly idle (`unloaded_rate`)."""
     points: list[PointKey] = []
     for tp in inputs.feasible_tps():
         max_count = (inputs.gpus - 1) // tp
@@ -411,6 +414,7 @@ def initial_points(inputs: PlanInputs, rate: float) -> list[PointKey]:
                             for r in reachable_rates(rate * (1 - share), max_count)})
         points += [("prefill", tp, 0.0, r) for r in grid_rates(
             reachable, PREFILL_MAX_LOAD * prefill_capacity(inputs, tp), PREFILL_POINTS)]
+        points.append(("prefill", tp, 0.0, unloaded_rate(inputs, tp)))
         for share in LOCAL_SHARES:
             capacity = decode_capacity(inputs, tp)
             if share > 0:
@@ -511,19 +515,83 @@ def build_curves(measured: dict[PointKey, tuple[float, float]], tps: Sequence[in
 def cost_tables(inputs: PlanInputs, rate: float, curves: dict[str, dict[Any, LoadCurve]]
                 ) -> tuple[dict[tuple[int, int, float], float], dict[tuple[int, int, float], float]]:
     """The ILP's coefficients: for each (tp, count, local share), the prefill pool's P95 TTFT
-    over its SLO at rate x (1 - share) / count per replica, and the decode pool's larger of
+    over its SLO at rate x (1 - share) / count per replica (its replicas sharing one queue:
+    `pooled_prefill_p95`), and the decode pool's larger of
     P95 ITL / ITL SLO and its local prefills' P95 TTFT / TTFT SLO at rate / count."""
     ttft_slo, itl_slo = inputs.ttft_slo_ms / 1000, inputs.itl_slo_ms / 1000
     prefill_cost, decode_cost = {}, {}
     for tp in inputs.feasible_tps():
         for count in range(1, (inputs.gpus - 1) // tp + 1):
             for share in LOCAL_SHARES:
-                remote = curves["prefill"][tp].at(rate * (1 - share) / count) if share < 1 else 0.0
+                remote = pooled_prefill_p95(inputs, curves["prefill"][tp], tp, count,
+                                            rate * (1 - share) / count) if share < 1 else 0.0
                 prefill_cost[(tp, count, share)] = remote / ttft_slo
                 itl = curves["decode"][(tp, share)].at(rate / count) / itl_slo
                 local = curves["local_ttft"][(tp, share)].at(rate / count) / ttft_slo if share > 0 else 0.0
                 decode_cost[(tp, count, share)] = max(itl, local)
     return prefill_cost, decode_cost
+
+
+def unloaded_rate(inputs: PlanInputs, tp: int) -> float:
+    """The per-replica rate of a prefill curve's nearly idle point."""
+    return UNLOADED_LOAD * prefill_capacity(inputs, tp)
+
+
+def prefill_utilisation(inputs: PlanInputs, tp: int, rate: float) -> float:
+    """The busy share of a TP-`tp` prefill worker taking every round of `rate` sessions/s."""
+    rounds, new, _, history = _session_means(inputs)
+    return rate * rounds * step_model(inputs, tp).prefill_time(int(history), int(new))
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """The probability that an arrival waits in M/M/`servers` with `offered` = arrival rate x
+    service time (Erlang C), by the stable Erlang B recursion; 1 when `offered` >= `servers`."""
+    if offered >= servers:
+        return 1.0
+    blocking = 1.0
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    return blocking / (1 - offered / servers * (1 - blocking))
+
+
+def pooled_wait_share(servers: int, utilisation: float) -> float:
+    """The mean wait of `servers` replicas sharing one queue, as a share of one replica's alone at
+    the same utilisation: C(c, c rho) / (c rho) (M/M/c against M/M/1; 1 for one replica)."""
+    if servers <= 1 or not 0 < utilisation < 1:
+        return 1.0
+    return erlang_c(servers, servers * utilisation) / (servers * utilisation)
+
+
+def pooled_prefill_p95(inputs: PlanInputs, curve: LoadCurve, tp: int, count: int, rate: float) -> float:
+    """P95 TTFT of `count` TP-`tp` prefill replicas at `rate` sessions/s each, sharing their queue
+    (AMPD's routing sends a prefill to the cheapest worker with slack): the one-replica curve's
+    service part (its nearly idle point) plus its queueing part scaled by `pooled_wait_share`.
+    Checked by simulation (DuReader, three TP-4 H200 replicas at utilisation 0.67): one replica
+    1,192 ms, idle 279 ms, the pool 483 ms; this gives 482 ms."""
+    single = queueing_at(inputs, curve, tp, rate)
+    if count <= 1 or not math.isfinite(single):
+        return single
+    service = curve.at(unloaded_rate(inputs, tp))
+    share = pooled_wait_share(count, prefill_utilisation(inputs, tp, rate))
+    return service + max(0.0, single - service) * share
+
+
+def queueing_at(inputs: PlanInputs, curve: LoadCurve, tp: int, rate: float) -> float:
+    """A prefill curve read at `rate`, interpolated linearly in rho / (1 - rho) (rho its
+    utilisation: a queue's wait grows so) rather than in the rate, which overstates the convex
+    curve between two points far apart (HotpotQA, TP-2 H200: 460 ms at rho 0.40, 1,956 ms at
+    0.81; at 0.60 linear in the rate says 1,180 ms, this 790 ms). Below and past the points as
+    `LoadCurve.at`."""
+    points = curve.feasible_points(rate)
+    if points is None:
+        return INFEASIBLE
+    rates, values = points
+
+    def load(r: float) -> float:
+        rho = min(prefill_utilisation(inputs, tp, r), 0.999)
+        return rho / (1 - rho)
+
+    return float(np.interp(load(rate), [load(r) for r in rates], values))
 
 
 @dataclass(frozen=True)

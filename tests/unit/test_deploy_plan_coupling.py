@@ -34,12 +34,14 @@ def test_the_grid_takes_every_usable_rate_when_few_else_both_ends_and_the_middle
 def test_every_initial_point_is_a_rate_some_pool_runs_at_and_the_grid_is_bounded():
     inputs = PlanInputs(gpus=16, gpu="H100", model="Llama-3-8B", sessions="toolbench", rate=3.0, tp_degrees=(1, 2, 4))
     points = initial_points(inputs, 3.0)
-    for side, tp, share, rate in points:
+    idle = {("prefill", tp, 0.0, dp.unloaded_rate(inputs, tp)) for tp in (1, 2, 4)}
+    assert idle <= set(points)  # each prefill curve's nearly idle point, for the pooled TTFT
+    for side, tp, share, rate in sorted(set(points) - idle):
         counts = range(1, (16 - 1) // tp + 1)
         shares = [s for s in dp.LOCAL_SHARES if s < 1] if side == "prefill" else [share]
         assert any(math.isclose(rate, 3.0 * (1 - s if side == "prefill" else 1) / k) for s in shares for k in counts)
     for tp in (1, 2, 4):
-        assert 1 <= sum(1 for p in points if p[:2] == ("prefill", tp)) <= dp.PREFILL_POINTS
+        assert 2 <= sum(1 for p in points if p[:2] == ("prefill", tp)) <= dp.PREFILL_POINTS + 1
         for share in dp.LOCAL_SHARES:
             assert sum(1 for p in points if p[:3] == ("decode", tp, share)) <= dp.DECODE_POINTS
 
@@ -96,8 +98,14 @@ def test_costs_read_the_prefill_curve_at_the_remote_share_and_the_decode_at_its_
     decode = {(4, s): LoadCurve((1.0, 8.0), (0.010, 0.020)) for s in dp.LOCAL_SHARES}
     local = {(4, s): LoadCurve((1.0, 8.0), (0.2, 0.9)) for s in dp.LOCAL_SHARES}
     pc, dc = cost_tables(inputs, 8.0, {"prefill": {4: prefill}, "decode": decode, "local_ttft": local})
-    assert pc[(4, 2, 0.0)] == pytest.approx(prefill.at(4.0) / 0.5)
-    assert pc[(4, 2, 0.5)] == pytest.approx(prefill.at(2.0) / 0.5)
+    assert pc[(4, 1, 0.0)] == pytest.approx(prefill.at(8.0) / 0.5)  # one replica, on a point: the curve itself
+    # Between points, read as a queue's wait grows: at most the straight line between them.
+    assert pc[(4, 1, 0.5)] == pytest.approx(dp.queueing_at(inputs, prefill, 4, 4.0) / 0.5)
+    assert 0.1 / 0.5 <= pc[(4, 1, 0.5)] <= prefill.at(4.0) / 0.5
+    # Two replicas share a queue: less than one replica's curve at the same per-replica rate.
+    assert pc[(4, 2, 0.0)] == pytest.approx(dp.pooled_prefill_p95(inputs, prefill, 4, 2, 4.0) / 0.5)
+    assert pc[(4, 2, 0.5)] == pytest.approx(dp.pooled_prefill_p95(inputs, prefill, 4, 2, 2.0) / 0.5)
+    assert pc[(4, 2, 0.0)] < prefill.at(4.0) / 0.5
     assert dc[(4, 1, 0.0)] == pytest.approx(0.020 / 0.040)  # no local prefills: ITL only
     assert dc[(4, 1, 0.5)] == pytest.approx(max(0.020 / 0.040, 0.9 / 0.5))
 
@@ -214,3 +222,43 @@ def test_a_deployment_counts_once_at_its_better_share_and_level_ties_follow_the_
     # Three deployments at Z 1.5, from both levels: P4+D4 (costs 1.0 + 1.5, 8 GPUs), P2+D4
     # (1.5 + 0.5, 6 GPUs), P2+D2 (1.5 + 1.5, 6 GPUs): the better served other side first.
     assert [(p[:2], d[:2]) for p, d, z in found if z == 1.5] == [((2, 1), (4, 1)), ((4, 1), (4, 1)), ((2, 1), (2, 2))]
+
+
+def test_erlang_c_and_the_pooled_wait_match_queueing_theory():
+    assert dp.erlang_c(1, 0.6) == pytest.approx(0.6)  # M/M/1: P(wait) = rho
+    assert dp.erlang_c(3, 2.0) == pytest.approx(4 / 9)
+    assert dp.erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert dp.erlang_c(4, 4.0) == 1.0  # at or past capacity everyone waits
+    # The DuReader check: three TP-4 replicas at utilisation 2/3 wait 0.222 of one replica's wait.
+    assert dp.pooled_wait_share(3, 2 / 3) == pytest.approx(0.2222, abs=1e-4)
+    assert dp.pooled_wait_share(1, 0.9) == 1.0 and dp.pooled_wait_share(4, 1.2) == 1.0
+    shares = [dp.pooled_wait_share(c, 0.7) for c in (1, 2, 4, 8, 16)]
+    assert shares == sorted(shares, reverse=True) and shares[-1] < 0.1
+
+
+def test_the_pooled_prefill_keeps_the_service_and_shrinks_the_queueing():
+    inputs = PlanInputs(gpus=16, gpu="H100", model="Llama-3-8B", sessions="toolbench", tp_degrees=(4,))
+    idle = dp.unloaded_rate(inputs, 4)
+    capacity = dp.prefill_capacity(inputs, 4)
+    curve = LoadCurve((idle, 0.5 * capacity, 0.8 * capacity), (0.2, 0.5, 1.4))
+    rate = 0.8 * capacity
+    rho = dp.prefill_utilisation(inputs, 4, rate)
+    assert rho == pytest.approx(0.8)
+    pooled = dp.pooled_prefill_p95(inputs, curve, 4, 3, rate)
+    assert pooled == pytest.approx(0.2 + 1.2 * dp.pooled_wait_share(3, rho))
+    assert 0.2 < pooled < 1.4
+    assert dp.pooled_prefill_p95(inputs, curve, 4, 1, rate) == pytest.approx(1.4)
+    assert dp.pooled_prefill_p95(inputs, curve, 4, 3, 2 * capacity) == INF  # past the curve: infeasible
+
+
+def test_a_prefill_curve_between_points_is_read_as_a_queue_grows():
+    inputs = PlanInputs(gpus=16, gpu="H100", model="Llama-3-8B", sessions="toolbench", tp_degrees=(4,))
+    capacity = dp.prefill_capacity(inputs, 4)
+    curve = LoadCurve((0.4 * capacity, 0.8 * capacity), (0.46, 1.96))
+    middle = dp.queueing_at(inputs, curve, 4, 0.6 * capacity)
+    # rho / (1 - rho): 0.667 at 0.4, 4.0 at 0.8, 1.5 at 0.6 -> a quarter of the way up.
+    assert middle == pytest.approx(0.46 + (1.5 - 2 / 3) / (4.0 - 2 / 3) * 1.5)
+    assert middle < curve.at(0.6 * capacity)  # the straight line overstates the convex curve
+    assert dp.queueing_at(inputs, curve, 4, 0.4 * capacity) == pytest.approx(0.46)
+    assert dp.queueing_at(inputs, curve, 4, 0.1 * capacity) == pytest.approx(0.46)  # below: the lowest point
+    assert dp.queueing_at(inputs, curve, 4, 0.9 * capacity) == INF  # past the last point
