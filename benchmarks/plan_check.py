@@ -211,7 +211,7 @@ def main() -> None:
                      "top3_same_set": set(planner[:3]) == set(simulated[:3]),
                      # The same runs ranked by simulated Z alone (the planner's objective, no attainment).
                      "top1_agrees_by_z": planner[:1] == by_z[:1], "top3_agrees_by_z": planner[:3] == by_z[:3]})
-        print(f"{workload.preset}: planned in {planned:.1f} s, checked in {checked:.1f} s ({sessions} sessions); "
+        print(f"{workload.preset}: planned in {planned:.1f} s, checked in {checked:.1f} s (at least {sessions} sessions each, {min(c['sessions'] for c in checks)}-{max(c['sessions'] for c in checks)} run); "
               f"planner {planner[:3]}; simulated {simulated[:3]}", flush=True)
     walls = []
     command = [sys.executable, "-m", "splitserve.cli", "plan", "--gpus", "256", "--gpu", "H100", "--model-preset",
