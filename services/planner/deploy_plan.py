@@ -113,7 +113,7 @@ CHECK_MAX_SESSIONS = 4000  # a whole-cluster check's sessions, at most
 # A prefill curve's first point is the replica nearly idle (this share of its capacity): the P95
 # of its service alone, the part of TTFT a pool of replicas cannot shorten (`pooled_prefill_p95`).
 UNLOADED_LOAD = 0.05
-GROWTH_LIMIT = 2.0  # a queue that grows; the halves of a stable one at high load differ by up to ~1.4x
+GROWTH_LIMIT = 2.0  # later half over earlier half: still rising (a stable queue at high load: up to ~1.4x)
 PREFILL_HELPER_TP = 8  # the fastest workers serve the other side of the replica under test
 # Shares of the session rounds whose prefill runs locally on the decode worker (adaptive
 # routing's overflow, see "Coupling"): a level of the ILP, one decode curve each.
@@ -374,7 +374,8 @@ def steady_rounds(results: Sequence[Any], warmup_s: float) -> list[Any]:
 def grows(rounds: Sequence[Any], latency: Callable[[Any], float | None], limit: float = GROWTH_LIMIT,
           min_half: int = 20) -> bool:
     """Whether the later half of `rounds` (in arrival order) is `limit` x slower on mean `latency`
-    than the earlier half: a queue that grows, a replica that does not keep up."""
+    than the earlier half: a queue still rising (or, near saturation, slow to settle), whose later
+    state is the one to report."""
     values = [v for v in (latency(r) for r in rounds) if v is not None]
     half = len(values) // 2
     if half < min_half:
