@@ -113,7 +113,7 @@ CHECK_MAX_SESSIONS = 4000  # a whole-cluster check's sessions, at most
 # A prefill curve's first point is the replica nearly idle (this share of its capacity): the P95
 # of its service alone, the part of TTFT a pool of replicas cannot shorten (`pooled_prefill_p95`).
 UNLOADED_LOAD = 0.05
-GROWTH_LIMIT = 2.0  # later half over earlier half: still rising (a stable queue at high load: up to ~1.4x)
+GROWTH_LIMIT = 2.0  # later half over earlier half: still rising (a settled queue at utilisation 0.42 showed 1.36x)
 PREFILL_HELPER_TP = 8  # the fastest workers serve the other side of the replica under test
 # Shares of the session rounds whose prefill runs locally on the decode worker (adaptive
 # routing's overflow, see "Coupling"): a level of the ILP, one decode curve each.
