@@ -320,12 +320,12 @@ def loaded_lifetime_s(inputs: PlanInputs, side: str, tp: int, share: float, rate
     model = step_model(inputs, tp)
     prefill_s = model.prefill_time(int(history), int(new))
     if side == "prefill":
-        rho = rate * rounds * prefill_s
+        rho = prefill_utilisation(inputs, tp, rate)
         if rho >= 1:
             return None
         light = session_lifetime_s(inputs, PREFILL_HELPER_TP)
         return light + rounds * prefill_s * (1 + rho / (2 * (1 - rho)))
-    busy_local = share * rate * rounds * prefill_s  # the worker's time share on local prefills
+    busy_local = share * prefill_utilisation(inputs, tp, rate)  # the worker's time share on local prefills
     if busy_local >= 1:
         return None
     context = int(history + new + out / 2)
@@ -540,8 +540,7 @@ def unloaded_rate(inputs: PlanInputs, tp: int) -> float:
 
 def prefill_utilisation(inputs: PlanInputs, tp: int, rate: float) -> float:
     """The busy share of a TP-`tp` prefill worker taking every round of `rate` sessions/s."""
-    rounds, new, _, history = _session_means(inputs)
-    return rate * rounds * step_model(inputs, tp).prefill_time(int(history), int(new))
+    return rate / prefill_capacity(inputs, tp)
 
 
 def erlang_c(servers: int, offered: float) -> float:
