@@ -279,8 +279,8 @@ class Bench:
         return workload.mean_lengths()
 
     def probe(self, system: str, workload: Workload, rate: float, hint: tuple[str, float] = ("none", 0.0),
-              detail: bool = False) -> dict[str, Any]:
-        n = probe_count(rate, self.window_s(workload), self.args.min_requests)
+              detail: bool = False, window_multiple: float = 1.0) -> dict[str, Any]:
+        n = probe_count(rate, window_multiple * self.window_s(workload), self.args.min_requests)
         items = with_hints(workload.specs(n), hint[0], hint[1], self.args.seed)
         offsets = arrival_offsets(arrivals.poisson(rate), n, np.random.default_rng([self.args.seed, 2]))
         decisions: dict[str, dict[str, float]] = {}
@@ -330,8 +330,22 @@ class Bench:
         guess = rough_capacity(self.sim(system), workload, system, self.setup.workers)
         cap = find_capacity(measure, TARGET_ATTAINMENT, lo=0.6 * guess, hi=guess, tol=self.args.rate_tol * guess,
                             max_iters=self.args.max_probes, max_rate=4 * guess)
-        return {"system": system, "capacity_rps": cap.rate, "fail_rps": cap.fail_rate, "converged": cap.converged,
-                "capped": cap.capped, "start_guess_rps": guess, "probes": probes}
+        out = {"system": system, "capacity_rps": cap.rate, "fail_rps": cap.fail_rate, "converged": cap.converged,
+               "capped": cap.capped, "start_guess_rps": guess, "probes": probes}
+        if self.args.verify_multiple > 0 and cap.rate > 0:
+            out["verify"] = self.verify(system, workload, cap.rate, hint)
+        return out
+
+    def verify(self, system: str, workload: Workload, rate: float,
+               hint: tuple[str, float] = ("none", 0.0)) -> dict[str, Any]:
+        """The found capacity offered again over `--verify-multiple` times the window: a rate just
+        past capacity builds its queue slowly and may pass a short window (LAPS' capacity
+        searches on 1,000 requests did, docs/laps_measured.md); this says whether it holds."""
+        p = self.probe(system, workload, rate, hint, window_multiple=self.args.verify_multiple)
+        return {"rate": rate, "window_multiple": self.args.verify_multiple, "requests": p["requests"],
+                "attainment": p["attainment"], "steady": p["steady"], "steady_reasons": p["steady_reasons"],
+                "holds": bool(p["steady"] and p["attainment"] >= TARGET_ATTAINMENT),
+                "tbt_p99_p99_ms": p["tbt_p99_p99_ms"], "wall_s": p["wall_s"]}
 
 
 def rough_capacity(sim: Simulator, workload: Workload, system: str, workers: int) -> float:
@@ -403,9 +417,13 @@ def evaluate(bench: Bench, workload: Workload, log: Callable[[str], None]) -> di
         cap = bench.capacity(system, workload)
         cap["flops_fraction"] = flops_fraction(cap["capacity_rps"], mean_flops, bench.setup.gpus, peak)
         row["systems"][system] = cap
+        check = cap.get("verify")
+        held = "" if check is None else (
+            f"; over {check['window_multiple']:g}x the window: {check['attainment']:.1%}"
+            f"{'' if check['steady'] else ' not steady'}{'' if check['holds'] else ' (does not hold)'}")
         log(f"  {workload.name} / {system}: capacity {cap['capacity_rps']:.3g} req/s "
             f"({cap['flops_fraction']:.0%} of peak FLOPs; {len(cap['probes'])} probes, "
-            f"{sum(p['wall_s'] for p in cap['probes']):.0f} s wall)")
+            f"{sum(p['wall_s'] for p in cap['probes']):.0f} s wall{held})")
     colocs = {s: v for s, v in row["systems"].items() if s.startswith("coloc-")}
     best = max(colocs, key=lambda s: (colocs[s]["capacity_rps"], -int(s.split("-")[1])))
     row["best_coloc"] = best
@@ -458,6 +476,8 @@ def main() -> None:
     ap.add_argument("--max-probes", type=int, default=9)
     ap.add_argument("--ttft-growth-s", type=float, default=2.0, help="a probe whose median TTFT rose by more "
                     "than this from the second to the last quarter of arrivals is not steady")
+    ap.add_argument("--verify-multiple", type=float, default=0.0, help="offer each found capacity again over this "
+                    "many times the window and report whether it holds (0: not checked)")
     ap.add_argument("--sweep-points", type=int, default=6, help="goodput-vs-rate points (0: no sweep)")
     ap.add_argument("--sensitivity-workloads", default="P2048/D512,Azure conversation")
     ap.add_argument("--no-ablation", dest="ablation", action="store_false")
@@ -611,6 +631,16 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {setup} | **average** | | | | | | **{statistics.mean(r['vs_coloc'] for r in sub):.2f}×** | "
                          f"**{statistics.mean(r['vs_pd'] for r in sub):.2f}×** | |")
     lines.append("| paper (14B) | 4 workloads | | | | | | 1.15–3.07× (avg 2.37×) | 1.09–1.67× (avg 1.37×) | |")
+    checks = [(r, name, c["verify"]) for r in results["rows"] for name, c in r["systems"].items() if "verify" in c]
+    if checks:
+        held = sum(v["holds"] for _, _, v in checks)
+        lines += ["", f"Each capacity offered again over {checks[0][2]['window_multiple']:g}× the window: "
+                  f"{held} of {len(checks)} hold (steady, attainment ≥ {TARGET_ATTAINMENT:.0%}).", "",
+                  "| model | workload | system | capacity req/s | requests | attainment | steady | holds |",
+                  "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+        lines += [f"| {r['setup'].split(',')[0]} | {r['workload']} | {name} | {v['rate']:.2f} | {v['requests']} | "
+                  f"{v['attainment']:.1%} | {'yes' if v['steady'] else '; '.join(v['steady_reasons'])} | "
+                  f"{'yes' if v['holds'] else '**no**'} |" for r, name, v in checks]
     if results["sensitivity"]:
         lines += ["", "| model | workload | D given to DynaServe | capacity req/s |", "| --- | --- | --- | ---: |"]
         lines += [f"| {s['setup'].split(',')[0]} | {s['workload']} | {s['hint']} | {s['capacity_rps']:.2f} |"

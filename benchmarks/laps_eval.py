@@ -53,10 +53,16 @@ a prefix-cache hit, already exceeds the TTFT SLO (Mooncake's prompts average 13.
 Capture effects are not in the simulated times (a padded captured shape costs what the
 model says for its real tokens): the simulator shows the scheduling, not CUDA graphs.
 
+A Poisson run offers `--window-s` (60 s) of arrivals, at least `--requests` rows (a trace's
+first rows; conversations grow to span the window), and every row says whether it reached a
+steady state (`loadgen.probes.steady_state` by the TTFT SLO). Closed loops take the first
+`--requests` rows. Before 2026-11-30 a Poisson run was the first 1,000 rows whatever the rate:
+a few seconds of Azure's arrivals, a cluster still filling up.
+
 Capacity (`--parts capacity`): per model and workload in spatial mode, the highest Poisson
-rate at which a system keeps SLO attainment at 90% of what is attainable (1 − the floor),
-by `loadgen.metrics.find_capacity` over whole simulations, for vanilla PD, the LB router
-and LAPS (the paper's "+35% request throughput" is throughput at an SLO).
+rate at which a system keeps SLO attainment at 90% of what is attainable (1 − the floor of
+the probe's own rows) in a steady run, by `loadgen.metrics.find_capacity`, for vanilla PD,
+the LB router and LAPS (the paper's "+35% request throughput" is throughput at an SLO).
 
 Interference (`--parts interference`): LAPS §2, Figures 1 and 3, on one instance (H200 x
 Qwen2.5-32B as in the paper): P90 TTFT of long (> 1 K tokens) and short (< 64 tokens)
@@ -89,7 +95,9 @@ from common import REPO  # noqa: E402
 
 import laps_multiturn  # noqa: E402  (registers the pd_session baseline)
 from loadgen import arrivals  # noqa: E402
+from loadgen.metrics import Slo  # noqa: E402
 from loadgen.multiturn import mooncake_turns, rounds_of, split_by_class  # noqa: E402
+from loadgen.probes import probe_count, steady_state  # noqa: E402
 from loadgen.sessions import parse_tool_delay  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec, requests_from_trace  # noqa: E402
@@ -98,6 +106,9 @@ from splitserve.perf.backends import BACKENDS  # noqa: E402
 from splitserve.perf.model import PerfModel  # noqa: E402
 
 SLO_S = 0.4
+# LAPS' SLO is the TTFT alone (§4); `steady_state` judges a run's halves by it.
+TTFT_SLO = Slo(ttft_s=SLO_S, itl_s=math.inf)
+CAPACITY_SHARE = 0.9  # a capacity keeps attainment >= 90% of the attainable (1 - floor)
 TRACES = {"mooncake-conv": "mooncake_conversation_trace.jsonl", "azure-conv": "AzureLLMInferenceTrace_conv.csv"}
 MULTITURN = "multiturn"
 SESSION_SPAN_S = 30.0  # conversations' first turns arrive over at least this long (Workload.at_rate)
@@ -165,19 +176,36 @@ class Workload:
     factory: Any = None
     _grown: dict[int, "Workload"] = field(default_factory=dict, repr=False)
 
-    def at_rate(self, rate: float) -> Workload:
+    def at_rate(self, rate: float, span_s: float = SESSION_SPAN_S) -> Workload:
         """Conversations at a Poisson rate: enough of them that their first turns arrive over
-        SESSION_SPAN_S (a conversation lasts seconds: its turns' decodes and think times; a
+        `span_s` (a conversation lasts seconds: its turns' decodes and think times; a
         shorter span would measure a burst of first turns, not the steady mix of turns)."""
         if not self.sessions or self.factory is None:
             return self
-        n = max(len(self.items), math.ceil(SESSION_SPAN_S * rate / self.rounds_per_item))
+        n = max(len(self.items), math.ceil(span_s * rate / self.rounds_per_item))
         if n == len(self.items):
             return self
         if n not in self._grown:
             sessions = self.factory(n)
             self._grown[n] = Workload(self.name, sessions, rounds_of(sessions), True, self.source)
         return self._grown[n]
+
+    def first(self, n: int) -> Workload:
+        """A trace workload's first `n` rows (a row's history H counts earlier rows only, so a
+        prefix of the trace is a workload of its own); conversations as they are."""
+        if self.sessions or n >= len(self.items):
+            return self
+        return Workload(self.name, self.items[:n], self.rounds[:n], False, self.source)
+
+    def for_window(self, rate: float, window_s: float, min_requests: int) -> Workload:
+        """What a Poisson run at `rate` offers: arrivals over `window_s`, at least `min_requests`
+        (`loadgen.probes.probe_count`). A fixed count would shrink the arrival window as the rate
+        grows: 1,000 Azure rows at 135 req/s arrive in 7.4 s, about one request lifetime, and a
+        rate the cluster cannot hold passes (docs/laps_measured.md, "Probes that reach a steady
+        state"). A trace offers at most all its rows; conversations grow to span the window."""
+        if self.sessions:
+            return self.at_rate(rate, span_s=window_s)
+        return self.first(probe_count(rate, window_s, min_requests))
 
     @property
     def specs(self) -> list:  # the name the first version used
@@ -207,7 +235,7 @@ def trace_rounds(rows, name: str) -> list[tuple[str, int, int, int]]:
     return [(f"{name}-{i}", 0, 0, r.prompt_len) for i, r in enumerate(rows)]
 
 
-def load_workloads(trace_dir: Path, n: int, log, names: Sequence[str] = tuple(TRACES), conversations: int = 1200,
+def load_workloads(trace_dir: Path, n: int | None, log, names: Sequence[str] = tuple(TRACES), conversations: int = 1200,
                    think_time: str = "exponential:mean=1", seed: int = 0) -> list[Workload]:
     out = []
     for name in names:
@@ -275,6 +303,9 @@ def run_one(gpu: str, model: str, deployment: str, system: str, workload: Worklo
         outcome = sim.run(workload.items, None, concurrency=int(value), seed=seed)
     model_obj = sim.config.perf_model
     row = summarise(outcome.results, workload.classes(model_obj))
+    steady = steady_state(outcome.results, TTFT_SLO)
+    row.update(steady=steady.steady, steady_reasons=list(steady.reasons),
+               arrival_window_s=steady.arrival_window_s)
     row.update(model=model, deployment=deployment, system=system, workload=workload.name, load=kind, value=value,
                items=len(workload.items), prefill_instances=n_prefill, decode_instances=n_decode, wall_s=time.perf_counter() - started, pool_moves=outcome.stats.pool_moves,
                perf_backend=model_obj.backend, step_times=model_obj.timing_note,
@@ -295,10 +326,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/laps_eval"))
     parser.add_argument("--trace-dir", type=Path, default=REPO.parent / "shared" / "traces")
-    parser.add_argument("--requests", type=int, default=1000, help="Requests per run (the traces' first N).")
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="Requests of a closed-loop run (the traces' first N), and the fewest of a Poisson run.")
+    parser.add_argument("--window-s", type=float, default=60.0,
+                        help="Seconds of arrivals a Poisson run offers (at least --requests; a trace offers at "
+                             "most all its rows, conversations grow to span it).")
     parser.add_argument("--gpu", default="H200")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="One model, one load factor, one concurrency.")
+    parser.add_argument("--models", default="", help="Comma list of model presets (default: Qwen2.5-14B and "
+                                                     "Qwen2.5-32B; --quick: Qwen2.5-14B).")
     parser.add_argument("--parts", default="sweep",
                         help="Comma list: sweep (the load sweep) | capacity | interference (LAPS Figures 1 and 3).")
     parser.add_argument("--perf-backend", default="auto", choices=BACKENDS,
@@ -326,7 +363,12 @@ def main() -> None:
         interference_part(args, log)
         if not parts & {"sweep", "capacity"}:
             return
-    workloads = load_workloads(args.trace_dir, 600 if args.quick else args.requests, log, names,
+    if args.quick:
+        args.requests, args.window_s = 600, 20.0
+    if not (args.window_s > 0 and math.isfinite(args.window_s)):
+        raise SystemExit(f"--window-s: a number of seconds > 0, got {args.window_s}")
+    # Whole traces: a Poisson run takes as many of their first rows as its window needs.
+    workloads = load_workloads(args.trace_dir, None, log, names,
                                conversations=400 if args.quick else args.conversations, think_time=args.think_time,
                                seed=args.seed)
     if not workloads:
@@ -336,6 +378,8 @@ def main() -> None:
             log(f"{workload.name}: {json.dumps(workload.source['shape'])}")
             log(f"{workload.name}: new tokens {json.dumps(workload.source['generated'])}")
     models, factors, concurrency = plan(args.quick)
+    if args.models:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
     if "capacity" in parts:
         capacity_part(args, models, workloads, log)
     if "sweep" not in parts:
@@ -350,7 +394,8 @@ def main() -> None:
         notes[model] = preset.timing_note
         log(f"{model}: {preset.timing_note}; L_m(0) = {preset.prefill_boundary(0):.0f} tokens")
         for deployment, (n_prefill, _) in DEPLOYMENTS.items():
-            for workload in workloads:
+            for whole in workloads:
+                workload = whole.first(args.requests)
                 systems = systems_for(deployment, workload)
                 prefill_s = workload.prefill_s(preset)
                 key = f"{model} {workload.name}"
@@ -364,8 +409,10 @@ def main() -> None:
                     f"raw prefill capacity {capacity:.1f} req/s, short by L_m(H): {short_shares[key]:.0%}, "
                     f"floor {floors[key]:.1%}")
                 for load in loads:
+                    offered = whole.for_window(load[1], args.window_s, args.requests) if load[0] == "rate" \
+                        else workload
                     for system in systems:
-                        row = run_one(args.gpu, model, deployment, system, workload, load, args.seed,
+                        row = run_one(args.gpu, model, deployment, system, offered, load, args.seed,
                                       args.perf_backend, n_decode)
                         row["floor_violation_rate"] = floors[key]
                         rows.append(row)
@@ -374,11 +421,13 @@ def main() -> None:
                             f"p99 {row['ttft_p99_ms']:8.1f} ms  short/long p90 {_ms(row.get('short_ttft_p90_ms'))}/"
                             f"{_ms(row.get('long_ttft_p90_ms'))}  viol {row['violation_rate']:6.1%}  "
                             f"{row['throughput_rps']:6.2f} req/s  moves {row['pool_moves']}  [{row['perf_backend']}]"
+                            f"  {row['requests']} requests{'' if row['steady'] else ' (not steady)'}"
                             f"  ({row['wall_s']:.1f} s)")
     results = {"rows": rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "machine": {"platform": platform.platform(), "python": platform.python_version(),
                            "cpus": os.cpu_count()},
-               "gpu": args.gpu, "slo_ttft_s": SLO_S, "requests": args.requests, "violation_floors": floors,
+               "gpu": args.gpu, "slo_ttft_s": SLO_S, "requests": args.requests, "window_s": args.window_s,
+               "violation_floors": floors,
                "perf_backend": args.perf_backend, "step_times": notes, "short_shares": short_shares,
                "workloads": {w.name: w.source for w in workloads if w.source},
                "wall_s": time.perf_counter() - started}
@@ -418,7 +467,13 @@ def capacity_systems(workload: Workload) -> tuple[str, ...]:
 
 
 def capacity_part(args: argparse.Namespace, models: Sequence[str], workloads: Sequence[Workload], log) -> None:
-    """Spatial mode: each system's highest Poisson rate keeping attainment >= 90% of 1 − floor."""
+    """Spatial mode: each system's highest Poisson rate keeping attainment >= 90% of 1 − floor.
+
+    Every probe offers `--window-s` of arrivals (at least `--requests`; `Workload.for_window`)
+    and passes only when it reached a steady state (`loadgen.probes.steady_state` by the TTFT
+    SLO: arrivals spanning twice the median E2E, the later half's attainment within 10 points
+    of the earlier half's); the floor is that probe's own rows'. Before 2026-11-30 every probe
+    was the trace's first 1,000 rows whatever the rate."""
     from loadgen.metrics import find_capacity
 
     rows = []
@@ -427,37 +482,51 @@ def capacity_part(args: argparse.Namespace, models: Sequence[str], workloads: Se
         preset = Simulator.from_preset(1, args.gpu, model, perf_backend=args.perf_backend).config.perf_model
         log(f"capacity {model}: {preset.timing_note}")
         for workload in workloads:
-            prefill_s = workload.prefill_s(preset)
-            floor = float((prefill_s > SLO_S).mean())
-            target = 0.9 * (1 - floor)
-            raw = n_prefill / float(prefill_s.mean())
-            n_decode = decode_instances(preset, workload, "spatial")
+            raw = n_prefill / float(workload.first(args.requests).prefill_s(preset).mean())
+            n_decode = decode_instances(preset, workload.first(args.requests), "spatial")
             for system in capacity_systems(workload):
-                def attainment(rate: float) -> float:
-                    row = run_one(args.gpu, model, "spatial", system, workload, ("rate", rate), args.seed,
-                                  args.perf_backend, n_decode)
-                    return 1 - row["violation_rate"]
+                probes: list[dict[str, Any]] = []
 
-                found = find_capacity(attainment, target, lo=0.25 * raw, hi=raw, tol=0.02 * raw, max_iters=12)
-                rows.append(dict(model=model, workload=workload.name, system=system, target=target, floor=floor,
-                                 capacity_rps=found.rate, probes=[(p.rate, p.attainment) for p in found.probes],
+                def attainment(rate: float) -> float:
+                    offered = workload.for_window(rate, args.window_s, args.requests)
+                    floor = float((offered.prefill_s(preset) > SLO_S).mean())
+                    row = run_one(args.gpu, model, "spatial", system, offered, ("rate", rate), args.seed,
+                                  args.perf_backend, n_decode)
+                    share = (1 - row["violation_rate"]) / (1 - floor) if floor < 1 else 0.0
+                    probes.append(dict(rate=rate, requests=row["requests"], floor=floor,
+                                       attainment=1 - row["violation_rate"], of_attainable=share,
+                                       steady=row["steady"], steady_reasons=row["steady_reasons"],
+                                       arrival_window_s=row["arrival_window_s"], wall_s=row["wall_s"]))
+                    log(f"  probe {system:21s} {rate:8.2f} req/s  {row['requests']:6d} requests over "
+                        f"{row['arrival_window_s']:6.1f} s  attainment {1 - row['violation_rate']:6.1%} "
+                        f"({share:6.1%} of attainable)  {'steady' if row['steady'] else '; '.join(row['steady_reasons'])}"
+                        f"  ({row['wall_s']:.1f} s)")
+                    return share if row["steady"] else 0.0
+
+                found = find_capacity(attainment, CAPACITY_SHARE, lo=0.25 * raw, hi=raw, tol=0.02 * raw,
+                                      max_iters=12)
+                floors = [p["floor"] for p in probes]
+                rows.append(dict(model=model, workload=workload.name, system=system, target=CAPACITY_SHARE,
+                                 floor=float(np.mean(floors)), capacity_rps=found.rate, probes=probes,
+                                 window_s=args.window_s, min_requests=args.requests,
                                  perf_backend=preset.backend, step_times=preset.timing_note))
                 log(f"capacity {model:12s} {workload.name:13s} {system:21s} {found.rate:8.2f} req/s "
-                    f"(attainment >= {target:.1%}, {len(found.probes)} probes)")
-    lines = ["| model | workload | attainment target | vanilla PD | LB router | LAPS | LAPS vs PD / router |",
+                    f"(attainment >= {CAPACITY_SHARE:.0%} of 1 - floor, {len(found.probes)} probes)")
+    lines = ["| model | workload | floor (mean over probes) | vanilla PD | LB router | LAPS | LAPS vs PD / router |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for model in models:
         for workload in workloads:
             got = {r["system"]: r for r in rows if (r["model"], r["workload"]) == (model, workload.name)}
             pd, lb, laps = (got[s]["capacity_rps"] for s in capacity_systems(workload))
             label = f"{workload.name} (baselines keep sessions)" if workload.sessions else workload.name
-            lines.append(f"| {model} | {label} | {got['LAPS']['target']:.1%} | {pd:.2f} | {lb:.2f} | "
+            lines.append(f"| {model} | {label} | {got['LAPS']['floor']:.1%} | {pd:.2f} | {lb:.2f} | "
                          f"{laps:.2f} | {_pct(laps / pd - 1 if pd else None)} / {_pct(laps / lb - 1 if lb else None)} |")
     notes = sorted({r["step_times"] for r in rows})
     table = "".join(f"{n}\n\n" for n in notes) + "\n".join(lines) + "\n"
     (args.out_dir / "laps_eval_capacity.json").write_text(json.dumps(
         {"rows": rows, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-         "perf_backend": args.perf_backend, "step_times": notes}, indent=1))
+         "perf_backend": args.perf_backend, "step_times": notes, "window_s": args.window_s,
+         "min_requests": args.requests, "target": f"attainment >= {CAPACITY_SHARE:.0%} of 1 - floor"}, indent=1))
     (args.out_dir / "laps_eval_capacity.md").write_text(table)
     print(table)
 

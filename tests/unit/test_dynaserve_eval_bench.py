@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -108,3 +109,17 @@ def test_slo_aware_options_reach_only_the_systems_that_batch_with_slo_aware():
         assert "batch_policy_options" not in de.system_options(system, extra)
     with pytest.raises(ValueError):
         de.system_options("no-such-system")
+
+
+def test_verify_offers_the_capacity_over_a_longer_window_and_says_whether_it_holds():
+    args = argparse.Namespace(perf_backend="datasheet", window_s=4.0, min_requests=4, seed=0, ttft_growth_s=2.0,
+                              verify_multiple=3.0)
+    bench = de.Bench(args, de.SETUPS["14B"])
+    workload = de.Workload("P256/D4", rows=[(256, 4)])
+    check = bench.verify("coloc-256", workload, 2.0)
+    assert check["window_multiple"] == 3.0 and check["rate"] == 2.0
+    assert check["requests"] == 24  # 2 req/s over 3 x 4 s
+    assert check["steady"] and check["attainment"] == 1.0 and check["holds"]  # light load on two A100s
+    # Far past what two A100s prefill (8k-token prompts): the queue grows, the capacity does not hold.
+    heavy = bench.verify("coloc-256", de.Workload("P8192/D4", rows=[(8192, 4)]), 60.0)
+    assert not heavy["holds"] and (not heavy["steady"] or heavy["attainment"] < de.TARGET_ATTAINMENT)

@@ -15,7 +15,7 @@ from loadgen.multiturn import (FIGURE2, ConversationShape, generate_conversation
                                mooncake_turn_stats, mooncake_turns, new_token_stats, rounds_of, split_by_class)
 from loadgen.sessions import Round, Session, ToolDelay
 from loadgen.traces import TraceRequest
-from services.planner.sim_workload import SimRequestSpec
+from services.planner.sim_workload import SimRequestSpec, requests_from_trace
 from services.planner.simulator import Simulator, pd_roles
 from splitserve.perf.backends import perf_model_for
 
@@ -161,6 +161,32 @@ def test_session_workload_prefills_and_classes_use_the_turns_history():
     assert workload.rounds_per_item == 2
     assert le.decode_instances(model, workload, "spatial") >= le.DEPLOYMENTS["spatial"][1]
     assert workload.at_rate(1.0) is workload  # no factory: as given
+
+
+def test_a_poisson_run_offers_a_window_of_the_trace_not_a_fixed_count():
+    rows = [_row([0, 1], 1000), _row([0, 1, 2], 1300), _row([5], 700), _row([0, 1, 2, 3], 1600)]
+    specs = requests_from_trace(rows, "m")
+    workload = le.Workload("m", specs, le.trace_rounds(rows, "m"))
+    assert workload.for_window(1.0, 2.0, 1).rounds == workload.rounds[:2]  # 2 s at 1 req/s
+    assert workload.for_window(1.0, 2.0, 3).items == specs[:3]  # at least --requests
+    assert workload.for_window(10.0, 60.0, 1) is workload  # a trace offers at most all its rows
+    # A prefix of the trace keeps each row's history (it counts earlier rows only).
+    assert workload.first(2).rounds == le.trace_rounds(rows[:2], "m")
+    sessions = [Session("s", [Round(100, 5, 0.0)])]
+    conversations = le.Workload("multiturn", sessions, rounds_of(sessions), sessions=True)
+    assert conversations.first(0) is conversations and conversations.for_window(5.0, 60.0, 1) is conversations
+
+
+def test_run_one_says_whether_the_run_reached_a_steady_state():
+    # One prefill instance at twice its rate: its queue grows until the arrivals stop.
+    specs = [SimRequestSpec(f"r-{i}", 4000, 2) for i in range(400)]
+    workload = le.Workload("long", specs, [(s.request_id, 0, 0, s.prompt_len) for s in specs])
+    model = perf_model_for("H200", "Qwen2.5-14B", backend="datasheet")
+    rate = 2.0 / model.prefill_time(0, 4000)
+    row = le.run_one("H200", "Qwen2.5-14B", "temporal", "vanilla PD", workload, ("rate", rate), 0, "datasheet")
+    assert not row["steady"] and row["steady_reasons"]
+    light = le.run_one("H200", "Qwen2.5-14B", "temporal", "vanilla PD", workload, ("rate", rate / 4), 0, "datasheet")
+    assert light["steady"] and not light["steady_reasons"] and light["violation_rate"] < row["violation_rate"]
 
 
 def test_run_one_records_which_backend_timed_it():
