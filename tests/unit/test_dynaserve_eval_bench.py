@@ -123,3 +123,14 @@ def test_verify_offers_the_capacity_over_a_longer_window_and_says_whether_it_hol
     # Far past what two A100s prefill (8k-token prompts): the queue grows, the capacity does not hold.
     heavy = bench.verify("coloc-256", de.Workload("P8192/D4", rows=[(8192, 4)]), 60.0)
     assert not heavy["holds"] and (not heavy["steady"] or heavy["attainment"] < de.TARGET_ATTAINMENT)
+
+
+def test_step_down_lowers_a_capacity_until_it_holds_within_its_budget():
+    def check(rate):
+        return {"rate": rate, "holds": rate <= 2.05}
+
+    assert [c["rate"] for c in de.step_down(2.0, 0.5, 4, check)] == [2.0]  # holds at once
+    assert [c["rate"] for c in de.step_down(3.0, 0.5, 4, check)] == [3.0, 2.5, 2.0]
+    assert [c["rate"] for c in de.step_down(5.0, 0.5, 2, check)] == [5.0, 4.5, 4.0]  # budget spent: last fails
+    assert not de.step_down(5.0, 0.5, 2, check)[-1]["holds"]
+    assert [c["rate"] for c in de.step_down(0.8, 0.5, 4, lambda r: {"rate": r, "holds": False})] == pytest.approx([0.8, 0.3])
