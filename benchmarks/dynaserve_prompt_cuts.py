@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--max-probes", type=int, default=7)
     ap.add_argument("--rate-tol", type=float, default=0.05)
     ap.add_argument("--ttft-growth-s", type=float, default=2.0)
+    ap.add_argument("--verify-multiple", type=float, default=3.0,
+                    help="each capacity re-offered over this many windows, stepped down until it holds (0: off)")
+    ap.add_argument("--verify-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "bench-results" / "dynaserve_prompt_cuts.json")
     args = ap.parse_args()

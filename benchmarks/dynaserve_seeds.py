@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--perf-backend", default="auto")
     ap.add_argument("--slo-aware-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an slo_aware batch-policy option for every system that uses it (repeatable)")
+    ap.add_argument("--verify-multiple", type=float, default=3.0,
+                    help="each capacity re-offered over this many windows, stepped down until it holds (0: off, "
+                         "the search's figure as before 2026-11-30)")
+    ap.add_argument("--verify-steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("bench-results/dynaserve_seeds.json"))
     args = ap.parse_args()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -46,7 +50,8 @@ def main() -> None:
     caps: dict[str, dict[str, list[float]]] = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run = argparse.Namespace(perf_backend=args.perf_backend, window_s=60.0, min_requests=100, seed=seed,
-                                 ttft_growth_s=2.0, rate_tol=0.05, max_probes=7)
+                                 ttft_growth_s=2.0, rate_tol=0.05, max_probes=7,
+                                 verify_multiple=args.verify_multiple, verify_steps=args.verify_steps)
         bench = de.Bench(run, de.SETUPS[args.setup], slo_aware_options=extra)
         for workload in de.workloads(names, seed, lambda _: None):
             for system in systems:

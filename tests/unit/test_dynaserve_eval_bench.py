@@ -134,3 +134,15 @@ def test_step_down_lowers_a_capacity_until_it_holds_within_its_budget():
     assert [c["rate"] for c in de.step_down(5.0, 0.5, 2, check)] == [5.0, 4.5, 4.0]  # budget spent: last fails
     assert not de.step_down(5.0, 0.5, 2, check)[-1]["holds"]
     assert [c["rate"] for c in de.step_down(0.8, 0.5, 4, lambda r: {"rate": r, "holds": False})] == pytest.approx([0.8, 0.3])
+
+
+def test_capacity_reports_the_verified_rate_beside_the_searchs():
+    args = argparse.Namespace(perf_backend="datasheet", window_s=4.0, min_requests=4, seed=0, ttft_growth_s=2.0,
+                              rate_tol=0.1, max_probes=3, verify_multiple=2.0, verify_steps=1)
+    cap = de.Bench(args, de.SETUPS["14B"]).capacity("coloc-256", de.Workload("P256/D4", rows=[(256, 4)]))
+    assert cap["search_capacity_rps"] > 0 and cap["verify_steps"][0]["rate"] == cap["search_capacity_rps"]
+    assert cap["capacity_rps"] == cap["verify"]["rate"] == cap["verify_steps"][-1]["rate"]
+    assert cap["verified"] == cap["verify"]["holds"] and len(cap["verify_steps"]) <= 2
+    args.verify_multiple = 0.0  # off: the search's figure, as before
+    plain = de.Bench(args, de.SETUPS["14B"]).capacity("coloc-256", de.Workload("P256/D4", rows=[(256, 4)]))
+    assert "verify" not in plain and plain["capacity_rps"] == cap["search_capacity_rps"]
