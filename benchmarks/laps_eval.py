@@ -222,6 +222,11 @@ class Workload:
             return np.array([model.prefill_time(h, n) for _, _, h, n in self.rounds])
         return np.array([model.prefill_time(0, h + n) for _, _, h, n in self.rounds])
 
+    def floor(self, model: PerfModel) -> float:
+        """The physical floor: the share of requests whose prefill alone, on an idle instance,
+        already exceeds the TTFT SLO."""
+        return float((self.prefill_s(model) > SLO_S).mean())
+
     def classes(self, model: PerfModel) -> dict[str, bool]:
         """request id -> short: new tokens L < L_m(H) (LAPS' class), H as the module docstring says."""
         return split_by_class(self.rounds, model.prefill_boundary)
@@ -399,7 +404,7 @@ def main() -> None:
                 systems = systems_for(deployment, workload)
                 prefill_s = workload.prefill_s(preset)
                 key = f"{model} {workload.name}"
-                floors[key] = float((prefill_s > SLO_S).mean())
+                floors[key] = workload.floor(preset)
                 classes = workload.classes(preset)
                 short_shares[key] = sum(classes.values()) / max(1, len(classes))
                 capacity = n_prefill / float(prefill_s.mean())  # raw prefill capacity, requests (turns) per s
@@ -482,14 +487,15 @@ def capacity_part(args: argparse.Namespace, models: Sequence[str], workloads: Se
         preset = Simulator.from_preset(1, args.gpu, model, perf_backend=args.perf_backend).config.perf_model
         log(f"capacity {model}: {preset.timing_note}")
         for workload in workloads:
-            raw = n_prefill / float(workload.first(args.requests).prefill_s(preset).mean())
-            n_decode = decode_instances(preset, workload.first(args.requests), "spatial")
+            sized = workload.first(args.requests)  # the search's bracket and decode side, as the sweep's
+            raw = n_prefill / float(sized.prefill_s(preset).mean())
+            n_decode = decode_instances(preset, sized, "spatial")
             for system in capacity_systems(workload):
                 probes: list[dict[str, Any]] = []
 
                 def attainment(rate: float) -> float:
                     offered = workload.for_window(rate, args.window_s, args.requests)
-                    floor = float((offered.prefill_s(preset) > SLO_S).mean())
+                    floor = offered.floor(preset)
                     row = run_one(args.gpu, model, "spatial", system, offered, ("rate", rate), args.seed,
                                   args.perf_backend, n_decode)
                     share = (1 - row["violation_rate"]) / (1 - floor) if floor < 1 else 0.0
