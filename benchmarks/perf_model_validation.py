@@ -16,6 +16,11 @@ queues; a Poisson stream at the paper's saturating rate builds such queues on 1P
 prefill worker for P8192, which Table 1's runs at a tuned rate did not). Targets: TBT and throughput
 within +-25%, and the same SLO verdict (attainment >= 99% or not).
 
+Part C, Table 1's 1P1D again with the KV received as the paper's baseline receives it (vLLM v0's
+PyNccl connector: pulled inside the decode worker's step that first schedules the request, its
+batch waiting; `Simulator(kv_receive="blocking")`), over NVLink and PCIe, beside the default
+(asynchronous pushes): whether the receive explains the paper's 1P1D p99s.
+
     .venv/bin/python benchmarks/perf_model_validation.py --out bench-results/perf_model_validation.json
 
 Everything here is virtual time on the named timing data; nothing runs on a GPU.
@@ -113,27 +118,94 @@ def part_a() -> list[dict[str, Any]]:
     return rows
 
 
+def shape_lengths(shape: str) -> tuple[int, int]:
+    """"P8192/D32" -> (8192, 32)."""
+    p, d = (int(x) for x in shape[1:].split("/D"))
+    return p, d
+
+
+def _table1_inputs(shape: str, rate: float, requests_per_rate_s: float, min_requests: int, seed: int):
+    """One Table 1 cell's requests and Poisson send times (the same for every backend and variant)."""
+    p, d = shape_lengths(shape)
+    n = max(min_requests, int(rate * requests_per_rate_s))
+    items = [SimRequestSpec(f"req-{i}", p, d) for i in range(n)]
+    return items, arrival_offsets(arrivals.poisson(rate), n, np.random.default_rng([seed, 2]))
+
+
+def _table1_cell(sim: Simulator, items, offsets) -> tuple[float, float, float, float]:
+    s = summarize(sim.run(items, offsets).results, TABLE1_SLO)
+    return s.itl.p50 * 1e3, s.itl.p99 * 1e3, s.request_throughput, s.slo_attainment * 100
+
+
 def part_b(requests_per_rate_s: float, min_requests: int, seed: int) -> list[dict[str, Any]]:
     rows = []
     for shape, systems in TABLE1.items():
-        p, d = (int(x) for x in shape[1:].split("/D"))
         for system, paper in systems.items():
             rate = paper[2]
-            n = max(min_requests, int(rate * requests_per_rate_s))
-            items = [SimRequestSpec(f"req-{i}", p, d) for i in range(n)]
-            offsets = arrival_offsets(arrivals.poisson(rate), n, np.random.default_rng([seed, 2]))
+            items, offsets = _table1_inputs(shape, rate, requests_per_rate_s, min_requests, seed)
             for backend in TABLE1_BACKENDS:
                 sim = Simulator.from_preset(2, "A100", "Qwen2.5-14B", 1, link=LINK, perf_backend=backend,
                                             **{**COMMON, **system_options(system)})
-                outcome = sim.run(items, offsets)
-                s = summarize(outcome.results, TABLE1_SLO)
-                got = (s.itl.p50 * 1e3, s.itl.p99 * 1e3, s.request_throughput, s.slo_attainment * 100)
+                got = _table1_cell(sim, items, offsets)
                 rows.append({"shape": shape, "system": system, "backend": backend,
-                             "label": sim.config.perf_model.label, "rate": rate, "requests": n,
+                             "label": sim.config.perf_model.label, "rate": rate, "requests": len(items),
                              "paper": dict(zip(("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct"), paper)),
                              "simulated": dict(zip(("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct"), got)),
                              "verdict_same": (got[3] >= 99.0) == (paper[3] >= 99.0)})
     return rows
+
+
+# Part C: Table 1's 1P1D again on the default backend with the KV received as the paper's baseline
+# receives it, vLLM v0's PyNccl connector: inside the decode worker's step that first schedules
+# the request, its batch waiting (`Simulator(kv_receive="blocking")`), over the testbed's NVLink
+# (the paper's §6.1: 600 GB/s between any two GPUs of a server) and, as a bracket, over PCIe.
+RECEIVES = (("async", LINK), ("blocking", LINK), ("blocking", "pcie"))
+
+
+def part_c(requests_per_rate_s: float, min_requests: int, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    for shape, systems in TABLE1.items():
+        paper = systems["1P1D"]
+        items, offsets = _table1_inputs(shape, paper[2], requests_per_rate_s, min_requests, seed)
+        for receive, link in RECEIVES:
+            sim = Simulator.from_preset(2, "A100", "Qwen2.5-14B", 1, link=link, perf_backend="aiconfigurator",
+                                        kv_receive=receive, **{**COMMON, **system_options("1P1D")})
+            got = _table1_cell(sim, items, offsets)
+            keys = ("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct")
+            rows.append({"shape": shape, "system": "1P1D", "kv_receive": receive, "link": link,
+                         "label": sim.config.perf_model.label,
+                         "kv_transfer_ms_prompt": sim.config.perf_model.kv_transfer_time(shape_lengths(shape)[0]) * 1e3,
+                         "paper": dict(zip(keys, paper)), "simulated": dict(zip(keys, got)),
+                         "verdict_same": (got[3] >= 99.0) == (paper[3] >= 99.0)})
+    return rows
+
+
+def report_c(c: list[dict[str, Any]]) -> dict[str, Any]:
+    t = Table(title="Part C: Table 1's 1P1D with the KV received inside the decode step (vLLM v0's connector) - "
+                    "p50 / p99 TBT ms, throughput rps, attainment %", header_style="bold")
+    for col in ("shape", "paper", *(f"{r} ({link})" for r, link in RECEIVES)):
+        t.add_column(col)
+    for shape in TABLE1:
+        cells = []
+        for receive, link in RECEIVES:
+            r = next(x for x in c if x["shape"] == shape and x["kv_receive"] == receive and x["link"] == link)
+            s = r["simulated"]
+            cells.append(f"{s['tbt_p50_ms']:.1f} / {s['tbt_p99_ms']:.1f} / {s['throughput_rps']:.2f} / "
+                         f"{s['attainment_pct']:.1f} (prompt's KV {r['kv_transfer_ms_prompt']:.1f} ms)")
+        p = TABLE1[shape]["1P1D"]
+        t.add_row(shape, f"{p[0]:.1f} / {p[1]:.1f} / {p[2]:.2f} / {p[3]:.1f}", *cells)
+    console.print(t)
+    summary = {}
+    for receive, link in RECEIVES:
+        rows = [x for x in c if x["kv_receive"] == receive and x["link"] == link]
+        summary[f"{receive}/{link}"] = {
+            "tbt_p99_within_25pct": sum(abs(x["simulated"]["tbt_p99_ms"] / x["paper"]["tbt_p99_ms"] - 1) <= 0.25
+                                        for x in rows),
+            "tbt_p50_within_25pct": sum(abs(x["simulated"]["tbt_p50_ms"] / x["paper"]["tbt_p50_ms"] - 1) <= 0.25
+                                        for x in rows),
+            "verdicts_same": sum(x["verdict_same"] for x in rows), "cells": len(rows)}
+    console.print(f"1P1D p99 TBT within 25% (of 3): {({k: v['tbt_p99_within_25pct'] for k, v in summary.items()})}")
+    return summary
 
 
 def report(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
@@ -192,11 +264,14 @@ def main() -> None:
     started = time.perf_counter()
     a = part_a()
     b = part_b(args.table1_seconds, args.min_requests, args.seed)
+    c = part_c(args.table1_seconds, args.min_requests, args.seed)
     summary = report(a, b)
+    summary["table1_1p1d_kv_receive"] = report_c(c)
     doc = {"command": " ".join([".venv/bin/python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "produced_by": "virtual time (simulator) on each backend's timing data; no GPU ran",
-           "summary": summary, "steps": a, "table1": b, "wall_s": time.perf_counter() - started}
+           "summary": summary, "steps": a, "table1": b, "table1_1p1d_kv_receive": c,
+           "wall_s": time.perf_counter() - started}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")

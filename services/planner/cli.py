@@ -75,6 +75,7 @@ class ClusterOptions:
     view_refresh_ms: float = 100.0
     kv_chunk_tokens: int = 64
     kv_reserve_wait_s: float = 30.0
+    kv_receive: str = "async"
     prefix_caching: bool = True
     fast_forward: bool = True
     dispatch_ms: float = 1.0
@@ -114,7 +115,7 @@ def build_simulator(cluster: ClusterOptions, slo_ttft_ms: int = 0, slo_itl_ms: i
                      batch_policy_options=cluster.batch_policy_options, block_size=cluster.block_size, max_num_batched_tokens=cluster.max_num_batched_tokens,
                      max_num_seqs=cluster.max_num_seqs, roles=roles, view_refresh_s=cluster.view_refresh_ms / 1000,
                      latency=latency, kv_chunk_tokens=cluster.kv_chunk_tokens,
-                     kv_reserve_wait_s=cluster.kv_reserve_wait_s,
+                     kv_reserve_wait_s=cluster.kv_reserve_wait_s, kv_receive=cluster.kv_receive,
                      enable_prefix_caching=cluster.prefix_caching, fast_forward=cluster.fast_forward,
                      slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms)
 
@@ -221,6 +222,10 @@ def simulate(
     kv_reserve_wait_s: float = typer.Option(30.0, "--kv-reserve-wait-s", help="How long a stage waits in line for "
                                             "room for its KV on the next stage's worker before it is sent anyway "
                                             "and that range recomputed there (the coordinator's option); 0: at once."),
+    kv_receive: str = typer.Option("async", "--kv-receive", help="How a stage's KV reaches the next worker: "
+                                   "async (this project's workers: pushes overlap its steps) | blocking (vLLM v0's "
+                                   "connector: pulled inside the step that first schedules the stage, its batch "
+                                   "waiting)."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Engine prefix caching."),
     fast_forward: bool = typer.Option(True, "--fast-forward/--no-fast-forward", help="Apply runs of identical "
                                       "decode steps in bulk (same results, faster)."),
@@ -238,7 +243,8 @@ def simulate(
         policy=policy, policy_params=_key_values(policy_param, "--policy-param"), batch_policy=batch_policy,
         batch_policy_options=_key_values(batch_policy_option, "--batch-policy-option"), prefill_workers=prefill_workers, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         block_size=block_size, kv_blocks=kv_blocks, view_refresh_ms=view_refresh_ms,
-        kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s, prefix_caching=prefix_caching,
+        kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s, kv_receive=kv_receive,
+        prefix_caching=prefix_caching,
         fast_forward=fast_forward, dispatch_ms=dispatch_ms, handoff_ms=handoff_ms, stream_ms=stream_ms)
     run_command(lambda: run_simulation(opts, cluster))
 

@@ -12,7 +12,16 @@ from splitserve.perf.model import PerfModel
 
 MAX_NUM_SEQS = 256  # running sequences per simulated worker (vLLM's default); the planner's limit too
 
-__all__ = ["NetworkLatency", "SimulatorConfig", "worker_id"]
+__all__ = ["KV_RECEIVE_MODES", "NetworkLatency", "SimulatorConfig", "worker_id"]
+
+# How a stage's incoming KV reaches its worker (`SimulatorConfig.kv_receive`):
+# "async" — as this project's workers: pushes (NIXL) overlap the receiver's steps, and the stage
+#   starts on its worker once its last chunk has arrived;
+# "blocking" — as vLLM v0's PyNccl disaggregation connector (the 1P1D baseline of DynaServe's
+#   Table 1): the stage is handed over when the previous one ends, and the receiver pulls the whole
+#   KV inside the step that first schedules it, so every request in that step's batch waits
+#   `PerfModel.kv_transfer_time(tokens)` longer for its token.
+KV_RECEIVE_MODES = ("async", "blocking")
 
 
 def worker_id(index: int) -> str:
@@ -62,6 +71,7 @@ class SimulatorConfig:
     # How long a stage's KV reservation on the next worker waits for room, FIFO, before the
     # next stage recomputes the range instead (the coordinator's --kv-reserve-wait-s).
     kv_reserve_wait_s: float = 30.0
+    kv_receive: str = "async"  # one of KV_RECEIVE_MODES
     enable_prefix_caching: bool = True
     fast_forward: bool = True
     slo_ttft_ms: int = 0
@@ -79,6 +89,8 @@ class SimulatorConfig:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
         if not (math.isfinite(self.kv_reserve_wait_s) and self.kv_reserve_wait_s >= 0):
             raise ValueError(f"kv_reserve_wait_s must be a finite number >= 0, got {self.kv_reserve_wait_s!r}")
+        if self.kv_receive not in KV_RECEIVE_MODES:
+            raise ValueError(f"kv_receive must be one of {', '.join(KV_RECEIVE_MODES)}, got {self.kv_receive!r}")
         if not (math.isfinite(self.view_refresh_s) and self.view_refresh_s > 0):
             raise ValueError(f"view_refresh_s must be a finite number > 0, got {self.view_refresh_s!r}")
         if self.roles is not None:

@@ -164,6 +164,7 @@ class SimRun:
         # history's KV and the history's length (AMPD binding; the coordinator's records).
         self.sessions: dict[str, tuple[str, int]] = {}
         self.latency = config.latency
+        self.blocking_receive = config.kv_receive == "blocking"  # (see sim_config.KV_RECEIVE_MODES)
         # Every stage carries the request's objectives, as the coordinator sends them (local
         # policies schedule by them: slo_aware's ITL target).
         self.stage_slo = StageSlo(config.slo_ttft_ms / 1000 or None, config.slo_itl_ms / 1000 or None)
@@ -448,6 +449,8 @@ class SimRun:
             prefix_len = previous.end if stage.reserved_blocks is not None else 0
             if stage.reserved_blocks is None:
                 self.stats.kv_recomputes += 1
+            elif self.blocking_receive:
+                stage.receive_tokens = previous.end - stage.kv_start  # pulled in its first step there
         push_to = following if following is not None and following.reserved_blocks is not None else None
         session = None
         if request.session_id and following is None:  # the round's last stage keeps the history
@@ -467,6 +470,12 @@ class SimRun:
     def _stage_ended(self, stage: StageRun) -> None:
         if stage.push is not None:
             self.stats.kv_transfers += 1
+            if self.blocking_receive and stage.finish_reason is FinishReason.STAGE_END:
+                # Handed over now; the next worker pulls the KV in its own step (`_run_stage`).
+                if stage.last_token_pending:
+                    stage.token_times.append(self.now)
+                    stage.last_token_pending = False
+                self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
             self._push(stage.push_done_at, _KV_DONE, stage)  # the worker reports the end after its push
         elif stage.finish_reason is FinishReason.STAGE_END:
             self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
@@ -481,10 +490,10 @@ class SimRun:
         self._kick(worker)  # freed blocks may admit waiting work
         if stage.last_token_pending:
             stage.token_times.append(self.now)
-        if stage.finish_reason is FinishReason.STAGE_END:
-            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
-        else:
+        if stage.finish_reason is not FinishReason.STAGE_END:
             self._complete(stage.owner)
+        elif not self.blocking_receive:  # (a blocking receive's next stage started at the stage's end)
+            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
 
     # ---- endings -----------------------------------------------------------------------------
     def _complete(self, request: _Request) -> None:

@@ -70,6 +70,7 @@ class StageRun:
     history_prepared: bool = False  # the lazy pull of its session's history was set up (or not needed)
     push_from: int = 0  # first token its push sends (the next worker holds the history before it)
     kv_wait_until: float | None = None  # waiting in line for the next worker's KV reservation until then
+    receive_tokens: int = 0  # kv_receive="blocking": KV tokens the first step scheduling it here pulls first
 
     @property
     def index(self) -> int:
@@ -106,6 +107,7 @@ class SimWorker:
         self.generation = 0  # changes whenever step_end moves earlier: older step-done events are void
         self.step_moved = False  # step_end moved since the simulator last scheduled it
         self.link_free_at = 0.0
+        self.pending_receives = 0  # stages here whose blocking KV receive has not run yet
         self.num_steps = 0
         self.busy_s = 0.0
         self._out: SchedulerOutput | None = None
@@ -193,6 +195,8 @@ class SimWorker:
             stage.held_blocks = None
         stage.reserved_blocks = None
         stage.added_at = now
+        if stage.receive_tokens:
+            self.pending_receives += 1
         if sink is not None:
             # Whole blocks before `push_from` are in place there already (a session's
             # history): only the rest moves (AMPD footnote 4).
@@ -204,13 +208,18 @@ class SimWorker:
         """Free the KV a finished, pushing stage kept until its last chunk arrived."""
         self._before_change(now)
         self.scheduler.release(stage.key)
-        self.stages.pop(stage.key, None)
+        self._drop(stage)
 
     def abort(self, stage: StageRun, now: float) -> None:
         """Drop a stage and free its blocks at once (`Scheduler.abort`)."""
         self._before_change(now)
         self.scheduler.abort(stage.key)
-        self.stages.pop(stage.key, None)
+        self._drop(stage)
+
+    def _drop(self, stage: StageRun) -> None:
+        if self.stages.pop(stage.key, None) is not None and stage.receive_tokens:
+            stage.receive_tokens = 0
+            self.pending_receives -= 1
 
     # ---- engine steps --------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
@@ -221,17 +230,30 @@ class SimWorker:
         self.hold_until = out.hold_until
         if not out.entries:
             return None
-        duration = step_time(self.perf_model, out.shape)
+        receiving = self._take_receives(out) if self.pending_receives else 0.0
+        duration = step_time(self.perf_model, out.shape) + receiving
         self._out, self._duration = out, duration
         self.stepping = True
         self.num_steps += 1
         self.busy_s += duration
         self.step_end = now + duration
-        if self.fast_forward and not any(self.stages[e.seq.key].push for e in out.entries):
+        if self.fast_forward and not receiving and not any(self.stages[e.seq.key].push for e in out.entries):
             run = DecodeRun.find(self.scheduler, out, FAKE_TOKEN_ID)  # pushing stages go step by step
             if run is not None and run.steps >= _MIN_RUN_STEPS:
                 self._begin_run(run, duration)
         return self.step_end
+
+    def _take_receives(self, out: SchedulerOutput) -> float:
+        """Seconds this step spends pulling the KV of stages it schedules for the first time
+        (kv_receive="blocking"), before its forward: one transfer per stage, back to back."""
+        seconds = 0.0
+        for e in out.entries:
+            stage = self.stages[e.seq.key]
+            if stage.receive_tokens:
+                seconds += self.perf_model.kv_transfer_time(stage.receive_tokens)
+                stage.receive_tokens = 0
+                self.pending_receives -= 1
+        return seconds
 
     def finish_step(self, now: float) -> list[StageRun]:
         """Complete the step ending at `now`: sample, record token times, end stages; the ended stages."""

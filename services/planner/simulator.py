@@ -18,7 +18,9 @@ Only time is modelled:
   the sender's one link (`PerfModel.kv_transfer_time` per chunk), so only the last chunk
   is on the critical path; the next stage's blocks are reserved before the stage is sent,
   waiting in line for room up to `kv_reserve_wait_s`, and the next stage recomputes from
-  tokens when none came in time (as the coordinator and workers do);
+  tokens when none came in time (as the coordinator and workers do); with
+  `kv_receive="blocking"` the receiver instead pulls the whole KV inside the step that first
+  schedules the stage, its batch waiting for it (vLLM v0's connector, `KV_RECEIVE_MODES`);
 * fixed control-plane delays (`NetworkLatency`) around dispatch, stage handoff and
   token streaming; no failures, retries or migrations.
 """
@@ -85,7 +87,8 @@ class Simulator:
     Defaults: 16-token blocks and a 2,048-token step budget (the worker's defaults), 256
     running sequences (vLLM's; the worker's 64 suits a CPU), KV pushed in 64-token chunks
     (the coordinator's default), KV reservations waiting up to 30 s for room (the coordinator's
-    default; 0: recompute at once), loads 100 ms stale (the workers' publishing interval).
+    default; 0: recompute at once), KV received asynchronously (the workers' NIXL pushes), loads
+    100 ms stale (the workers' publishing interval).
     """
 
     def __init__(self, num_workers: int, perf_model: PerfModel, *, num_kv_blocks: int,
@@ -94,7 +97,8 @@ class Simulator:
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = MAX_NUM_SEQS,
                  roles: Sequence[str] | None = None, view_refresh_s: float = 0.1,
                  latency: NetworkLatency = NetworkLatency(), kv_chunk_tokens: int = 64,
-                 kv_reserve_wait_s: float = 30.0, enable_prefix_caching: bool = True, fast_forward: bool = True,
+                 kv_reserve_wait_s: float = 30.0, kv_receive: str = "async", enable_prefix_caching: bool = True,
+                 fast_forward: bool = True,
                  slo_ttft_ms: int = 0, slo_itl_ms: int = 0, worker_perf_models: Sequence[PerfModel] | None = None,
                  worker_kv_blocks: Sequence[int] | None = None):
         self.config = SimulatorConfig(
@@ -103,7 +107,7 @@ class Simulator:
             batch_policy_options=dict(batch_policy_options or {}), block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             roles=tuple(roles) if roles is not None else None, view_refresh_s=view_refresh_s, latency=latency,
-            kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s,
+            kv_chunk_tokens=kv_chunk_tokens, kv_reserve_wait_s=kv_reserve_wait_s, kv_receive=kv_receive,
             enable_prefix_caching=enable_prefix_caching,
             fast_forward=fast_forward, slo_ttft_ms=slo_ttft_ms, slo_itl_ms=slo_itl_ms,
             worker_perf_models=tuple(worker_perf_models) if worker_perf_models is not None else None,

@@ -82,6 +82,34 @@ def test_chunked_push_overlaps_all_but_the_last_step_of_a_long_prefill():
     assert result.ttft_s == pytest.approx(first_step + second_step + 32 * t_xfer(64), rel=1e-12)
 
 
+def test_a_blocking_kv_receive_holds_up_the_decode_batch_it_joins():
+    """vLLM v0's connector (kv_receive="blocking"): the decode worker pulls a prompt's whole KV
+    inside the step that first schedules it, so the request already decoding there waits that
+    long for its token; the first token comes at the prefill's end, not after a push."""
+    items = [spec(0, 100, 40), spec(1, 1000, 5)]  # request 1's prefill ends while request 0 decodes
+
+    def run(mode: str):
+        return toy_sim(2, placement_policy="pd_disaggregated", roles=pd_roles(2, 1), kv_receive=mode).run(
+            items, [0.0, 0.01])
+
+    pushed, pulled = run("async"), run("blocking")
+    for outcome in (pushed, pulled):
+        assert all(r.ok for r in outcome.results)
+        assert outcome.stats.kv_transfers == 2 and outcome.stats.kv_recomputes == 0
+    # Async: the 1,000-token prefill's 16 chunks follow its one step on the link; blocking: none.
+    assert pulled.results[1].ttft_s == pytest.approx(pushed.results[1].ttft_s - 15 * t_xfer(64) - t_xfer(40),
+                                                     rel=1e-9)
+    # Request 0's longest gap is the step request 1 joins: blocking adds the pull of its 1,000
+    # tokens to it (the two runs' decode steps differ only by a few tokens of context).
+    assert max(pulled.results[0].itls_s) == pytest.approx(max(pushed.results[0].itls_s) + t_xfer(1000), abs=1e-5)
+    assert max(pushed.results[0].itls_s) < t_xfer(1000) + TOY.decode_time(1, 100)
+
+
+def test_kv_receive_names_its_modes():
+    with pytest.raises(ValueError, match="kv_receive must be one of async, blocking"):
+        toy_sim(2, kv_receive="eager")
+
+
 def test_split_plan_runs_both_stages_and_recomputes_nothing():
     sim = toy_sim(2, placement_policy="split", policy_params={"split_ratio": "0.5"})
     outcome = sim.run([spec(0, 1000, 10)])
@@ -159,12 +187,14 @@ def mixed_items() -> list:
     return [spec(i, 100 + 37 * i, 5 + 11 * (i % 7)) for i in range(24)] + sessions
 
 
-@pytest.mark.parametrize("policy,roles", [("least_loaded", None), ("pd_disaggregated", ("prefill", "decode", "decode")),
-                                          ("split", None)])
-def test_everything_finishes_and_every_block_comes_back(policy, roles):
+@pytest.mark.parametrize("policy,roles,kv_receive", [
+    ("least_loaded", None, "async"), ("pd_disaggregated", ("prefill", "decode", "decode"), "async"),
+    ("split", None, "async"), ("pd_disaggregated", ("prefill", "decode", "decode"), "blocking"),
+    ("split", None, "blocking")])
+def test_everything_finishes_and_every_block_comes_back(policy, roles, kv_receive):
     # A small KV cache: admission waits and preemption happen.
     config = toy_sim(3, placement_policy=policy, roles=roles, num_kv_blocks=120, max_num_batched_tokens=256,
-                     latency=NetworkLatency()).config
+                     latency=NetworkLatency(), kv_receive=kv_receive).config
     items = mixed_items()
     run = SimRun(config, items, arrivals.poisson(40.0).offsets(len(items), np.random.default_rng(1)))
     results = run.execute()
@@ -175,17 +205,20 @@ def test_everything_finishes_and_every_block_comes_back(policy, roles):
         bm = worker.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert not worker.stages and not worker.has_work() and not worker.scheduler.sequences
+        assert worker.pending_receives == 0
     if policy != "least_loaded":
         assert run.stats.kv_transfers > 0
     assert sum(w.scheduler.num_preemptions for w in run.workers) == run.stats.preemptions
 
 
-@pytest.mark.parametrize("policy,roles,caching,max_num_seqs", [
-    ("least_loaded", None, True, 256), ("round_robin", None, False, 256),
-    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 256),
+@pytest.mark.parametrize("policy,roles,caching,max_num_seqs,kv_receive", [
+    ("least_loaded", None, True, 256, "async"), ("round_robin", None, False, 256, "async"),
+    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 256, "async"),
+    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 256, "blocking"),
     # Full running sets with requests waiting (fast-forwarded too): later stages queue for a slot.
-    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 3), ("round_robin", None, True, 3)])
-def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, roles, caching, max_num_seqs):
+    ("pd_disaggregated", ("prefill", "decode", "decode"), True, 3, "async"), ("round_robin", None, True, 3, "async")])
+def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, roles, caching, max_num_seqs,
+                                                          kv_receive):
     views: list[tuple] = []
 
     def recording(**params):
@@ -207,7 +240,7 @@ def test_fast_forward_gives_the_same_results_as_stepping(monkeypatch, policy, ro
         views.clear()
         sim = toy_sim(3, placement_policy="recording", roles=roles, num_kv_blocks=150, max_num_batched_tokens=256,
                       max_num_seqs=max_num_seqs, enable_prefix_caching=caching, fast_forward=fast, view_refresh_s=0.01,
-                      latency=NetworkLatency())
+                      latency=NetworkLatency(), kv_receive=kv_receive)
         outcomes.append(sim.run(items, arrivals.poisson(30.0), seed=3))
         seen.append(list(views))
     slow, fast = outcomes
@@ -252,16 +285,20 @@ def test_simulate_cli_writes_a_bench_compatible_report(tmp_path):
     out = tmp_path / "sim"
     result = CliRunner().invoke(simulate_app, ["--workers", "2", "--shape", "P256/D16", "-n", "20",
                                                "--arrival", "poisson:rate=20", "--policy", "pd_disaggregated",
-                                               "--prefill-workers", "1", "--out-dir", str(out), "--per-request"])
+                                               "--prefill-workers", "1", "--out-dir", str(out), "--per-request",
+                                               "--kv-receive", "blocking"])
     assert result.exit_code == 0, result.output
     record = json.loads((out / "simulate.json").read_text())
     assert record["summary"]["n_ok"] == 20 and len(record["requests"]) == 20
     assert record["config"]["target"]["simulator"]["roles"] == ["prefill", "decode"]
+    assert record["config"]["target"]["simulator"]["kv_receive"] == "blocking"
     assert (out / "simulate.csv").exists() and (out / "simulate_latency_cdf.png").exists()
     _, rows = compare(out / "simulate.json", out / "simulate.json")
     assert {row["metric"] for row in rows} >= {"goodput tokens /s", "TTFT p99 s"}
     bad = CliRunner().invoke(simulate_app, ["--policy", "nope", "-n", "2"])
     assert bad.exit_code == 2 and "unknown placement policy" in bad.output
+    bad = CliRunner().invoke(simulate_app, ["--kv-receive", "eager", "-n", "2"])
+    assert bad.exit_code == 2 and "kv_receive must be one of async, blocking" in bad.output
 
 
 def test_simulate_cli_sweeps_rates_and_searches_capacity(tmp_path):
