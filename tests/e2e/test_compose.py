@@ -304,7 +304,7 @@ def test_worker_killed_mid_stream(deployment, reference, tokenizer):
     thread.start()
     deadline = time.monotonic() + 60
     while len(received) < 8:
-        assert thread.is_alive() or received, f"the stream ended early: {errors}"
+        assert thread.is_alive(), f"the stream ended after {len(received)} tokens, before the kill: {errors}"
         assert time.monotonic() < deadline, "no tokens within 60 s"
         time.sleep(0.02)  # polling the stream, bounded by the deadline
     victim = _container_running_request(compose, deployment["scheduler"])

@@ -123,10 +123,16 @@ def test_concurrent_requests_all_complete(embedded):
 
 def test_cancel_frees_blocks_on_both_workers(embedded):
     assert _poll(lambda: _all_blocks_free(embedded))
+    request_id = f"emb-cancel-{uuid.uuid4().hex[:8]}"
     with Client(embedded.gateway_grpc, timeout_s=60) as client:
-        stream = client.stream(PROMPT, max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = client.stream(PROMPT, max_tokens=200, temperature=0.0, ignore_eos=True, request_id=request_id)
         for i, _ in enumerate(stream):
             if i == 3:
+                assert not _all_blocks_free(embedded)
                 break
         stream.close()
     assert _poll(lambda: _all_blocks_free(embedded)), "blocks not freed after cancel"
+    # The split (phi = 0.5) put it on both workers, and the cancel, not the 200 tokens' end, freed them.
+    record = _record(embedded, request_id)
+    assert record is not None and record.state == "cancelled" and len(record.emitted_token_ids) < 200, record
+    assert len({s["worker_id"] for s in record.stages}) == 2, record.stages

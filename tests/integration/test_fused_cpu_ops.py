@@ -40,11 +40,12 @@ def test_rms_norm_with_and_without_the_residual_add(rows, dim, dtype, with_resid
     expected_residual = residual.clone() if with_residual else None
     expected = norm(x, expected_residual)  # the torch ops (fused is unset on the class)
     got_residual = residual.clone() if with_residual else None
+    x_before = x.clone()
     got = MODULE.rms_norm(x, norm.weight.detach(), 1e-5, got_residual)
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     if with_residual:
         assert torch.equal(got_residual, expected_residual)  # the same one rounding of x + residual
-    assert torch.equal(x, x.clone())  # x itself untouched
+    assert torch.equal(x, x_before)  # x itself untouched
 
 
 @settings(max_examples=40, deadline=None)

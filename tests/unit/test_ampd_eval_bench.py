@@ -43,7 +43,8 @@ def test_one_case_runs_and_reports_the_breakdown():
     assert row["requests"] >= 8 and row["failed"] == 0
     assert 0 <= row["attainment_strict"] <= row["attainment"] <= 1
     assert row["ttft_initial_mean_ms"] > 0 and row["ttft_incremental_mean_ms"] > 0
-    assert row["local_share"] is not None and row["kv_pulled_tokens"] >= 0
+    # AMPD's adaptive routing prefills some rounds where their history is and pulls it for the others.
+    assert 0 < row["local_share"] < 1 and row["kv_pulled_tokens"] > 0
 
 
 def test_rates_are_sized_on_the_backend_that_times_the_runs():

@@ -168,7 +168,8 @@ def test_session_open_params(body):
         json.dumps(error_body(err), ensure_ascii=False).encode("utf-8")
         return
     # What the gateway then puts on the wire (CreateSessionRequest: a string and a uint32).
-    assert isinstance(session_id, str) and session_id.encode("utf-8") is not None
+    assert isinstance(session_id, str)
+    session_id.encode("utf-8")  # raises on lone surrogates, which the wire's string cannot carry
     assert 0 <= ttl <= 2**32 - 1
 
 
