@@ -65,11 +65,23 @@ def test_knob_errors_name_their_field(kwargs, param):
 @given(max_tokens=st.integers(1, 512), steps=st.none() | st.integers(1, 600),
        block_length=st.none() | st.integers(1, 600))
 def test_knobs_are_either_valid_or_refused_naming_a_field(max_tokens, steps, block_length):
+    # The rules, written out: blocks of 32 by default when 32 divides max_tokens and the steps,
+    # else one block; a block must divide max_tokens, the steps must be a multiple of the number
+    # of blocks and at most max_tokens.
+    block = block_length
+    if block is None:
+        block = 32 if max_tokens % 32 == 0 else max_tokens
+        if steps is not None and steps % (max_tokens // block):
+            block = max_tokens
+    wanted_steps = max_tokens if steps is None else steps
+    refusal = ("block_length" if max_tokens % block else
+               "steps" if wanted_steps % (max_tokens // block) or wanted_steps > max_tokens else None)
     try:
         p = diffusion_params(max_tokens, steps=steps, block_length=block_length)
     except DiffusionParamError as err:
-        assert err.param in ("steps", "block_length")
+        assert err.param == refusal
         return
+    assert refusal is None
     assert p.num_blocks * p.block_length == max_tokens and p.steps_per_block * p.num_blocks == p.steps
     assert 1 <= p.steps <= max_tokens
     if steps is not None:
