@@ -461,6 +461,26 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def summarize_run(panels: list[dict], timing: Timing, reorder: str, prefill_first: bool, started: float) -> dict:
+    """The run's JSON: its panels and AMPD's average gain over each baseline (plain and strict)."""
+    all_rows = [r for p in panels for r in p["rows"]]
+    average_gain, average_gain_strict = {}, {}
+    for baseline in (s.name for s in systems(reorder, prefill_first)[1:]):
+        values = [g for p in panels for g in gains(p["rows"], baseline)]
+        if values:
+            average_gain[baseline] = statistics.fmean(values)
+        values = [g for p in panels for g in gains(p["rows"], baseline, "attainment_strict")]
+        if values:
+            average_gain_strict[baseline] = statistics.fmean(values)
+    return {"machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.python_version()}",
+            "command": " ".join(["python", *sys.argv]), "gpu": timing.gpu, "model": timing.model,
+            "perf_backend": timing.backend, "link": timing.link,
+            "timing_notes": sorted({row["timing_note"] for row in all_rows}),
+            "batch_policy": reorder, "panels": panels, "average_gain": average_gain,
+            "average_gain_strict": average_gain_strict, "wall_s": time.perf_counter() - started,
+            "rows": len(all_rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results/ampd_eval"))
@@ -510,24 +530,13 @@ def main() -> None:
                 panels.append(evaluate(workload, reorder, rates, args.window_s, args.seed, pool, search_rates, log,
                                        timing, args.prefill_first))
                 log(f"  {workload.preset} done at {time.perf_counter() - started:.0f} s")
-    all_rows = [r for p in panels for r in p["rows"]]
-    baselines = [s.name for s in systems(reorder, args.prefill_first)[1:]]
-    average_gain, average_gain_strict = {}, {}
-    for baseline in baselines:
-        values = [g for p in panels for g in gains(p["rows"], baseline)]
-        if values:
-            average_gain[baseline] = statistics.fmean(values)
-        values = [g for p in panels for g in gains(p["rows"], baseline, "attainment_strict")]
-        if values:
-            average_gain_strict[baseline] = statistics.fmean(values)
-    results = {"machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.python_version()}",
-               "command": " ".join(["python", *sys.argv]), "gpu": timing.gpu, "model": timing.model,
-               "perf_backend": timing.backend, "link": timing.link,
-               "timing_notes": sorted({row["timing_note"] for row in all_rows}),
-               "batch_policy": reorder, "panels": panels, "average_gain": average_gain,
-               "average_gain_strict": average_gain_strict, "wall_s": time.perf_counter() - started,
-               "rows": len(all_rows), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+                # A run stopped later keeps the workloads it finished (`--compare` reads this file too).
+                (args.out_dir / "ampd_eval.partial.json").write_text(
+                    json.dumps(summarize_run(panels, timing, reorder, args.prefill_first, started), indent=1))
+    results = summarize_run(panels, timing, reorder, args.prefill_first, started)
+    results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     (args.out_dir / "ampd_eval.json").write_text(json.dumps(results, indent=1))
+    (args.out_dir / "ampd_eval.partial.json").unlink(missing_ok=True)
     text = markdown(results)
     (args.out_dir / "ampd_eval.md").write_text(text + "\n")
     plots(results, args.out_dir)

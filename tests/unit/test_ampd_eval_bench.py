@@ -63,3 +63,19 @@ def test_rates_are_sized_on_the_backend_that_times_the_runs():
     assert measured.perf_model(4) is model  # the tables the simulator gets, not a re-derived model
     row = ae.run_case((workload, ae.systems("fcfs")[2], ae.Deployment(4, 2, 0), 2.0, 4.0, 0, measured))
     assert row["perf_backend"] == "aiconfigurator" and row["perf_label"] == model.label
+
+
+def test_the_summary_averages_ampds_gain_over_each_baseline_per_rate():
+    """`summarize_run` (written after every workload, so a stopped run keeps what it finished)."""
+    def row(system, rate, attainment, strict):
+        return {"system": system, "rate": rate, "attainment": attainment, "attainment_strict": strict,
+                "timing_note": "note"}
+    dynamo = "Dynamo-like (pd_disaggregated)"
+    panels = [{"rows": [row("AMPD", 1.0, 0.9, 0.6), row(dynamo, 1.0, 0.6, 0.6),
+                        row("AMPD", 2.0, 0.5, 0.3), row(dynamo, 2.0, 0.0, 0.2)]},
+              {"rows": [row("AMPD", 1.0, 1.0, 0.5), row(dynamo, 1.0, 0.8, 1.0)]}]
+    out = ae.summarize_run(panels, ae.Timing(), "fcfs", False, started=0.0)
+    # (0.9/0.6 - 1) and (1.0/0.8 - 1); the rate where the baseline attains nothing is left out.
+    assert out["average_gain"] == {dynamo: pytest.approx((0.5 + 0.25) / 2)}
+    assert out["average_gain_strict"] == {dynamo: pytest.approx((0.0 + 0.5 - 0.5) / 3)}
+    assert out["rows"] == 6 and out["timing_notes"] == ["note"] and "finished_at" not in out
