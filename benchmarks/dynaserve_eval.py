@@ -62,7 +62,7 @@ from loadgen.metrics import RequestResult, Slo, find_capacity, meets_slo, summar
 from loadgen.probes import probe_count, steady_state  # noqa: E402
 from loadgen.runner import arrival_offsets  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
-from loadgen.workloads import RequestShape  # noqa: E402
+from loadgen.workloads import RequestShape, parse_shape  # noqa: E402
 from services.planner.sim_run import STALLED, SimRun, gc_paused  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec  # noqa: E402
 from services.planner.simulator import Simulator, pd_roles  # noqa: E402
@@ -188,8 +188,7 @@ def workloads(names: Sequence[str], seed: int, log: Callable[[str], None]) -> li
 
     for name in names:
         if name.startswith("P") and "/D" in name:
-            p, d = name[1:].split("/D")
-            out.append(Workload(name, shape=RequestShape(int(p), int(d))))
+            out.append(Workload(name, shape=parse_shape(name)))
         elif name == "Azure code" and trace("code"):
             out.append(Workload(name, rows=trace("code")))
         elif name == "Azure conversation" and trace("conv"):

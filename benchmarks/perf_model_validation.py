@@ -51,6 +51,7 @@ from dynaserve_eval import COMMON, LINK, SLO, system_options  # noqa: E402
 from loadgen import arrivals  # noqa: E402
 from loadgen.metrics import Slo, summarize  # noqa: E402
 from loadgen.runner import arrival_offsets  # noqa: E402
+from loadgen.workloads import parse_shape  # noqa: E402
 from services.planner.sim_workload import SimRequestSpec  # noqa: E402
 from services.planner.simulator import Simulator  # noqa: E402
 from splitserve.perf.aiconfigurator import SYSTEMS, hf_config  # noqa: E402
@@ -118,23 +119,24 @@ def part_a() -> list[dict[str, Any]]:
     return rows
 
 
-def shape_lengths(shape: str) -> tuple[int, int]:
-    """"P8192/D32" -> (8192, 32)."""
-    p, d = (int(x) for x in shape[1:].split("/D"))
-    return p, d
+TABLE1_KEYS = ("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct")
 
 
 def _table1_inputs(shape: str, rate: float, requests_per_rate_s: float, min_requests: int, seed: int):
     """One Table 1 cell's requests and Poisson send times (the same for every backend and variant)."""
-    p, d = shape_lengths(shape)
+    lengths = parse_shape(shape)
     n = max(min_requests, int(rate * requests_per_rate_s))
-    items = [SimRequestSpec(f"req-{i}", p, d) for i in range(n)]
+    items = [SimRequestSpec(f"req-{i}", lengths.prompt_len, lengths.output_len) for i in range(n)]
     return items, arrival_offsets(arrivals.poisson(rate), n, np.random.default_rng([seed, 2]))
 
 
-def _table1_cell(sim: Simulator, items, offsets) -> tuple[float, float, float, float]:
+def _table1_cell(sim: Simulator, items, offsets, paper: tuple[float, ...]) -> dict[str, Any]:
+    """One simulated cell beside the paper's: p50 / p99 TBT, throughput, attainment, same verdict."""
     s = summarize(sim.run(items, offsets).results, TABLE1_SLO)
-    return s.itl.p50 * 1e3, s.itl.p99 * 1e3, s.request_throughput, s.slo_attainment * 100
+    got = (s.itl.p50 * 1e3, s.itl.p99 * 1e3, s.request_throughput, s.slo_attainment * 100)
+    return {"label": sim.config.perf_model.label, "requests": len(items),
+            "paper": dict(zip(TABLE1_KEYS, paper)), "simulated": dict(zip(TABLE1_KEYS, got)),
+            "verdict_same": (got[3] >= 99.0) == (paper[3] >= 99.0)}
 
 
 def part_b(requests_per_rate_s: float, min_requests: int, seed: int) -> list[dict[str, Any]]:
@@ -146,12 +148,8 @@ def part_b(requests_per_rate_s: float, min_requests: int, seed: int) -> list[dic
             for backend in TABLE1_BACKENDS:
                 sim = Simulator.from_preset(2, "A100", "Qwen2.5-14B", 1, link=LINK, perf_backend=backend,
                                             **{**COMMON, **system_options(system)})
-                got = _table1_cell(sim, items, offsets)
-                rows.append({"shape": shape, "system": system, "backend": backend,
-                             "label": sim.config.perf_model.label, "rate": rate, "requests": len(items),
-                             "paper": dict(zip(("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct"), paper)),
-                             "simulated": dict(zip(("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct"), got)),
-                             "verdict_same": (got[3] >= 99.0) == (paper[3] >= 99.0)})
+                rows.append({"shape": shape, "system": system, "backend": backend, "rate": rate,
+                             **_table1_cell(sim, items, offsets, paper)})
     return rows
 
 
@@ -170,13 +168,9 @@ def part_c(requests_per_rate_s: float, min_requests: int, seed: int) -> list[dic
         for receive, link in RECEIVES:
             sim = Simulator.from_preset(2, "A100", "Qwen2.5-14B", 1, link=link, perf_backend="aiconfigurator",
                                         kv_receive=receive, **{**COMMON, **system_options("1P1D")})
-            got = _table1_cell(sim, items, offsets)
-            keys = ("tbt_p50_ms", "tbt_p99_ms", "throughput_rps", "attainment_pct")
+            prompt_kv_ms = sim.config.perf_model.kv_transfer_time(parse_shape(shape).prompt_len) * 1e3
             rows.append({"shape": shape, "system": "1P1D", "kv_receive": receive, "link": link,
-                         "label": sim.config.perf_model.label,
-                         "kv_transfer_ms_prompt": sim.config.perf_model.kv_transfer_time(shape_lengths(shape)[0]) * 1e3,
-                         "paper": dict(zip(keys, paper)), "simulated": dict(zip(keys, got)),
-                         "verdict_same": (got[3] >= 99.0) == (paper[3] >= 99.0)})
+                         "kv_transfer_ms_prompt": prompt_kv_ms, **_table1_cell(sim, items, offsets, paper)})
     return rows
 
 

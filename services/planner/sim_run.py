@@ -472,15 +472,23 @@ class SimRun:
             self.stats.kv_transfers += 1
             if self.blocking_receive and stage.finish_reason is FinishReason.STAGE_END:
                 # Handed over now; the next worker pulls the KV in its own step (`_run_stage`).
-                if stage.last_token_pending:
-                    stage.token_times.append(self.now)
-                    stage.last_token_pending = False
-                self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+                self._deliver_pending_token(stage)
+                self._start_next(stage)
             self._push(stage.push_done_at, _KV_DONE, stage)  # the worker reports the end after its push
         elif stage.finish_reason is FinishReason.STAGE_END:
-            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+            self._start_next(stage)
         else:
             self._complete(stage.owner)
+
+    def _start_next(self, stage: StageRun) -> None:
+        """The coordinator sends the request's next stage once it hears of this one's end."""
+        self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+
+    def _deliver_pending_token(self, stage: StageRun) -> None:
+        """The token the stage's last step sampled, held back while its KV was pushed."""
+        if stage.last_token_pending:
+            stage.token_times.append(self.now)
+            stage.last_token_pending = False
 
     def _kv_done(self, stage: StageRun) -> None:
         if stage.owner is None:
@@ -488,12 +496,11 @@ class SimRun:
         worker = stage.worker
         worker.release(stage, self.now)
         self._kick(worker)  # freed blocks may admit waiting work
-        if stage.last_token_pending:
-            stage.token_times.append(self.now)
+        self._deliver_pending_token(stage)
         if stage.finish_reason is not FinishReason.STAGE_END:
             self._complete(stage.owner)
         elif not self.blocking_receive:  # (a blocking receive's next stage started at the stage's end)
-            self._push(self.now + self.latency.handoff_s, _STAGE_START, stage.owner.stages[stage.index + 1])
+            self._start_next(stage)
 
     # ---- endings -----------------------------------------------------------------------------
     def _complete(self, request: _Request) -> None:
