@@ -1,8 +1,8 @@
 """Migration that is proven (issue 18): workers killed under load, every stream still exact.
 
 32 concurrent streams (greedy, seeded and unseeded sampled; short and long prompts; arrivals
-spread over a second), and one long greedy stream that outlives them (the near-end kill is
-taken on its own stream, at a token count, not at a polling instant), run on a four-worker
+spread over a second), then one long greedy stream (the near-end kill is taken on its own
+stream, at a token count, not at a polling instant), run on a four-worker
 cluster while worker processes are killed with SIGKILL at three moments: while prefill work is queued on the victim, mid-decode and near a
 stream's end. The cluster is supervised as `splitserve up` does (a dead worker is started
 again), so later kills can hit restarted workers too. Every stream must complete and equal
@@ -21,12 +21,14 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
 import httpx
 import pytest
 
+from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 from splitserve.client import AsyncClient
 from splitserve.core.sampling import request_seed
 from splitserve.cli.launcher import ClusterSpec, RestartPolicy, start_cluster
@@ -36,9 +38,9 @@ from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
 
 STREAMS = 32
-# One more stream, long and greedy, outlives the others: its last quarter (100 tokens) runs
-# after the crowd has finished, so the near-end kill always finds a stream in that window
-# however the machine's speed spread the others (a near-end kill used to depend on timing).
+# One more stream, long and greedy, the anchor: it runs after the crowd, so the near-end kill
+# always finds a stream in its last quarter (100 tokens) however the machine's speed spread the
+# others (a near-end kill used to depend on timing).
 ANCHOR_MAX_TOKENS = 400
 STREAM_TIMEOUT_S = 120.0  # a stream that hangs fails the test well before CI's limit
 
@@ -101,21 +103,40 @@ async def _run_stream(client: AsyncClient, stream: Stream, start_after_s: float)
     stream.done = True
 
 
-async def _loads(cluster) -> dict[str, worker_pb2.GetLoadResponse]:
-    async def one(address):
-        async with grpc.aio.insecure_channel(address) as channel:
+class WorkerProbe:
+    """GetLoad on every worker over one channel each, kept for the whole run. A channel per
+    poll (every 10 ms) cost the test's own event loop more than its 33 streams did, and the
+    client fell seconds behind the cluster: its "mid-decode" and "near-end" then named streams
+    the cluster had already finished. A short reconnect backoff finds a restarted worker again."""
+
+    OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 300)]
+
+    def __init__(self, addresses: list[str]):
+        self.channels = [grpc.aio.insecure_channel(address, options=self.OPTIONS) for address in addresses]
+        self.stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in self.channels]
+
+    async def __aenter__(self) -> "WorkerProbe":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+    async def loads(self) -> dict[str, worker_pb2.GetLoadResponse]:
+        async def one(stub):
             try:
-                return await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
+                return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
             except grpc.RpcError:
                 return None  # dead or restarting
-    replies = await asyncio.gather(*(one(a) for a in cluster.worker_addresses))
-    return {f"worker-{i}": r for i, r in enumerate(replies) if r is not None}
+        replies = await asyncio.gather(*(one(stub) for stub in self.stubs))
+        return {f"worker-{i}": r for i, r in enumerate(replies) if r is not None}
 
 
 async def _serving_worker(store: StateStore, stream: Stream) -> str | None:
-    """The worker computing the stream's next token, from its request record."""
+    """The worker computing the stream's next token, from its request record; None once the
+    cluster has finished the stream (the client may still be reading its last tokens)."""
     record = await store.get_request(stream.request_id)
-    if record is None or not record.stages:
+    if record is None or record.state != "running" or not record.stages:
         return None
     position = len(stream.prompt) + len(stream.tokens)
     for stage in record.stages:
@@ -147,9 +168,10 @@ class Kill:
 class Killer:
     """SIGKILLs workers of the cluster at three moments and records each kill."""
 
-    def __init__(self, cluster, streams: list[Stream], store: StateStore):
-        self.cluster, self.streams, self.store = cluster, streams, store
+    def __init__(self, cluster, streams: list[Stream], store: StateStore, probe: WorkerProbe):
+        self.cluster, self.streams, self.store, self.probe = cluster, streams, store, probe
         self.kills: list[Kill] = []
+        self.near_end_looks: list[str] = []  # what the anchor's window found, for a failure's message
 
     def kill(self, moment: str, worker_id: str, load) -> None:
         os.killpg(self.cluster.child(worker_id).process.pid, signal.SIGKILL)
@@ -162,7 +184,7 @@ class Killer:
         deadline = time.monotonic() + 60
         while len(self.kills) < 2 and time.monotonic() < deadline and not all(s.done for s in self.streams):
             delivered = sum(len(s.tokens) for s in self.streams)
-            loads = await _loads(self.cluster)
+            loads = await self.probe.loads()
             victim = None
             if not self.kills:  # during prefill: the worker with the most prompt tokens still queued
                 busy = [(load.queued_prefill_tokens, wid) for wid, load in loads.items() if load.queued_prefill_tokens]
@@ -183,10 +205,16 @@ class Killer:
         moves to another worker (after an earlier kill) the new one reports it a moment late."""
         window = stream.max_tokens - max(12, stream.max_tokens // 4) <= len(stream.tokens) < stream.max_tokens - 2
         if len(self.kills) != 2 or not window:
+            if window:
+                self.near_end_looks.append(f"{len(stream.tokens)} tokens: {len(self.kills)} kills so far")
             return
-        loads = await _loads(self.cluster)
+        loads = await self.probe.loads()
         victim = await _live_serving_worker(self.store, [stream], loads)
-        if victim is not None:
+        if victim is None:
+            record = await self.store.get_request(stream.request_id)
+            self.near_end_looks.append(f"{len(stream.tokens)} tokens: record {record and (record.state, record.stages)}, "
+                                       f"answering {sorted(loads)}")
+        else:
             self.kill("near-end", victim, loads[victim])
 
 
@@ -198,31 +226,38 @@ async def _supervise(cluster, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.1)  # supervision period
 
 
-async def _scenario(cluster, streams: list[Stream]) -> list[Kill]:
+async def _scenario(cluster, streams: list[Stream]) -> Killer:
     stop = asyncio.Event()
     supervisor = asyncio.ensure_future(_supervise(cluster, stop))
     rng = random.Random(7)
     try:
         # No retry by the client (max_retries=0): the streams themselves must survive the kills.
         async with AsyncClient(cluster.gateway_grpc, max_retries=0) as client, \
-                StateStore(cluster.redis_url, cluster.redis_prefix) as store:
-            killer = Killer(cluster, streams, store)
-            streams[-1].on_tokens = killer.near_end  # the anchor
-            tasks = [asyncio.ensure_future(_run_stream(client, s, rng.uniform(0.0, 1.0))) for s in streams]
+                StateStore(cluster.redis_url, cluster.redis_prefix) as store, \
+                WorkerProbe(cluster.worker_addresses) as probe:
+            killer = Killer(cluster, streams, store, probe)
+            *crowd, anchor = streams
+            anchor.on_tokens = killer.near_end
             first_two = asyncio.ensure_future(killer.first_two())
-            await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S + 30)
+            crowd_done = asyncio.gather(*(_run_stream(client, s, rng.uniform(0.0, 1.0)) for s in crowd))
+            await asyncio.wait_for(crowd_done, STREAM_TIMEOUT_S + 30)
+            # The anchor starts once the client has every crowd token. Started with the crowd, its
+            # chunks queued behind 32 other streams' in the gateway and the client: on a loaded
+            # 2-core machine the client reached its last quarter after the cluster had finished it
+            # (its record said "length"; the tiny model decodes a token in ~1 ms), so the near-end
+            # kill never came. Alone, its tokens reach the client as they are made.
+            await asyncio.wait_for(_run_stream(client, anchor, 0.0), STREAM_TIMEOUT_S + 30)
             first_two.cancel()
             await asyncio.gather(first_two, return_exceptions=True)
-        kills = killer.kills
-        # Every killed worker is back and serving before the KV check below.
-        deadline = time.monotonic() + 90
-        while len(await _loads(cluster)) < len(cluster.worker_addresses):
-            assert time.monotonic() < deadline, "a killed worker was not restarted"
-            await asyncio.sleep(0.1)  # polling the restarted workers, bounded by the deadline
+            # Every killed worker is back and serving before the KV check below.
+            deadline = time.monotonic() + 90
+            while len(await probe.loads()) < len(cluster.worker_addresses):
+                assert time.monotonic() < deadline, "a killed worker was not restarted"
+                await asyncio.sleep(0.1)  # polling the restarted workers, bounded by the deadline
     finally:
         stop.set()
         await supervisor
-    return kills
+    return killer
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
@@ -233,23 +268,35 @@ def _metric(port: int, name: str, labels: str = "") -> float:
 
 async def _all_kv_freed(cluster, timeout_s: float = 15.0) -> dict[str, tuple[int, int]]:
     deadline = time.monotonic() + timeout_s
-    while True:
-        loads = await _loads(cluster)
-        held = {wid: (l.free_blocks, l.total_blocks) for wid, l in loads.items() if l.free_blocks != l.total_blocks}
-        if not held or time.monotonic() > deadline:
-            return held
-        await asyncio.sleep(0.1)  # polling the workers' blocks, bounded by the deadline
+    async with WorkerProbe(cluster.worker_addresses) as probe:
+        while True:
+            loads = await probe.loads()
+            held = {wid: (l.free_blocks, l.total_blocks) for wid, l in loads.items() if l.free_blocks != l.total_blocks}
+            if not held or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.1)  # polling the workers' blocks, bounded by the deadline
+
+
+@pytest.fixture(scope="module")
+def paced_model_dir(tmp_path_factory) -> Path:
+    """A random Llama big enough that a decode step takes milliseconds (~6 ms alone here, where
+    the 2-layer test model takes 1): the kills are decided by what the client has read, and the
+    cluster must not run ahead of that by a whole quarter of the anchor."""
+    spec = DemoModelSpec(arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                         intermediate_size=1536, vocab_size=384, max_position_embeddings=512, seed=18,
+                         initializer_range=0.05)
+    return build_demo_model(spec, tmp_path_factory.mktemp("paced-model"))
 
 
 # The split policy in the default suite (kills during either stage); colocated in the
 # extended tier (make test-all).
 @pytest.mark.parametrize("policy", [pytest.param("least_loaded", marks=pytest.mark.slow), "split"])
-def test_every_stream_is_exact_while_workers_are_killed(policy, tiny_model_dirs, tmp_path_factory):
+def test_every_stream_is_exact_while_workers_are_killed(policy, paced_model_dir, tmp_path_factory):
     tag = f"{policy}-{uuid.uuid4().hex[:6]}"
     streams = _workload(tag)
-    expected = _expected(tiny_model_dirs["llama"], streams)
+    expected = _expected(paced_model_dir, streams)
     spec = ClusterSpec(
-        model=str(tiny_model_dirs["llama"]), workers=4, policy=policy,
+        model=str(paced_model_dir), workers=4, policy=policy,
         http_port=free_port(), grpc_port=free_port(), redis_url=os.environ["SPLITSERVE_TEST_REDIS_URL"],
         redis_prefix=f"ss:kills-{tag}:", log_dir=tmp_path_factory.mktemp("kill-logs"),
         scheduler_args={"split_ratio": 0.5} if policy == "split" else {},
@@ -262,7 +309,8 @@ def test_every_stream_is_exact_while_workers_are_killed(policy, tiny_model_dirs,
     cluster = start_cluster(spec)
     try:
         started = time.monotonic()
-        kills = asyncio.run(_scenario(cluster, streams))
+        killer = asyncio.run(_scenario(cluster, streams))
+        kills = killer.kills
         elapsed = time.monotonic() - started
 
         failed = {s.request_id: s.error for s in streams if s.error}
@@ -270,7 +318,7 @@ def test_every_stream_is_exact_while_workers_are_killed(policy, tiny_model_dirs,
         wrong = {s.request_id: (len(s.tokens), s.max_tokens) for s in streams if s.tokens != expected[s.request_id]}
         assert not wrong, f"streams differ from one engine's output (got, want lengths): {wrong}; kills: {kills}"
         assert all(s.finish_reason == "length" for s in streams)
-        assert [k.moment for k in kills] == ["prefill", "mid-decode", "near-end"], kills
+        assert [k.moment for k in kills] == ["prefill", "mid-decode", "near-end"], (kills, killer.near_end_looks)
         # The prefill kill by the victim's queue; the other two by the streams' request records.
         assert kills[0].queued_prefill_tokens > 0 and kills[0].running > 0, kills
         coordinator = cluster.child("coordinator")
