@@ -18,3 +18,23 @@ async def delete_prefixed(prefix: str) -> None:
             await client.delete(*keys)
     finally:
         await client.aclose()
+
+
+def final_request_record(cluster, request_id: str, timeout_s: float = 10.0):
+    """The request's record once it says how the request ended (the coordinator writes records
+    behind, in batches: right after a request ends, Redis may still hold "running" or nothing),
+    or whatever was last read when `timeout_s` ran out, for the caller's assertion to show."""
+    import asyncio
+    import time
+
+    from splitserve.state.store import StateStore
+
+    async def read():
+        deadline = time.monotonic() + timeout_s
+        async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
+            while True:
+                record = await store.get_request(request_id)
+                if (record is not None and record.state != "running") or time.monotonic() > deadline:
+                    return record
+                await asyncio.sleep(0.02)  # polling the batched record write, bounded by the deadline
+    return asyncio.run(read())

@@ -18,6 +18,7 @@ from splitserve.client import AsyncClient, Client
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
+from redis_support import final_request_record
 
 PROMPTS = ["Hello, splitserve!", "The quick brown fox", "x"]
 
@@ -160,13 +161,6 @@ def test_32_concurrent_streams_complete_and_spread_over_workers(cluster):
     assert all(after[w] > before[w] for w in after), f"both workers should get work: {before} -> {after}"
 
 
-def _request_record(cluster, request_id: str):
-    async def read():
-        async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
-            return await store.get_request(request_id)
-    return asyncio.run(read())
-
-
 def test_sdk_cancel_frees_worker_blocks(cluster):
     assert _poll(lambda: _all_blocks_free(cluster))
     request_id = f"cancel-{uuid.uuid4().hex}"
@@ -179,8 +173,7 @@ def test_sdk_cancel_frees_worker_blocks(cluster):
         stream.close()
     assert _poll(lambda: _all_blocks_free(cluster)), "blocks not freed after SDK cancel"
     # Freed because the cancel reached the coordinator, not because the 240 tokens ran out.
-    assert _poll(lambda: _request_record(cluster, request_id) is not None)
-    record = _request_record(cluster, request_id)
+    record = final_request_record(cluster, request_id)
     assert record.state == "cancelled" and len(record.emitted_token_ids) < 240, record
 
 
@@ -198,8 +191,7 @@ def test_http_client_disconnect_frees_worker_blocks(cluster, http):
                     break
     assert _poll(lambda: _all_blocks_free(cluster)), "blocks not freed after HTTP disconnect"
     # Freed because the disconnect cancelled the request, not because its 240 tokens ran out.
-    assert _poll(lambda: _request_record(cluster, request_id) is not None)
-    record = _request_record(cluster, request_id)
+    record = final_request_record(cluster, request_id)
     assert record.state == "cancelled" and len(record.emitted_token_ids) < 240, record
 
 

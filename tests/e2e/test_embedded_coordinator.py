@@ -20,8 +20,8 @@ from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
+from redis_support import final_request_record
 
 PROMPT = [(i * 53 + 7) % 250 + 1 for i in range(23)]
 MAX_TOKENS = 12
@@ -64,18 +64,6 @@ def _all_blocks_free(cluster) -> bool:
     return True
 
 
-def _record(cluster, request_id: str):
-    async def read():
-        deadline = time.monotonic() + 10
-        async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
-            while True:
-                record = await store.get_request(request_id)
-                if (record is not None and record.state != "running") or time.monotonic() > deadline:
-                    return record
-                await asyncio.sleep(0.02)  # polling the batched record write, bounded by the deadline
-    return asyncio.run(read())
-
-
 def test_no_coordinator_process_runs(embedded):
     assert embedded.coordinator_address == "embedded"
     assert sorted(c.name for c in embedded.children) == ["gateway", "scheduler", "worker-0", "worker-1"]
@@ -92,7 +80,7 @@ def test_split_requests_through_the_embedded_coordinator_are_exact(embedded, ref
     assert got.token_ids == expected.token_ids
     assert streamed == expected.token_ids
     assert got.usage.completion_tokens == MAX_TOKENS
-    record = _record(embedded, request_id)
+    record = final_request_record(embedded, request_id)
     assert record is not None and record.state == "length"
     split = -(-(len(PROMPT) + MAX_TOKENS) // 2)  # ceil(phi * L) with phi = 0.5
     assert [(s["start"], s["end"]) for s in record.stages] == [(0, split), (split, len(PROMPT) + MAX_TOKENS)]
@@ -133,6 +121,6 @@ def test_cancel_frees_blocks_on_both_workers(embedded):
         stream.close()
     assert _poll(lambda: _all_blocks_free(embedded)), "blocks not freed after cancel"
     # The split (phi = 0.5) put it on both workers, and the cancel, not the 200 tokens' end, freed them.
-    record = _record(embedded, request_id)
+    record = final_request_record(embedded, request_id)
     assert record is not None and record.state == "cancelled" and len(record.emitted_token_ids) < 200, record
     assert len({s["worker_id"] for s in record.stages}) == 2, record.stages
