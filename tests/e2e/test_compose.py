@@ -283,9 +283,10 @@ def test_sdk_matches_engine(deployment, reference, tokenizer):
 
 
 def test_worker_killed_mid_stream(deployment, reference, tokenizer):
-    """A worker container killed while it streams: the request completes (migrated, same tokens)
-    or fails with a retriable error; the cluster then serves on the worker left."""
-    from splitserve.client import Client, ServiceUnavailableError
+    """A worker container killed while it streams: the request migrates to the worker left and
+    completes with the tokens one engine produces (no error reaches the client, which does not
+    retry); the cluster then serves on that worker."""
+    from splitserve.client import Client
 
     compose = deployment["compose"]
     received: list[int] = []
@@ -313,14 +314,8 @@ def test_worker_killed_mid_stream(deployment, reference, tokenizer):
     thread.join(timeout=180)
     assert not thread.is_alive(), "the stream neither finished nor failed within 180 s of the kill"
     assert killed_at < KILL_TOKENS, "the request had finished before the kill"
-    print(f"\nworker killed after {killed_at} tokens: " + (f"the request failed with {errors[0]!r}" if errors else
-                                                          f"the request completed with {len(received)} tokens"))
-    if errors:
-        err = errors[0]
-        assert isinstance(err, ServiceUnavailableError) or getattr(err, "code", None) in (
-            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED), f"not a retriable failure: {err!r}"
-    else:
-        assert received == reference["long"].token_ids
+    assert not errors, f"the stream failed after the kill at token {killed_at}: {errors[0]!r}"
+    assert received == reference["long"].token_ids, f"killed at token {killed_at}: the output differs"
     with Client(deployment["grpc"], timeout_s=120) as client:  # the worker left still serves
         out = client.generate(chat_prompt_ids(tokenizer, FRANCE), max_tokens=MAX_TOKENS, temperature=0.0)
     assert out.token_ids == reference["france"].token_ids
