@@ -112,6 +112,22 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(scope="session")
+def paced_model_dir(tmp_path_factory) -> Path:
+    """A random Llama big enough that a decode step takes milliseconds (~6 ms alone here; the
+    tiny models take 1), for tests that kill a worker at a token count the client has read: a
+    client can read behind the cluster, and on the tiny model a loaded machine let the request
+    finish before the kill reached it (the test then proved nothing, or missed its moment).
+    Its offline reference runs on one torch thread: two, beside any other busy process on a
+    2-core machine, took 30x longer (a parallel region waits for its descheduled thread)."""
+    from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
+
+    spec = DemoModelSpec(arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                         intermediate_size=1536, vocab_size=384, max_position_embeddings=512, seed=18,
+                         initializer_range=0.05)
+    return build_demo_model(spec, tmp_path_factory.mktemp("paced-model"))
+
+
 _private_redis = None
 
 

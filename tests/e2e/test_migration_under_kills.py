@@ -21,14 +21,12 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
 import httpx
 import pytest
 
-from splitserve.cli.demo_model import DemoModelSpec, build_demo_model
 from splitserve.client import AsyncClient
 from splitserve.core.sampling import request_seed
 from splitserve.cli.launcher import ClusterSpec, RestartPolicy, start_cluster
@@ -80,7 +78,7 @@ def _workload(tag: str) -> list[Stream]:
 
 
 def _expected(model_dir, streams: list[Stream]) -> dict[str, list[int]]:
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), num_threads=1)  # see conftest.paced_model_dir
     params = [SamplingParams(max_tokens=s.max_tokens, ignore_eos=True,
                              **{**s.sampling, "seed": s.sampling.get("seed", request_seed(s.request_id))})
               for s in streams]
@@ -275,17 +273,6 @@ async def _all_kv_freed(cluster, timeout_s: float = 15.0) -> dict[str, tuple[int
             if not held or time.monotonic() > deadline:
                 return held
             await asyncio.sleep(0.1)  # polling the workers' blocks, bounded by the deadline
-
-
-@pytest.fixture(scope="module")
-def paced_model_dir(tmp_path_factory) -> Path:
-    """A random Llama big enough that a decode step takes milliseconds (~6 ms alone here, where
-    the 2-layer test model takes 1): the kills are decided by what the client has read, and the
-    cluster must not run ahead of that by a whole quarter of the anchor."""
-    spec = DemoModelSpec(arch="llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-                         intermediate_size=1536, vocab_size=384, max_position_embeddings=512, seed=18,
-                         initializer_range=0.05)
-    return build_demo_model(spec, tmp_path_factory.mktemp("paced-model"))
 
 
 # The split policy in the default suite (kills during either stage); colocated in the
