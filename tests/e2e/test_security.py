@@ -9,11 +9,9 @@ first worker's KV push to the second.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import secrets
-import time
 import uuid
 
 import grpc
@@ -26,8 +24,8 @@ from splitserve.keys import hash_key
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
-from splitserve.state.store import StateStore
 from splitserve.tls import ClientTls
+from redis_support import final_request_record
 from tests.tls_support import make_test_certs
 from workers.engine import LLM, SamplingParams
 
@@ -90,16 +88,9 @@ def _http(certs, cert: bool = True) -> httpx.Client:
     return httpx.Client(verify=tls.ssl_context(), timeout=60)
 
 
-def _stages(cluster, request_id: str, timeout_s: float = 10.0) -> list[dict]:
-    async def read():
-        deadline = time.monotonic() + timeout_s
-        async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:
-            while True:
-                record = await store.get_request(request_id)
-                if (record is not None and record.state != "running") or time.monotonic() > deadline:
-                    return record.stages if record else []
-                await asyncio.sleep(0.02)  # polling the record (written in batches), bounded by the deadline
-    return asyncio.run(read())
+def _stages(cluster, request_id: str) -> list[dict]:
+    record = final_request_record(cluster, request_id)
+    return record.stages if record else []
 
 
 def test_sdk_over_tls_and_mtls_is_token_exact_across_two_workers(cluster, certs, reference):

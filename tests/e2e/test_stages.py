@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 
-from splitserve.client import Client, SplitserveClientError
+from splitserve.client import Client
 from splitserve.cli.launcher import ClusterSpec, start_cluster
 from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
