@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -32,6 +33,7 @@ import pytest
 import yaml
 
 from splitserve.redis_server import free_port
+from redis_support import final_request_record
 from real_model_support import FRANCE, FRANCE_ANSWER, PHOTOSYNTHESIS, chat_prompt_ids, real_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +177,7 @@ def deployment(images, tmp_path_factory):
         http, grpc_address = f"http://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
         _wait_ready(compose, http, f"127.0.0.1:{ports['scheduler']}", workers=2)
         yield {"compose": compose, "http": http, "grpc": grpc_address, "scheduler": f"127.0.0.1:{ports['scheduler']}",
+               "redis_url": f"redis://127.0.0.1:{ports['redis']}/0",
                "model_dir": images["model_dir"], "ready_s": time.monotonic() - images["started"],
                "built_s": images["built_s"]}
     finally:
@@ -292,11 +295,13 @@ def test_worker_killed_mid_stream(deployment, reference, tokenizer):
     received: list[int] = []
     errors: list[BaseException] = []
     prompt = chat_prompt_ids(tokenizer, PHOTOSYNTHESIS)
+    request_id = f"compose-kill-{uuid.uuid4().hex[:8]}"
 
     def consume() -> None:
         try:
             with Client(deployment["grpc"], timeout_s=180, max_retries=0) as client:
-                for chunk in client.stream(prompt, max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True):
+                for chunk in client.stream(prompt, max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True,
+                                           request_id=request_id):
                     received.extend(chunk.token_ids)
         except BaseException as err:  # noqa: BLE001 (handed to the test thread)
             errors.append(err)
@@ -308,7 +313,7 @@ def test_worker_killed_mid_stream(deployment, reference, tokenizer):
         assert thread.is_alive(), f"the stream ended after {len(received)} tokens, before the kill: {errors}"
         assert time.monotonic() < deadline, "no tokens within 60 s"
         time.sleep(0.02)  # polling the stream, bounded by the deadline
-    victim = _container_running_request(compose, deployment["scheduler"])
+    victim, victim_worker = _container_running_request(compose, deployment["scheduler"])
     _run(["docker", "kill", victim])
     killed_at = len(received)
     thread.join(timeout=180)
@@ -316,14 +321,19 @@ def test_worker_killed_mid_stream(deployment, reference, tokenizer):
     assert killed_at < KILL_TOKENS, "the request had finished before the kill"
     assert not errors, f"the stream failed after the kill at token {killed_at}: {errors[0]!r}"
     assert received == reference["long"].token_ids, f"killed at token {killed_at}: the output differs"
+    # Finished by the worker left, so migrated: not done before the kill reached it (a client can
+    # read behind the cluster).
+    record = final_request_record(SimpleNamespace(redis_url=deployment["redis_url"], redis_prefix="ss:"), request_id)
+    assert record is not None and record.state == "length", record
+    assert record.stages[-1]["worker_id"] != victim_worker, (victim_worker, record.stages)
     with Client(deployment["grpc"], timeout_s=120) as client:  # the worker left still serves
         out = client.generate(chat_prompt_ids(tokenizer, FRANCE), max_tokens=MAX_TOKENS, temperature=0.0)
     assert out.token_ids == reference["france"].token_ids
 
 
-def _container_running_request(compose: Compose, scheduler: str) -> str:
-    """The worker container whose worker runs a request: its id is <host>-<port> on the host network,
-    the port is found among the sockets of each worker container's process."""
+def _container_running_request(compose: Compose, scheduler: str) -> tuple[str, str]:
+    """The worker container whose worker runs a request, and that worker's id: <host>-<port> on the
+    host network, the port is found among the sockets of each worker container's process."""
     from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc
 
     health = _healthcheck_module()
@@ -341,7 +351,7 @@ def _container_running_request(compose: Compose, scheduler: str) -> str:
     for cid in compose.containers("worker", all_states=False):
         pid = int(_run(["docker", "inspect", "-f", "{{.State.Pid}}", cid]).stdout.strip())
         if port in health.listening_ports(pid):
-            return cid
+            return cid, busy[0]
     raise AssertionError(f"no worker container listens on {port}")
 
 

@@ -33,7 +33,8 @@ from splitserve.cli.launcher import ClusterSpec, RestartPolicy, start_cluster
 from splitserve.proto import worker_pb2, worker_pb2_grpc
 from splitserve.redis_server import free_port
 from splitserve.state.store import StateStore
-from workers.engine import LLM, SamplingParams
+from workers.engine import SamplingParams
+from engine_support import single_thread_generate
 
 STREAMS = 32
 # One more stream, long and greedy, the anchor: it runs after the crowd, so the near-end kill
@@ -78,11 +79,10 @@ def _workload(tag: str) -> list[Stream]:
 
 
 def _expected(model_dir, streams: list[Stream]) -> dict[str, list[int]]:
-    llm = LLM(str(model_dir), num_threads=1)  # see conftest.paced_model_dir
     params = [SamplingParams(max_tokens=s.max_tokens, ignore_eos=True,
                              **{**s.sampling, "seed": s.sampling.get("seed", request_seed(s.request_id))})
               for s in streams]
-    outputs = llm.generate([s.prompt for s in streams], params)
+    outputs = single_thread_generate(model_dir, [s.prompt for s in streams], params)
     return {s.request_id: out.token_ids for s, out in zip(streams, outputs)}
 
 
@@ -170,6 +170,9 @@ class Killer:
         self.cluster, self.streams, self.store, self.probe = cluster, streams, store, probe
         self.kills: list[Kill] = []
         self.near_end_looks: list[str] = []  # what the anchor's window found, for a failure's message
+        # The coordinator's migration count when the near-end kill was sent: the anchor (alone by
+        # then) must migrate after it, else the kill came after the cluster had finished it.
+        self.migrations_at_near_end: float | None = None
 
     def kill(self, moment: str, worker_id: str, load) -> None:
         os.killpg(self.cluster.child(worker_id).process.pid, signal.SIGKILL)
@@ -213,6 +216,8 @@ class Killer:
             self.near_end_looks.append(f"{len(stream.tokens)} tokens: record {record and (record.state, record.stages)}, "
                                        f"answering {sorted(loads)}")
         else:
+            self.migrations_at_near_end = _metric(self.cluster.child("coordinator").metrics_port,
+                                                  "splitserve_coordinator_migrations_total")
             self.kill("near-end", victim, loads[victim])
 
 
@@ -237,16 +242,18 @@ async def _scenario(cluster, streams: list[Stream]) -> Killer:
             *crowd, anchor = streams
             anchor.on_tokens = killer.near_end
             first_two = asyncio.ensure_future(killer.first_two())
-            crowd_done = asyncio.gather(*(_run_stream(client, s, rng.uniform(0.0, 1.0)) for s in crowd))
-            await asyncio.wait_for(crowd_done, STREAM_TIMEOUT_S + 30)
-            # The anchor starts once the client has every crowd token. Started with the crowd, its
-            # chunks queued behind 32 other streams' in the gateway and the client: on a loaded
-            # 2-core machine the client reached its last quarter after the cluster had finished it
-            # (its record said "length"; the tiny model decodes a token in ~1 ms), so the near-end
-            # kill never came. Alone, its tokens reach the client as they are made.
-            await asyncio.wait_for(_run_stream(client, anchor, 0.0), STREAM_TIMEOUT_S + 30)
-            first_two.cancel()
-            await asyncio.gather(first_two, return_exceptions=True)
+            try:
+                crowd_done = asyncio.gather(*(_run_stream(client, s, rng.uniform(0.0, 1.0)) for s in crowd))
+                await asyncio.wait_for(crowd_done, STREAM_TIMEOUT_S + 30)
+                # The anchor starts once the client has every crowd token. Started with the crowd,
+                # its chunks queued behind 32 other streams' in the gateway and the client: on a
+                # loaded 2-core machine the client reached its last quarter after the cluster had
+                # finished it (its record said "length"; the tiny model decodes a token in ~1 ms),
+                # so the near-end kill never came. Alone, its tokens reach the client as they are made.
+                await asyncio.wait_for(_run_stream(client, anchor, 0.0), STREAM_TIMEOUT_S + 30)
+            finally:
+                first_two.cancel()
+                await asyncio.gather(first_two, return_exceptions=True)
             # Every killed worker is back and serving before the KV check below.
             deadline = time.monotonic() + 90
             while len(await probe.loads()) < len(cluster.worker_addresses):
@@ -289,7 +296,7 @@ def test_every_stream_is_exact_while_workers_are_killed(policy, paced_model_dir,
         scheduler_args={"split_ratio": 0.5} if policy == "split" else {},
         coordinator_args={"kv_chunk_tokens": 8, "migration_timeout_s": 30},
         # A small step budget keeps prompts in prefill for many steps (kills land there).
-        worker_args={"kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 16, "block_size": 4,
+        worker_args={"kv_cache_memory_bytes": 128 << 20, "max_num_seqs": 16, "block_size": 4,
                      "max_num_batched_tokens": 32, "heartbeat_ttl_s": 1.5, "heartbeat_interval_s": 0.5,
                      "kv_transport": "grpc"},
     )
@@ -309,7 +316,8 @@ def test_every_stream_is_exact_while_workers_are_killed(policy, paced_model_dir,
         # The prefill kill by the victim's queue; the other two by the streams' request records.
         assert kills[0].queued_prefill_tokens > 0 and kills[0].running > 0, kills
         coordinator = cluster.child("coordinator")
-        assert _metric(coordinator.metrics_port, "splitserve_coordinator_migrations_total") >= 1
+        migrations = _metric(coordinator.metrics_port, "splitserve_coordinator_migrations_total")
+        assert migrations > killer.migrations_at_near_end, "the near-end kill came after the anchor had finished"
         # Not even a retriable error went back to a client (the SDK would have retried it).
         for outcome in ("unavailable", "error", "internal"):
             assert _metric(coordinator.metrics_port, "splitserve_coordinator_requests_total",

@@ -20,6 +20,7 @@ from splitserve.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, work
 from splitserve.redis_server import free_port
 from splitserve.state.store import StateStore
 from workers.engine import LLM, SamplingParams
+from engine_support import single_thread_generate
 
 P, MAX_TOKENS = 29, 14
 L = P + MAX_TOKENS
@@ -249,8 +250,8 @@ def test_killing_the_first_stage_worker_mid_request(tiny_model_dirs, paced_model
         # alpha runs almost everything, so it is still generating when killed
         _scheduler(cluster).SetPolicy(scheduler_pb2.SetPolicyRequest(
             policy="split", params={"split_ratio": repr((total - 2) / total)}), timeout=5)
-        llm = LLM(str(paced_model_dir), num_threads=1)  # see conftest.paced_model_dir
-        expected = llm.generate([PROMPT], SamplingParams(max_tokens=long_tokens, ignore_eos=True, temperature=0.0))[0]
+        expected = single_thread_generate(paced_model_dir, [PROMPT], SamplingParams(
+            max_tokens=long_tokens, ignore_eos=True, temperature=0.0))[0]
         started = time.monotonic()
         tokens, killed = [], False
         with Client(cluster.gateway_grpc, timeout_s=60, max_retries=0) as client:
