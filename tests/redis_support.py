@@ -1,10 +1,14 @@
-"""Shared helpers of the tests that use the real Redis: its URL and the cleanup of a key prefix."""
+"""Shared helpers of the tests that use the real Redis: its URL, the cleanup of a key prefix, a request's final record."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import redis.asyncio as aioredis
+
+from splitserve.state.store import StateStore
 
 REDIS_URL = os.environ.get("SPLITSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -24,11 +28,6 @@ def final_request_record(cluster, request_id: str, timeout_s: float = 10.0):
     """The request's record once it says how the request ended (the coordinator writes records
     behind, in batches: right after a request ends, Redis may still hold "running" or nothing),
     or whatever was last read when `timeout_s` ran out, for the caller's assertion to show."""
-    import asyncio
-    import time
-
-    from splitserve.state.store import StateStore
-
     async def read():
         deadline = time.monotonic() + timeout_s
         async with StateStore(cluster.redis_url, cluster.redis_prefix) as store:

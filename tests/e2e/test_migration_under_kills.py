@@ -205,9 +205,10 @@ class Killer:
         worker answers. Not by the worker's reported load: it is a snapshot, and while the anchor
         moves to another worker (after an earlier kill) the new one reports it a moment late."""
         window = stream.max_tokens - max(12, stream.max_tokens // 4) <= len(stream.tokens) < stream.max_tokens - 2
-        if len(self.kills) != 2 or not window:
-            if window:
-                self.near_end_looks.append(f"{len(stream.tokens)} tokens: {len(self.kills)} kills so far")
+        if not window or len(self.kills) > 2:
+            return
+        if len(self.kills) < 2:
+            self.near_end_looks.append(f"{len(stream.tokens)} tokens: {len(self.kills)} kills so far")
             return
         loads = await self.probe.loads()
         victim = await _live_serving_worker(self.store, [stream], loads)
