@@ -1,4 +1,4 @@
-"""Shared helpers of the tests that use the real Redis: its URL, the cleanup of a key prefix, a request's final record."""
+"""What the tests that use the real Redis share: its URL, cleanup of a prefix, a final request record."""
 
 from __future__ import annotations
 
